@@ -70,3 +70,34 @@ class PromptInfo:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first token
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's counters and gauges, read by the metrics collector at scrape time."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_blocks_cached: int = 0  # free but holding a reusable prefix
+    prompt_tokens_computed: int = 0  # counters from here on
+    prompt_tokens_cached: int = 0
+    generated_tokens: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    swapped_bytes: int = 0
+    steps: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason / "cancelled" / "error"
+
+
+class ValidationError(ValueError):
+    """The request cannot be served as asked (HTTP 422)."""
+
+
+class OverloadedError(RuntimeError):
+    """Too many requests in flight (HTTP 429)."""
+
+
+class GenerationError(RuntimeError):
+    """The shards failed while generating (HTTP 424)."""
