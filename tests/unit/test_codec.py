@@ -1,0 +1,135 @@
+"""Every step dataclass survives a round trip through its protobuf message and the wire bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.common.codec import from_pb, pb, to_pb
+from loom.common.step import (
+    Fork,
+    ModelInfo,
+    NewRequest,
+    RunningRequest,
+    SamplingParams,
+    SeqOutput,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+    WarmupResult,
+)
+
+
+def full_sampling(seed: int = 2**63 + 5) -> SamplingParams:
+    """Every field away from its default, so a dropped field shows."""
+    return SamplingParams(
+        seed=seed,
+        do_sample=True,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        typical_p=0.95,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        logit_bias={7: -100.0, 49151: 2.5},
+        top_n_tokens=3,
+        min_new_tokens=4,
+        eos_token_ids=(2, 0),
+    )
+
+
+def sample_plan() -> StepPlan:
+    fork = Fork(request_id=11, sampling=full_sampling(seed=9), block_table=[0, 5])
+    new = NewRequest(
+        request_id=10,
+        token_ids=[1, 2, 3, 4, 5, 6],
+        num_prompt_tokens=5,
+        num_cached=4,
+        num_compute=2,
+        block_table=[0, 1],
+        sampling=full_sampling(),
+        prompt_logprobs=True,
+        forks=[fork],
+    )
+    plain = NewRequest(
+        request_id=12, token_ids=[9], num_prompt_tokens=1, num_cached=0, num_compute=1,
+        block_table=[3], sampling=SamplingParams(seed=0),
+    )
+    return StepPlan(
+        new_requests=[new, plain],
+        running_requests=[RunningRequest(request_id=3, num_compute=1, new_block_ids=[7]), RunningRequest(4, 16)],
+        released_ids=[1, 2],
+        swap_out=[(6, 0)],
+        swap_in=[(1, 8), (2, 9)],
+        copies=[(5, 6)],
+    )
+
+
+def round_trip(obj):
+    msg = to_pb(obj)
+    wire = type(msg).FromString(msg.SerializeToString())
+    return from_pb(wire)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        full_sampling(),
+        SamplingParams(seed=1),  # every optional filter None, defaults elsewhere
+        Fork(request_id=1, sampling=SamplingParams(seed=3), block_table=[4, 2]),
+        RunningRequest(request_id=5, num_compute=3, new_block_ids=[1, 2]),
+        TokenLogprob(token_id=17, logprob=-0.125),
+        SeqOutput(request_id=1, token_id=None, logprob=None),
+        SeqOutput(
+            request_id=2, token_id=0, logprob=0.0,
+            top_tokens=[TokenLogprob(0, 0.0), TokenLogprob(5, -3.75)], prompt_logprobs=[-1.5, -0.3],
+        ),
+        StepResult(outputs=[SeqOutput(1, 4, -0.5)], forward_ms=12.25, total_ms=13.5),
+        StepResult(outputs=[], forward_ms=0.0, total_ms=0.0),
+        ModelInfo(
+            architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+            hidden_size=576, vocab_size=49152, max_position_embeddings=8192, dtype="bfloat16",
+            weights_hash="ab12", device="cuda:1", block_size=16, rank=1, world_size=2,
+        ),
+        WarmupResult(num_blocks=1024, num_host_blocks=64, block_size=16),
+        sample_plan(),
+        StepPlan(),
+    ],
+    ids=lambda obj: type(obj).__name__,
+)
+def test_round_trip_is_identity(obj):
+    assert round_trip(obj) == obj
+
+
+def test_round_trip_keeps_types_the_dataclasses_declare():
+    plan = round_trip(sample_plan())
+    sampling = plan.new_requests[0].sampling
+    assert isinstance(sampling.eos_token_ids, tuple)
+    assert isinstance(sampling.logit_bias, dict)
+    assert all(isinstance(pair, tuple) for pair in plan.swap_in)
+    assert isinstance(plan.new_requests[0].token_ids, list)
+
+
+def test_zero_valued_optionals_are_not_none():
+    # proto3 would drop a plain 0; the `optional` keyword keeps "set to 0" apart from "unset".
+    params = round_trip(SamplingParams(seed=0, top_k=0, top_p=0.0, min_p=0.0))
+    assert (params.top_k, params.top_p, params.min_p, params.typical_p) == (0, 0.0, 0.0, None)
+
+
+def test_new_request_keeps_fork_sampling_apart_from_parent():
+    new = round_trip(sample_plan()).new_requests[0]
+    assert new.forks[0].sampling.seed == 9
+    assert new.sampling.seed == 2**63 + 5
+
+
+def test_negative_token_id_is_rejected():
+    with pytest.raises(ValueError):
+        to_pb(TokenLogprob(token_id=-1, logprob=0.0))
+
+
+def test_unknown_types_are_rejected_both_ways():
+    with pytest.raises(TypeError):
+        to_pb(object())
+    with pytest.raises(TypeError):
+        from_pb(pb.HealthRequest())
