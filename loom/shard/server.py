@@ -1,0 +1,209 @@
+"""The shard's gRPC server: protobuf in, a runner call, protobuf out; no logic of its own.
+
+`loom-shard` (`main`) parses a ShardConfig, joins torch.distributed when tensor
+parallel, loads the model through the runner and serves on a unix socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from loom.common.codec import from_pb, pb, to_pb
+from loom.common.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom.proto import shard_pb2_grpc
+from loom.shard.config import DTYPES, ShardConfig
+
+log = logging.getLogger("loom.shard.server")
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+STOP_GRACE_S = 2.0
+EXIT_MODEL_LOAD_ERROR = 2
+
+T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """What the server needs of loom.shard.runner.ModelRunner."""
+
+    def info(self) -> ModelInfo: ...
+    def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult: ...
+    def step(self, plan: StepPlan) -> StepResult: ...
+    def release(self, request_ids: list[int]) -> None: ...
+    def clear(self) -> None: ...
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class ShardServicer(shard_pb2_grpc.ShardServicer):
+    """Maps each RPC onto the runner.
+
+    Everything that touches model or cache state (Warmup, Step, Release,
+    ClearCache) runs on one worker thread, so those run one at a time and in
+    arrival order, while Info and Health answer from the event loop at once.
+    """
+
+    def __init__(self, runner: Runner) -> None:
+        self._runner = runner
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-forward")
+
+    def close(self) -> None:
+        # A forward already running finishes; queued ones are dropped.
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_worker(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on the worker thread; a failure becomes a gRPC error and the shard keeps serving."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        except ValueError as error:
+            log.warning("%s rejected: %s", fn.__name__, describe(error))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe(error))
+        except Exception as error:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, describe(error))
+        raise AssertionError("context.abort returned")  # abort always raises
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return to_pb(self._runner.info())
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(ok=True)
+
+    async def Warmup(self, request: pb.WarmupRequest, context: grpc.aio.ServicerContext) -> pb.WarmupResult:
+        max_batch_total_tokens = (
+            request.max_batch_total_tokens if request.HasField("max_batch_total_tokens") else None
+        )
+        result = await self._on_worker(
+            context, self._runner.warmup, request.max_prefill_tokens, max_batch_total_tokens
+        )
+        return to_pb(result)
+
+    async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        result = await self._on_worker(context, self._runner.step, from_pb(request))
+        return to_pb(result)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        await self._on_worker(context, self._runner.release, list(request.request_ids))
+        return pb.ReleaseResponse()
+
+    async def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        await self._on_worker(context, self._runner.clear)
+        return pb.ClearCacheResponse()
+
+
+async def start_server(runner: Runner, uds_path: str) -> tuple[grpc.aio.Server, ShardServicer]:
+    """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced)."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    servicer = ShardServicer(runner)
+    shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{uds_path}")
+    await server.start()
+    return server, servicer
+
+
+async def serve(runner: Runner, config: ShardConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then stop cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    server, servicer = await start_server(runner, config.uds_path)
+    print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
+    await stop.wait()
+    log.info("stopping rank %d", config.rank)
+    await server.stop(STOP_GRACE_S)
+    servicer.close()
+
+
+def parse_config(argv: Sequence[str] | None = None) -> ShardConfig:
+    parser = argparse.ArgumentParser(prog="loom-shard", description="Serve one Loom shard (one TP rank) over gRPC.")
+    parser.add_argument("--model-id", default="", help="GGUF file or Hugging Face folder; empty: the embedded default")
+    parser.add_argument("--uds-path", required=True, help="unix socket path to serve on")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the fastest that passes parity")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batch-total-tokens", type=int, default=None)
+    parser.add_argument("--memory-fraction", type=float, default=0.9)
+    parser.add_argument("--cpu-kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--host-kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--snapshot-dir", default=None)
+    args = parser.parse_args(argv)
+    try:
+        return ShardConfig(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))  # exits with status 2
+
+
+def init_distributed(config: ShardConfig) -> None:
+    """Join the tensor-parallel group: gloo on CPU, nccl on CUDA (one GPU per rank)."""
+    import torch  # only here: the server itself does not need torch
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(config.rank)
+        backend = "nccl"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        rank=config.rank,
+        world_size=config.world_size,
+    )
+
+
+def close_distributed(config: ShardConfig) -> None:
+    if config.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_runner(config: ShardConfig) -> Runner:
+    from loom.shard.runner import ModelRunner  # loads torch and the model code
+
+    return ModelRunner(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from loom.shard.loader import ModelLoadError
+
+    if config.world_size > 1:
+        init_distributed(config)
+    try:
+        runner = build_runner(config)
+    except ModelLoadError as error:
+        message = " ".join(str(error).split())  # one line, whatever the loader wrote
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return EXIT_MODEL_LOAD_ERROR
+    try:
+        asyncio.run(serve(runner, config))
+    finally:
+        close_distributed(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

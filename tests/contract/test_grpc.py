@@ -1,0 +1,231 @@
+"""The shard gRPC transport: the real server and ShardClient over unix sockets, around a fake runner."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from grpc_fakes import BLOCK_SIZE, FakeRunner
+
+from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom.router.shard_client import ShardClient, ShardError
+from loom.shard.server import start_server
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def decode_plan(request_id: int = 1, last_token: int = 5) -> StepPlan:
+    new = NewRequest(
+        request_id=request_id, token_ids=[1, 2, last_token], num_prompt_tokens=3, num_cached=0, num_compute=3,
+        block_table=[0], sampling=SamplingParams(seed=7, top_k=3, logit_bias={4: 1.0}),
+    )
+    return StepPlan(new_requests=[new], running_requests=[RunningRequest(request_id=9, num_compute=1)], copies=[(0, 1)])
+
+
+@pytest.fixture
+async def shards(tmp_path):
+    """Start `world_size` servers, each with its own FakeRunner; yields (runners, client)."""
+    started = []
+
+    async def start(world_size: int = 1, step_delay_s: float = 0.0) -> tuple[list[FakeRunner], ShardClient]:
+        runners, paths = [], []
+        for rank in range(world_size):
+            runner = FakeRunner(rank=rank, world_size=world_size, step_delay_s=step_delay_s)
+            path = str(tmp_path / f"shard-{rank}.sock")
+            started.append(await start_server(runner, path))
+            runners.append(runner)
+            paths.append(path)
+        client = ShardClient(paths)
+        started.append(client)
+        await client.wait_ready(timeout_s=5.0)
+        return runners, client
+
+    yield start
+    for item in reversed(started):
+        if isinstance(item, ShardClient):
+            await item.close()
+        else:
+            server, servicer = item
+            await server.stop(None)
+            servicer.close()
+
+
+async def test_info_warmup_step_release_round_trip(shards):
+    (runner,), client = await shards()
+    assert await client.info() == runner.info()
+    assert await client.health()
+
+    warm = await client.warmup(max_prefill_tokens=512, max_batch_total_tokens=None)
+    assert (warm.num_blocks, warm.num_host_blocks, warm.block_size) == (64, 16, BLOCK_SIZE)
+    assert runner.warmup_args == (512, None)
+    await client.warmup(max_prefill_tokens=8, max_batch_total_tokens=4096)
+    assert runner.warmup_args == (8, 4096)
+
+    plan = decode_plan()
+    result = await client.step(plan)
+    assert runner.plans == [plan]
+    assert result == runner.step(plan)
+
+    await client.release([3, 4])
+    await client.clear_cache()
+    assert runner.released == [[3, 4]]
+    assert runner.num_clears == 1
+
+
+async def test_health_and_info_answer_while_a_slow_step_runs(shards):
+    (runner,), client = await shards(step_delay_s=2.0)
+    step = asyncio.create_task(client.step(decode_plan()))
+    await asyncio.sleep(0.3)  # the step is now inside the runner
+    assert runner.plans, "the step should have reached the runner"
+
+    started = time.perf_counter()
+    assert await client.health()
+    assert (await client.info()).rank == 0
+    assert time.perf_counter() - started < 0.5
+    assert not step.done()
+    assert (await step).outputs[0].token_id == 6
+
+
+async def test_steps_run_one_at_a_time(shards):
+    (runner,), client = await shards(step_delay_s=0.05)
+    results = await asyncio.gather(*(client.step(decode_plan(request_id=i)) for i in range(4)))
+    assert runner.max_concurrent_steps == 1
+    assert sorted(r.outputs[0].request_id for r in results) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [(ValueError("block 99 out of range"), "INVALID_ARGUMENT"), (RuntimeError("kaboom"), "INTERNAL")],
+)
+async def test_step_error_becomes_shard_error_and_shard_keeps_serving(shards, error, code):
+    (runner,), client = await shards()
+    runner.fail_with = error
+    with pytest.raises(ShardError) as caught:
+        await client.step(decode_plan())
+    assert (caught.value.rank, caught.value.code) == (0, code)
+    assert f"{type(error).__name__}: {error}" in str(caught.value)
+
+    result = await client.step(decode_plan(last_token=10))
+    assert result.outputs[0].token_id == 11
+
+
+async def test_every_rank_gets_the_same_plan_and_rank0_answers(shards):
+    runners, client = await shards(world_size=2)
+    plan = decode_plan()
+    result = await client.step(plan)
+    assert runners[0].plans == [plan]
+    assert runners[1].plans == [plan]
+    assert result == runners[0].step(plan)  # rank 1 would answer token 7, not 6
+    assert result.outputs[0].token_id == 6
+
+    warm = await client.warmup(max_prefill_tokens=64, max_batch_total_tokens=None)
+    assert (warm.num_blocks, warm.num_host_blocks) == (56, 16)  # the smallest rank's pools
+    assert runners[1].warmup_args == (64, None)
+
+    await client.release([5])
+    assert runners[0].released == runners[1].released == [[5]]
+    assert (await client.info()).rank == 0
+
+
+async def test_failing_rank_is_named(shards):
+    runners, client = await shards(world_size=2)
+    runners[1].fail_with = ValueError("bad block table")
+    with pytest.raises(ShardError, match=r"shard rank 1: INVALID_ARGUMENT: ValueError: bad block table") as caught:
+        await client.step(decode_plan())
+    assert caught.value.rank == 1
+
+
+async def test_wait_ready_times_out_on_a_missing_shard(tmp_path):
+    client = ShardClient([str(tmp_path / "nobody.sock")])
+    started = time.perf_counter()
+    with pytest.raises(ShardError, match="rank 0.*not ready"):
+        await client.wait_ready(timeout_s=0.5)
+    assert time.perf_counter() - started < 2.0
+    assert not await client.health()
+    await client.close()
+
+
+async def test_wait_ready_notices_a_shard_that_starts_late(tmp_path):
+    path = str(tmp_path / "late.sock")
+    client = ShardClient([path])
+
+    async def start_late():
+        await asyncio.sleep(0.5)
+        return await start_server(FakeRunner(), path)
+
+    starting = asyncio.create_task(start_late())
+    began = time.perf_counter()
+    await client.wait_ready(timeout_s=5.0)
+    assert time.perf_counter() - began < 2.0  # the reconnect backoff stays short
+    server, servicer = await starting
+    await client.close()
+    await server.stop(None)
+    servicer.close()
+
+
+def run_shard_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "loom.shard.server", *args],
+        capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_cli_model_load_failure_is_one_line_and_status_2(tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    done = run_shard_cli("--model-id", str(missing), "--uds-path", str(tmp_path / "s.sock"))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error_lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1, done.stderr
+    assert str(missing) in error_lines[0]
+    assert "loom-shard ready" not in done.stdout
+
+
+def test_cli_rejects_a_bad_config():
+    done = run_shard_cli("--uds-path", "/tmp/x.sock", "--rank", "2", "--world-size", "2", timeout_s=60)
+    assert done.returncode == 2
+    assert "rank 2 outside world size 2" in done.stderr
+
+
+FAKE_SHARD_MAIN = """
+import sys
+from grpc_fakes import FakeRunner
+import loom.shard.server as server
+server.build_runner = lambda config: FakeRunner(rank=config.rank)
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_cli_prints_readiness_serves_and_exits_on_sigterm(tmp_path):
+    """main()'s lifecycle around a fake runner: ready line, serving, clean SIGTERM exit."""
+    path = str(tmp_path / "cli.sock")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SHARD_MAIN, "--uds-path", path, "--rank", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        ready = proc.stdout.readline()
+        assert ready == f"loom-shard ready rank=0 uds={path}\n", proc.stderr.read() if not ready else ready
+
+        async def talk() -> None:
+            client = ShardClient([path])
+            await client.wait_ready(timeout_s=5.0)
+            assert (await client.step(decode_plan())).outputs[0].token_id == 6
+            await client.close()
+
+        asyncio.run(talk())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
