@@ -1,0 +1,156 @@
+"""Attention over the paged KV cache for one mixed batch (prefill chunks and decodes).
+
+`AttentionMetadata` is built once per step and shared by every layer. Tokens are
+laid out prefill chunks first, then all decode tokens:
+
+    tokens: [ prefill 0 chunk | prefill 1 chunk | d0 d1 d2 ... ]
+              one SDPA each                      one padded SDPA for all decodes
+
+A layer first writes its new K/V at each token's slot
+(slot = block_table[pos // block_size] * block_size + pos % block_size), then
+each sequence attends over its own blocks only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One sequence's share of a step, as the runner describes it."""
+
+    num_cached: int  # tokens already in its blocks
+    num_compute: int  # tokens computed this step, from num_cached on
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # first token index in the flat batch
+    end: int
+    num_cached: int
+    block_ids: torch.Tensor | None  # [num_blocks] to gather from; None: no cached tokens
+    mask: torch.Tensor | None  # [chunk_len, context_len] bool; None: plain causal
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    start: int  # first decode token index in the flat batch
+    block_ids: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    prefills: list[PrefillChunk]
+    decode: DecodeBatch | None
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMetadata:
+    """Build the step's metadata. Spans with num_compute > 1 must come before decodes (== 1)."""
+    positions: list[int] = []
+    slots: list[int] = []
+    prefills: list[PrefillChunk] = []
+    decodes: list[SeqSpan] = []
+    for span in spans:
+        first, last = span.num_cached, span.num_cached + span.num_compute
+        positions.extend(range(first, last))
+        table = span.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(first, last))
+        if span.num_compute == 1:
+            decodes.append(span)
+        else:
+            assert not decodes, "prefill chunks must precede decodes"
+            start = len(positions) - span.num_compute
+            prefills.append(_prefill_chunk(span, start, block_size, device))
+    decode_start = len(positions) - len(decodes)
+    return AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        prefills=prefills,
+        decode=_decode_batch(decodes, decode_start, block_size, device) if decodes else None,
+        block_size=block_size,
+    )
+
+
+def _prefill_chunk(span: SeqSpan, start: int, block_size: int, device: torch.device) -> PrefillChunk:
+    end = start + span.num_compute
+    if span.num_cached == 0:
+        return PrefillChunk(start, end, 0, None, None)
+    context = span.num_cached + span.num_compute
+    num_blocks = -(-context // block_size)
+    block_ids = torch.tensor(span.block_table[:num_blocks], dtype=torch.long, device=device)
+    # Query j sits at position num_cached + j and sees keys 0..num_cached + j.
+    query_pos = torch.arange(span.num_cached, context, device=device).unsqueeze(1)
+    key_pos = torch.arange(context, device=device).unsqueeze(0)
+    return PrefillChunk(start, end, span.num_cached, block_ids, key_pos <= query_pos)
+
+
+def _decode_batch(decodes: list[SeqSpan], start: int, block_size: int, device: torch.device) -> DecodeBatch:
+    context_lens = [d.num_cached + 1 for d in decodes]
+    max_blocks = -(-max(context_lens) // block_size)
+    padded = [d.block_table[: -(-n // block_size)] for d, n in zip(decodes, context_lens)]
+    padded = [t + [0] * (max_blocks - len(t)) for t in padded]
+    block_ids = torch.tensor(padded, dtype=torch.long, device=device)
+    key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
+    lens = torch.tensor(context_lens, device=device).unsqueeze(1)
+    mask = (key_pos < lens).view(len(decodes), 1, 1, -1)
+    return DecodeBatch(start, block_ids, mask)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Write k/v into the cache, then attend. Returns [num_tokens, num_heads * head_dim].
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+    kv_layer: this layer's cache [2, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    flat = kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, meta.slot_mapping, k)
+    flat[1].index_copy_(0, meta.slot_mapping, v)
+    outputs = [_prefill(q, k, v, kv_layer, chunk) for chunk in meta.prefills]
+    if meta.decode is not None:
+        outputs.append(_decode(q[meta.decode.start :], kv_layer, meta.decode))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out.reshape(q.shape[0], -1)
+
+
+def _prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, chunk: PrefillChunk
+) -> torch.Tensor:
+    query = q[chunk.start : chunk.end].transpose(0, 1)  # [num_heads, chunk_len, head_dim]
+    if chunk.block_ids is None:
+        key = k[chunk.start : chunk.end].transpose(0, 1)
+        value = v[chunk.start : chunk.end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    else:
+        context = chunk.mask.shape[1]
+        kv = kv_layer[:, chunk.block_ids].flatten(1, 2)[:, :context]  # [2, context, kv_heads, head_dim]
+        key, value = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=chunk.mask, enable_gqa=True)
+    return out.transpose(0, 1)  # [chunk_len, num_heads, head_dim]
+
+
+def _decode(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = kv_layer.shape[3]
+    # One query token per sequence: fold each kv head's query group into query rows,
+    # so grouped-query attention needs no K/V repeat.
+    query = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    kv = kv_layer[:, batch.block_ids].flatten(2, 3)  # [2, num_decodes, context, kv_heads, head_dim]
+    key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_decodes, kv_heads, context, head_dim]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.mask)
+    return out.view(num_decodes, num_heads, head_dim)

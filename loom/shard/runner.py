@@ -1,0 +1,295 @@
+"""Executes the router's step plans: holds the model, the paged KV cache and per-request state.
+
+A step reads like the plan: drop released requests, move blocks, admit new and
+running requests, run one forward over the mixed batch, sample, fork.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.common.step import (
+    Fork,
+    NewRequest,
+    RunningRequest,
+    SamplingParams,
+    SeqOutput,
+    StepPlan,
+    StepResult,
+)
+from loom.shard.attention import SeqSpan, build_metadata
+from loom.shard.kv_cache import KVCacheSpec, PagedKVCache
+from loom.shard.models.llama import LlamaModel
+from loom.shard.sampler import Sample, SeqSamplingState, sample
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: int
+    token_ids: list[int]  # prompt, then every sampled token
+    num_prompt_tokens: int
+    num_computed: int  # tokens whose KV is in the blocks
+    block_table: list[int]
+    sampling: SamplingParams
+    prompt_logprobs: bool = False
+    pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    state: RequestState
+    num_compute: int
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.state.num_computed + self.num_compute == len(self.state.token_ids)
+
+    @property
+    def span(self) -> SeqSpan:
+        return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, block_size: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        config = model.config
+        self.kv_spec = KVCacheSpec(config.num_layers, model.num_kv_heads, config.head_dim, block_size, dtype)
+        self.kv_cache: PagedKVCache | None = None
+        self.requests: dict[int, RequestState] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_spec.block_size
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
+        self.kv_cache = None  # free the old pool before allocating the new one
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device)
+        return self.kv_cache
+
+    def release(self, request_ids: list[int]) -> None:
+        """Drop per-request state; unknown ids are ignored (the router may release twice)."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def clear(self) -> None:
+        self.requests.clear()
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run one plan. Raises ValueError (touching nothing) when the plan is inconsistent."""
+        start = time.perf_counter()
+        kv = self._require_cache()
+        _PlanCheck(self.requests, kv, self.model.config.vocab_size).validate(plan)
+        self.release(plan.released_ids)
+        kv.swap_out(plan.swap_out)
+        kv.swap_in(plan.swap_in)
+        kv.copy(plan.copies)
+        scheduled = self._admit(plan)
+        forward_start = time.perf_counter()
+        outputs = self._execute(scheduled) if scheduled else []
+        end = time.perf_counter()
+        return StepResult(outputs, forward_ms=(end - forward_start) * 1e3, total_ms=(end - start) * 1e3)
+
+    def _require_cache(self) -> PagedKVCache:
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated: call warmup() or allocate_kv_cache() first")
+        return self.kv_cache
+
+    def _admit(self, plan: StepPlan) -> list[_Scheduled]:
+        scheduled = [_Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
+        for running in plan.running_requests:
+            state = self.requests[running.request_id]
+            state.block_table.extend(running.new_block_ids)
+            scheduled.append(_Scheduled(state, running.num_compute))
+        # Prefill chunks first, decodes last: the attention batches all decodes in one call.
+        return sorted(scheduled, key=lambda s: s.num_compute == 1)
+
+    def _add(self, new: NewRequest) -> RequestState:
+        state = RequestState(
+            request_id=new.request_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_computed=new.num_cached,
+            block_table=list(new.block_table),
+            sampling=new.sampling,
+            prompt_logprobs=new.prompt_logprobs,
+            pending_forks=list(new.forks),
+        )
+        self.requests[new.request_id] = state
+        return state
+
+    def _execute(self, scheduled: list[_Scheduled]) -> list[SeqOutput]:
+        input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
+        meta = build_metadata([s.span for s in scheduled], self.block_size, self.device)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
+        rows, sample_rows, logprob_rows = _logit_rows(scheduled)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
+        finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
+        samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing])
+        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
+        for (i, s), smp in zip(finishing, samples):
+            outputs[i] = _output(s.state.request_id, smp, prompt_logprobs[i])
+        for s in scheduled:
+            s.state.num_computed += s.num_compute
+        fork_outputs = self._fork_all(logits, finishing, sample_rows)
+        for (i, s), smp in zip(finishing, samples):
+            s.state.token_ids.append(smp.token_id)
+        return outputs + fork_outputs
+
+    def _cache(self) -> torch.Tensor:
+        return self._require_cache().device_blocks
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], states: list[RequestState]) -> list[Sample]:
+        if not rows:
+            return []
+        sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
+        return sample(logits[torch.tensor(rows, device=logits.device)], sampling_states)
+
+    def _fork_all(
+        self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None]
+    ) -> list[SeqOutput]:
+        """Create the forks of every parent whose prompt completed; sample their first tokens."""
+        parents = [(i, s.state) for i, s in finishing if s.state.pending_forks]
+        forks = [(sample_rows[i], self._create_fork(parent, fork)) for i, parent in parents for fork in parent.pending_forks]
+        for _, parent in parents:
+            parent.pending_forks = []
+        samples = self._sample(logits, [row for row, _ in forks], [state for _, state in forks])
+        for (_, state), smp in zip(forks, samples):
+            state.token_ids.append(smp.token_id)
+        return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]
+
+    def _create_fork(self, parent: RequestState, fork: Fork) -> RequestState:
+        num_tokens = len(parent.token_ids)
+        last = (num_tokens - 1) // self.block_size
+        if num_tokens % self.block_size and parent.block_table[last] != fork.block_table[last]:
+            self._require_cache().copy([(parent.block_table[last], fork.block_table[last])])
+        state = RequestState(
+            request_id=fork.request_id,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            num_computed=parent.num_computed,
+            block_table=list(fork.block_table),
+            sampling=fork.sampling,
+        )
+        self.requests[fork.request_id] = state
+        return state
+
+
+def _output(request_id: int, smp: Sample, prompt_logprobs: list[float]) -> SeqOutput:
+    return SeqOutput(request_id, smp.token_id, smp.logprob, list(smp.top_tokens), prompt_logprobs)
+
+
+def _logit_rows(scheduled: list[_Scheduled]) -> tuple[list[int], list[int | None], list[list[int]]]:
+    """Which flat-batch tokens need logits.
+
+    Returns the token indices to compute, and per sequence the logits row it samples
+    from (None when its chunk stops early) and the rows of its prompt logprobs.
+    """
+    rows: list[int] = []
+    sample_rows: list[int | None] = []
+    logprob_rows: list[list[int]] = []
+    offset = 0
+    for s in scheduled:
+        first = s.state.num_computed
+        # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
+        last_scored = min(first + s.num_compute, s.state.num_prompt_tokens - 1) if s.state.prompt_logprobs else first
+        scored = range(first, last_scored)
+        logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
+        rows.extend(offset + q - first for q in scored)
+        sample_row = None
+        if s.reaches_end:
+            sample_row = len(rows)
+            rows.append(offset + s.num_compute - 1)
+        sample_rows.append(sample_row)
+        offset += s.num_compute
+    return rows, sample_rows, logprob_rows
+
+
+def _prompt_logprobs(logits: torch.Tensor, scheduled: list[_Scheduled], logprob_rows: list[list[int]]) -> list[list[float]]:
+    result: list[list[float]] = []
+    for s, rows in zip(scheduled, logprob_rows):
+        if not rows:
+            result.append([])
+            continue
+        first = s.state.num_computed
+        targets = torch.tensor(s.state.token_ids[first + 1 : first + 1 + len(rows)], device=logits.device)
+        logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+        result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+    return result
+
+
+class _PlanCheck:
+    """Validates a plan against the shard's state before anything is mutated."""
+
+    def __init__(self, requests: dict[int, RequestState], kv: PagedKVCache, vocab_size: int) -> None:
+        self.requests = requests
+        self.kv = kv
+        self.vocab_size = vocab_size
+
+    def validate(self, plan: StepPlan) -> None:
+        kept = set(self.requests) - set(plan.released_ids)
+        self._pairs("swap_out", plan.swap_out, self.kv.num_blocks, self.kv.num_host_blocks)
+        self._pairs("swap_in", plan.swap_in, self.kv.num_host_blocks, self.kv.num_blocks)
+        self._pairs("copies", plan.copies, self.kv.num_blocks, self.kv.num_blocks)
+        seen: set[int] = set()
+        for new in plan.new_requests:
+            self._fresh_id(new.request_id, kept, seen)
+            self._new(new)
+            for fork in new.forks:
+                self._fresh_id(fork.request_id, kept, seen)
+                self._blocks(fork.request_id, fork.block_table, len(new.token_ids))
+        for running in plan.running_requests:
+            if running.request_id not in kept:
+                raise ValueError(f"request {running.request_id}: unknown to this shard (not running)")
+            if running.request_id in seen:
+                raise ValueError(f"request {running.request_id}: appears twice in the plan")
+            seen.add(running.request_id)
+            self._running(running, self.requests[running.request_id])
+
+    @staticmethod
+    def _fresh_id(request_id: int, kept: set[int], seen: set[int]) -> None:
+        if request_id in kept or request_id in seen:
+            raise ValueError(f"request {request_id}: already exists")
+        seen.add(request_id)
+
+    def _new(self, new: NewRequest) -> None:
+        rid = new.request_id
+        if not new.token_ids:
+            raise ValueError(f"request {rid}: no tokens")
+        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            raise ValueError(f"request {rid}: num_prompt_tokens {new.num_prompt_tokens} outside 1..{len(new.token_ids)}")
+        if min(new.token_ids) < 0 or max(new.token_ids) >= self.vocab_size:
+            raise ValueError(f"request {rid}: token id outside the vocabulary of {self.vocab_size}")
+        self._compute(rid, new.num_cached, new.num_compute, len(new.token_ids))
+        self._blocks(rid, new.block_table, new.num_cached + new.num_compute)
+
+    def _running(self, running: RunningRequest, state: RequestState) -> None:
+        rid = running.request_id
+        self._compute(rid, state.num_computed, running.num_compute, len(state.token_ids))
+        self._blocks(rid, state.block_table + running.new_block_ids, state.num_computed + running.num_compute)
+
+    @staticmethod
+    def _compute(rid: int, num_cached: int, num_compute: int, num_tokens: int) -> None:
+        if num_cached < 0 or num_compute < 1 or num_cached + num_compute > num_tokens:
+            raise ValueError(
+                f"request {rid}: cannot compute {num_compute} tokens after {num_cached} of {num_tokens} known tokens"
+            )
+
+    def _blocks(self, rid: int, block_table: list[int], num_tokens: int) -> None:
+        if len(block_table) * self.kv.block_size < num_tokens:
+            raise ValueError(f"request {rid}: {len(block_table)} blocks cannot hold {num_tokens} tokens")
+        bad = [b for b in block_table if not 0 <= b < self.kv.num_blocks]
+        if bad:
+            raise ValueError(f"request {rid}: block ids {bad} outside 0..{self.kv.num_blocks - 1}")
+
+    @staticmethod
+    def _pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < num_src and 0 <= dst < num_dst):
+                raise ValueError(f"{name}: block pair ({src}, {dst}) out of range ({num_src}, {num_dst})")

@@ -1,0 +1,135 @@
+"""Tiny random Hugging Face models and helpers to run Loom's model on the same weights."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+
+from loom.shard.attention import SeqSpan, build_metadata
+from loom.shard.kv_cache import KVCacheSpec, PagedKVCache
+from loom.shard.model_config import ModelConfig, RopeScaling
+from loom.shard.models import build_model
+from loom.shard.models.llama import LlamaModel
+
+TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # small, so positions < 64 cross all three bands
+}
+
+
+@dataclass(slots=True)
+class TinyPair:
+    """The same random weights as a transformers model and as a Loom model."""
+
+    hf: transformers.PreTrainedModel
+    loom: LlamaModel
+    config: ModelConfig
+
+
+def model_config_from_hf(hf_config: transformers.PretrainedConfig) -> ModelConfig:
+    scaling = getattr(hf_config, "rope_scaling", None)
+    return ModelConfig(
+        architecture=hf_config.architectures[0],
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=hf_config.rope_theta,
+        rope_scaling=None if not scaling else RopeScaling(
+            factor=scaling["factor"],
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        ),
+        tie_word_embeddings=hf_config.tie_word_embeddings,
+        attention_bias=getattr(hf_config, "attention_bias", False),
+    )
+
+
+def make_pair(kind: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0) -> TinyPair:
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        hf_config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+        hf = transformers.Qwen2ForCausalLM(hf_config)
+    else:
+        scaling = LLAMA3_SCALING if kind == "llama3" else None
+        hf_config = transformers.LlamaConfig(**TINY, rope_scaling=scaling, architectures=["LlamaForCausalLM"])
+        hf = transformers.LlamaForCausalLM(hf_config)
+    hf = hf.eval()
+    _randomize_norms(hf)
+    config = model_config_from_hf(hf_config)
+    loom = build_model(config)
+    loom.load_weights(hf.state_dict())
+    return TinyPair(hf, loom.to(dtype).eval(), config)
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    # Norm weights start at 1.0; random ones catch a norm applied to the wrong tensor.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+
+
+@torch.no_grad()
+def hf_logits(hf: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """Reference logits for every position of one full sequence: [len, vocab] float32."""
+    return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_cache(model: LlamaModel, block_size: int, num_blocks: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
+    c = model.config
+    spec = KVCacheSpec(c.num_layers, model.num_kv_heads, c.head_dim, block_size, dtype)
+    return PagedKVCache(spec, num_blocks, num_host_blocks=4, device="cpu")
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    token_ids: list[int]
+    num_cached: int
+    num_compute: int
+    block_table: list[int]
+
+
+@torch.no_grad()
+def run_chunks(model: LlamaModel, cache: PagedKVCache, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+    """One forward over chunks (prefills first); returns each chunk's logits [num_compute, vocab]."""
+    spans = [SeqSpan(c.num_cached, c.num_compute, c.block_table) for c in chunks]
+    ids = [t for c in chunks for t in c.token_ids[c.num_cached : c.num_cached + c.num_compute]]
+    meta = build_metadata(spans, cache.block_size, torch.device("cpu"))
+    hidden = model(torch.tensor(ids), cache.device_blocks, meta)
+    logits = model.compute_logits(hidden)
+    return list(logits.split([c.num_compute for c in chunks]))
+
+
+def random_tokens(n: int, seed: int, vocab: int = TINY["vocab_size"]) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama_pair() -> TinyPair:
+    return make_pair("llama")
