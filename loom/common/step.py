@@ -82,6 +82,7 @@ class RunningRequest:
     request_id: int
     num_compute: int  # next prefill chunk, or 1 to decode the last sampled token
     new_block_ids: list[int] = field(default_factory=list)  # appended to its block table
+    forks: list[Fork] = field(default_factory=list)  # when this chunk completes a prompt sent earlier
 
 
 @dataclass(slots=True)
