@@ -1,0 +1,278 @@
+"""Launcher: flags and LOOM_* variables, config building, and supervision of fake children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loom.launcher.cli import (FLAGS, build_config, build_parser, child_env, health_url,
+                               router_spec, shard_spec)
+from loom.launcher.supervisor import ExitStatus, ProcessSpec, serve
+
+# One fake child for every role. argv: name notes_path mode [port].
+# It notes what happens to it in notes_path, so a test can check the order of events.
+FAKE_CHILD = r"""
+import http.server, signal, sys, time
+name, notes_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def note(text):
+    with open(notes_path, "a") as notes:
+        notes.write(f"{name} {text}\n")
+
+def on_term(*_):
+    note("got SIGTERM")
+    if mode == "router":
+        time.sleep(0.3)  # a graceful drain takes a while
+    note("stopped")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+if mode == "shard":
+    print("loading", flush=True)
+    print(f"loom-shard ready rank=0 uds=/tmp/none", flush=True)
+elif mode == "fail":
+    for i in range(30):
+        print(f"progress line {i}", flush=True)
+    print("error: model file not found", file=sys.stderr, flush=True)
+    sys.exit(2)
+elif mode == "router":
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[4])), Health)
+    note("serving")
+    server.serve_forever()
+while True:  # "silent": never says it is ready
+    time.sleep(0.05)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fake(name: str, notes: Path, mode: str, *extra: str) -> ProcessSpec:
+    marker = "loom-shard ready" if mode != "router" else None
+    return ProcessSpec(name, (sys.executable, "-c", FAKE_CHILD, name, str(notes), mode, *extra),
+                       env=dict(os.environ), ready_marker=marker)
+
+
+def notes_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+class Logs:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self.lock:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        with self.lock:
+            return "\n".join(self.lines)
+
+
+# ---- flags, environment, configs -------------------------------------------------------------
+
+def test_defaults_match_tgi_names() -> None:
+    args = build_parser({}).parse_args([])
+    assert (args.model_id, args.num_shard, args.hostname, args.port) == ("", 1, "0.0.0.0", 3000)
+    assert args.max_concurrent_requests == 128 and args.max_batch_prefill_tokens == 2048
+    assert args.max_stop_sequences == 4 and args.max_n == 16
+    assert args.max_total_tokens is None and args.device == "auto"
+    assert args.shard_uds_path == "/tmp/loom-server"
+
+
+def test_environment_fills_flags_and_command_line_wins() -> None:
+    environ = {"LOOM_PORT": "8080", "LOOM_MAX_TOTAL_TOKENS": "512", "LOOM_MODEL_ID": "m.gguf",
+               "LOOM_STARTUP_TIMEOUT": "2.5", "PORT": "1"}
+    args = build_parser(environ).parse_args([])
+    assert (args.port, args.max_total_tokens, args.model_id) == (8080, 512, "m.gguf")
+    assert args.startup_timeout == 2.5
+    assert build_parser(environ).parse_args(["--port", "9000"]).port == 9000
+
+
+def test_bad_environment_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser({"LOOM_PORT": "http"}).parse_args([])
+    assert exit_info.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_every_flag_has_its_variable() -> None:
+    for flag in FLAGS:
+        assert flag.env_var == "LOOM_" + flag.option[2:].replace("-", "_").upper()
+
+
+def test_config_gives_each_rank_its_socket_and_splits_threads() -> None:
+    args = build_parser({}).parse_args(["--num-shard", "2", "--shard-uds-path", "/tmp/s",
+                                        "--device", "cpu", "--max-batch-total-tokens", "4096"])
+    config = build_config(args, num_cpus=8)
+    assert [shard.uds_path for shard in config.shards] == ["/tmp/s-0", "/tmp/s-1"]
+    assert [(shard.rank, shard.world_size) for shard in config.shards] == [(0, 2), (1, 2)]
+    assert config.router.shard_uds_paths == ("/tmp/s-0", "/tmp/s-1")
+    assert all(shard.max_batch_total_tokens == 4096 for shard in config.shards)
+    assert config.router.max_batch_total_tokens == 4096
+    assert config.num_threads == 4
+    assert build_config(args, num_cpus=1).num_threads == 1
+    explicit = build_parser({}).parse_args(["--device", "cpu", "--num-threads", "3"])
+    assert build_config(explicit, num_cpus=8).num_threads == 3
+
+
+def test_device_auto_asks_the_probe_only_when_auto() -> None:
+    auto = build_parser({}).parse_args([])
+    assert build_config(auto, 2, detect=lambda: "cuda").shards[0].device == "cuda"
+
+    def must_not_probe() -> str:
+        raise AssertionError("probed although --device was given")
+
+    cpu = build_parser({}).parse_args(["--device", "cpu"])
+    assert build_config(cpu, 2, detect=must_not_probe).shards[0].device == "cpu"
+
+
+@pytest.mark.parametrize("argv", [["--num-shard", "0"],
+                                  ["--max-input-tokens", "512", "--max-total-tokens", "512"],
+                                  ["--num-threads", "0", "--num-shard", "1"]])
+def test_invalid_combinations_are_rejected(argv: list[str]) -> None:
+    args = build_parser({}).parse_args([*argv, "--device", "cpu"])
+    with pytest.raises(ValueError):
+        build_config(args, num_cpus=2)
+
+
+def test_children_command_lines() -> None:
+    args = build_parser({}).parse_args(["--num-shard", "2", "--device", "cpu", "--port", "3100",
+                                        "--max-total-tokens", "512", "--master-port", "29600"])
+    config = build_config(args, num_cpus=2)
+    shard = shard_spec(config.shards[1], {}).argv
+    assert shard[1:3] == ("-m", "loom.shard.server")
+    flags = dict(zip(shard[3::2], shard[4::2]))
+    assert flags["--rank"] == "1" and flags["--world-size"] == "2"
+    assert flags["--master-port"] == "29600" and flags["--uds-path"] == "/tmp/loom-server-1"
+    assert flags["--model-id"] == "" and "--dtype" not in flags  # None is left out
+    router = router_spec(config.router, {}).argv
+    assert router[1:3] == ("-m", "loom.router.main")
+    pairs = list(zip(router[3::2], router[4::2]))
+    assert [v for k, v in pairs if k == "--shard-uds-path"] == ["/tmp/loom-server-0",
+                                                                "/tmp/loom-server-1"]
+    assert ("--port", "3100") in pairs and ("--max-total-tokens", "512") in pairs
+    assert "--max-input-tokens" not in router
+
+
+def test_child_env_sets_threads_and_keeps_the_rest() -> None:
+    env = child_env({"PATH": "/bin", "OMP_NUM_THREADS": "64"}, num_threads=2)
+    assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "2"
+    assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_health_url_reaches_a_wildcard_bind_on_loopback() -> None:
+    args = build_parser({}).parse_args(["--device", "cpu", "--port", "3005"])
+    assert health_url(build_config(args, 2).router) == "http://127.0.0.1:3005/health"
+    args = build_parser({}).parse_args(["--device", "cpu", "--hostname", "10.0.0.2"])
+    assert health_url(build_config(args, 2).router) == "http://10.0.0.2:3000/health"
+
+
+# ---- supervision with fake children ------------------------------------------------------------
+
+def test_shard_failing_at_startup_stops_the_others_and_shows_its_last_lines(tmp_path: Path) -> None:
+    notes, logs = tmp_path / "notes", Logs()
+    router = fake("router", notes, "router", str(free_port()))
+    status = serve([fake("shard 0", notes, "shard"), fake("shard 1", notes, "fail")], router,
+                   health_url="http://127.0.0.1:1/health", startup_timeout=30,
+                   shutdown_timeout=5, stop=threading.Event(), log=logs)
+    assert status == ExitStatus.CHILD_FAILED
+    assert "shard 1 exited with code 2" in logs.text
+    report = logs.text.split("its last lines:")[1]
+    assert "error: model file not found" in report
+    assert "progress line 29" in report and "progress line 5\n" not in report  # last 20 only
+    assert "shard 0 stopped" in notes_of(notes)
+    assert not any(line.startswith("router") for line in notes_of(notes))  # never started
+
+
+def test_router_dying_while_serving_stops_the_shards(tmp_path: Path) -> None:
+    notes, logs, port = tmp_path / "notes", Logs(), free_port()
+    stop = threading.Event()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(serve(
+        [fake("shard 0", notes, "shard")], fake("router", notes, "router", str(port)),
+        health_url=f"http://127.0.0.1:{port}/health", startup_timeout=30, shutdown_timeout=5,
+        stop=stop, log=logs)))
+    thread.start()
+    deadline = time.monotonic() + 20
+    while "Loom is serving" not in logs.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "Loom is serving" in logs.text
+    router_pid = int(logs.text.split("started router (pid ")[1].split(")")[0])
+    os.kill(router_pid, signal.SIGKILL)
+    thread.join(timeout=20)
+    assert result == [ExitStatus.CHILD_FAILED]
+    assert "router exited with code -9" in logs.text
+    assert "shard 0 stopped" in notes_of(notes)
+
+
+def test_readiness_timeout_is_a_clear_error(tmp_path: Path) -> None:
+    notes, logs = tmp_path / "notes", Logs()
+    started = time.monotonic()
+    status = serve([fake("shard 0", notes, "silent")], fake("router", notes, "router", "1"),
+                   health_url="http://127.0.0.1:1/health", startup_timeout=0.5,
+                   shutdown_timeout=5, stop=threading.Event(), log=logs)
+    assert status == ExitStatus.STARTUP_TIMEOUT
+    assert time.monotonic() - started < 10
+    assert "1 shard(s) not ready after" in logs.text and "0/1 reported ready" in logs.text
+    assert "--startup-timeout" in logs.text
+    assert "shard 0 stopped" in notes_of(notes)
+
+
+DRIVER = r"""
+import json, sys, threading
+from loom.launcher.supervisor import ProcessSpec, install_signal_handlers, serve
+shards, router, url = json.loads(sys.argv[1])
+stop = threading.Event()
+install_signal_handlers(stop)
+sys.exit(serve([ProcessSpec(**spec) for spec in shards], ProcessSpec(**router), url,
+               startup_timeout=30, shutdown_timeout=5, stop=stop))
+"""
+
+
+def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) -> None:
+    notes, port = tmp_path / "notes", free_port()
+    specs = [fake("shard 0", notes, "shard"), fake("router", notes, "router", str(port))]
+    as_json = [{"name": s.name, "argv": s.argv, "env": dict(s.env), "ready_marker": s.ready_marker}
+               for s in specs]
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "w") as log_file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", DRIVER,
+             json.dumps([[as_json[0]], as_json[1], f"http://127.0.0.1:{port}/health"])],
+            stderr=log_file, stdout=log_file)
+    try:
+        deadline = time.monotonic() + 20
+        while "Loom is serving" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "Loom is serving" in log_path.read_text()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=20) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    events = notes_of(notes)
+    assert "received SIGTERM" in log_path.read_text()
+    assert events.index("router got SIGTERM") < events.index("router stopped") \
+        < events.index("shard 0 got SIGTERM")
