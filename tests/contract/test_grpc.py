@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -194,24 +195,47 @@ def test_cli_rejects_a_bad_config():
     assert "rank 2 outside world size 2" in done.stderr
 
 
+# main() around a fake runner; its world size is what torch.distributed reports, so
+# a rank that did not join the process group shows.
 FAKE_SHARD_MAIN = """
 import sys
+import torch.distributed as dist
 from grpc_fakes import FakeRunner
 import loom.shard.server as server
-server.build_runner = lambda config: FakeRunner(rank=config.rank)
+
+def build_runner(config):
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return FakeRunner(rank=config.rank, world_size=world_size)
+
+server.build_runner = build_runner
 sys.exit(server.main(sys.argv[1:]))
 """
+
+
+def start_fake_shard(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])}
+    return subprocess.Popen(
+        [sys.executable, "-c", FAKE_SHARD_MAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_cli_prints_readiness_serves_and_exits_on_sigterm(tmp_path):
     """main()'s lifecycle around a fake runner: ready line, serving, clean SIGTERM exit."""
     path = str(tmp_path / "cli.sock")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FAKE_SHARD_MAIN, "--uds-path", path, "--rank", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+    proc = start_fake_shard("--uds-path", path, "--rank", "0")
     try:
         ready = proc.stdout.readline()
         assert ready == f"loom-shard ready rank=0 uds={path}\n", proc.stderr.read() if not ready else ready
@@ -226,6 +250,31 @@ def test_cli_prints_readiness_serves_and_exits_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_cli_two_ranks_join_one_process_group(tmp_path):
+    """With --world-size 2 each rank joins torch.distributed (gloo) before building its runner."""
+    paths = [str(tmp_path / f"tp-{rank}.sock") for rank in range(2)]
+    common = ("--world-size", "2", "--master-port", str(free_port()))
+    procs = [start_fake_shard("--uds-path", paths[r], "--rank", str(r), *common) for r in range(2)]
+    try:
+        for rank, proc in enumerate(procs):
+            assert proc.stdout.readline() == f"loom-shard ready rank={rank} uds={paths[rank]}\n"
+
+        async def talk() -> None:
+            client = ShardClient(paths)
+            await client.wait_ready(timeout_s=5.0)
+            info = await client.info()
+            assert (info.rank, info.world_size) == (0, 2)
+            await client.step(decode_plan())
+            await client.close()
+
+        asyncio.run(talk())
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        assert [proc.wait(timeout=20) for proc in procs] == [0, 0]
+    finally:
+        for proc in procs:
+            stop(proc)
