@@ -77,13 +77,18 @@ def _new_request_to_pb(r: NewRequest) -> pb.NewRequest:
         block_table=r.block_table,
         sampling=to_pb(r.sampling),
         prompt_logprobs=r.prompt_logprobs,
-        forks=[to_pb(f) for f in r.forks],
+        forks=[_fork_to_pb(f) for f in r.forks],
     )
 
 
 @to_pb.register
 def _running_request_to_pb(r: RunningRequest) -> pb.RunningRequest:
-    return pb.RunningRequest(request_id=r.request_id, num_compute=r.num_compute, new_block_ids=r.new_block_ids)
+    return pb.RunningRequest(
+        request_id=r.request_id,
+        num_compute=r.num_compute,
+        new_block_ids=r.new_block_ids,
+        forks=[_fork_to_pb(f) for f in r.forks],
+    )
 
 
 def _pairs_to_pb(pairs: Iterable[tuple[int, int]]) -> list[pb.BlockPair]:
@@ -193,7 +198,12 @@ def _new_request_from_pb(m: pb.NewRequest) -> NewRequest:
 
 
 def _running_request_from_pb(m: pb.RunningRequest) -> RunningRequest:
-    return RunningRequest(request_id=m.request_id, num_compute=m.num_compute, new_block_ids=list(m.new_block_ids))
+    return RunningRequest(
+        request_id=m.request_id,
+        num_compute=m.num_compute,
+        new_block_ids=list(m.new_block_ids),
+        forks=[_fork_from_pb(f) for f in m.forks],
+    )
 
 
 def _pairs_from_pb(pairs: Iterable[pb.BlockPair]) -> list[tuple[int, int]]:

@@ -58,7 +58,10 @@ def sample_plan() -> StepPlan:
     )
     return StepPlan(
         new_requests=[new, plain],
-        running_requests=[RunningRequest(request_id=3, num_compute=1, new_block_ids=[7]), RunningRequest(4, 16)],
+        running_requests=[
+            RunningRequest(request_id=3, num_compute=1, new_block_ids=[7]),
+            RunningRequest(4, 16, forks=[Fork(request_id=13, sampling=SamplingParams(seed=5, top_p=0.5), block_table=[2])]),
+        ],
         released_ids=[1, 2],
         swap_out=[(6, 0)],
         swap_in=[(1, 8), (2, 9)],
@@ -133,3 +136,16 @@ def test_unknown_types_are_rejected_both_ways():
         to_pb(object())
     with pytest.raises(TypeError):
         from_pb(pb.HealthRequest())
+
+
+def test_every_step_dataclass_has_a_message_with_the_same_fields():
+    # A field added to loom/common/step.py without the proto and codec fails here.
+    import dataclasses
+
+    from loom.common import step
+
+    classes = [c for c in vars(step).values() if dataclasses.is_dataclass(c) and c.__module__ == step.__name__]
+    assert len(classes) == 10
+    for cls in classes:
+        message = getattr(pb, cls.__name__)
+        assert {f.name for f in dataclasses.fields(cls)} == set(message.DESCRIPTOR.fields_by_name), cls.__name__
