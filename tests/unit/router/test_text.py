@@ -1,0 +1,137 @@
+"""Incremental detokenization and stop sequences, on the embedded tokenizer and a tiny HF one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from loom.router.text import IncrementalDetokenizer, StopMatcher
+from loom.router.tokenizer import Tokenizer, load_tokenizer
+
+TEXTS = [
+    "The capital of France is Paris.\n\nIt has 2,148,271 inhabitants (2020).",
+    "emoji 😀👍🏽 🇫🇷 family 👨‍👩‍👧 and CJK 日本語のテキスト 中文 한국어",
+    "def f(x):\n    return x**2  # comment\n",
+    "  spaces   everywhere  \t\n end",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Tokenizer:
+    return load_tokenizer("")
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A SentencePiece-style BPE (▁ for spaces, leading space stripped on decode), as an HF folder."""
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.NFKC()
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog. Hello world!"] * 10, trainer)
+    folder = tmp_path_factory.mktemp("metaspace")
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return load_tokenizer(str(folder))
+
+
+def _stream(tok: Tokenizer, prompt_ids: list[int], ids: list[int], skip_special: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip_special)
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+def test_incremental_output_equals_full_decode(smollm: Tokenizer):
+    prompt_ids = smollm.encode("<|im_start|>assistant\n")
+    for text in TEXTS:
+        ids = smollm.encode(text)
+        chunks = _stream(smollm, prompt_ids, ids)
+        assert "".join(chunks) == smollm.decode(ids) == text
+        assert not any("\ufffd" in c for c in chunks)
+
+
+def test_multibyte_characters_split_across_tokens_come_out_whole(smollm: Tokenizer):
+    ids = smollm.encode("😀日本")
+    pieces = [smollm.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)  # the precondition: bytes of one character span tokens
+    chunks = _stream(smollm, [], ids)
+    assert "".join(chunks) == "😀日本"
+    assert all(c in ("", "😀", "日", "本", "日本", "😀日", "😀日本") for c in chunks)
+
+
+def test_held_back_bytes_are_flushed_at_the_end(smollm: Tokenizer):
+    ids = smollm.encode("😀")
+    detok = IncrementalDetokenizer(smollm, [])
+    assert [detok.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.flush().startswith("\ufffd")  # an unfinished character is not lost silently
+
+
+def test_special_tokens_skipped_or_kept(smollm: Tokenizer):
+    ids = smollm.encode("Hi<|im_end|>")
+    assert "".join(_stream(smollm, [], ids)) == "Hi"
+    assert "".join(_stream(smollm, [], ids, skip_special=False)) == "Hi<|im_end|>"
+
+
+def test_leading_space_survives_with_sentencepiece_style_decoder(metaspace: Tokenizer):
+    prompt = metaspace.encode("the quick", add_special_tokens=False)
+    text = "the quick brown fox jumps"
+    full = metaspace.encode(text, add_special_tokens=False)
+    assert full[: len(prompt)] == prompt
+    generated = full[len(prompt) :]
+    chunks = _stream(metaspace, prompt, generated)
+    assert "".join(chunks) == " brown fox jumps"  # decoding tokens one by one would lose the spaces
+    assert metaspace.decode(generated) == "brown fox jumps"
+
+
+def test_long_sequences_stay_exact(smollm: Tokenizer):
+    text = " ".join(f"word{i} 😀" for i in range(400))
+    ids = smollm.encode(text)
+    assert "".join(_stream(smollm, [], ids)) == text
+
+
+def test_stop_sequence_across_token_boundaries_is_cut(smollm: Tokenizer):
+    ids = smollm.encode("The answer is 42.\nUser: next question")
+    detok, stop = IncrementalDetokenizer(smollm, []), StopMatcher(["\nUser:"])
+    emitted, stopped_at = "", None
+    for n, token in enumerate(ids):
+        text, stopped = stop.feed(detok.add(token))
+        emitted += text
+        if stopped:
+            stopped_at = n
+            break
+    assert emitted == "The answer is 42."
+    assert stopped_at is not None and stopped_at < len(ids) - 1
+
+
+def test_stop_matcher_holds_back_then_releases_partial_prefix():
+    stop = StopMatcher(["STOP"])
+    assert stop.feed("abc ST") == ("abc ", False)
+    assert stop.feed("O") == ("", False)
+    assert stop.feed("P? no, STA") == ("", True)  # "STOP" completed at the start of this chunk
+
+
+def test_stop_matcher_releases_when_prefix_breaks():
+    stop = StopMatcher(["STOP"])
+    assert stop.feed("abc STO") == ("abc ", False)
+    assert stop.feed("RY") == ("STORY", False)
+    assert stop.feed(" ST") == (" ", False)
+    assert stop.flush() == "ST"  # released at the end: it never became a stop sequence
+
+
+def test_stop_matcher_earliest_of_several_and_overlaps():
+    stop = StopMatcher(["world", "lo w", "xyz"])
+    assert stop.feed("hello") == ("hel", False)
+    assert stop.feed(" world") == ("", True)  # "lo w" starts before "world": cut there
+    assert StopMatcher(["aab"]).feed("aaab") == ("a", True)  # overlapping partial prefixes
+
+
+def test_stop_matcher_after_stop_and_without_stops():
+    stop = StopMatcher(["x"])
+    assert stop.feed("x tail") == ("", True)
+    assert stop.feed("more") == ("", True)
+    assert StopMatcher([]).feed("anything") == ("anything", False)
+    assert StopMatcher([""]).feed("anything") == ("anything", False)
