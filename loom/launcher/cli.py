@@ -22,10 +22,6 @@ ENV_PREFIX = "LOOM_"
 SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom.shard.server"
 ROUTER_MODULE = "loom.router.main"
-# The ShardConfig fields the shard server takes as flags.
-SHARD_FLAG_FIELDS = ("model_id", "uds_path", "dtype", "device", "rank", "world_size",
-                     "master_addr", "master_port", "block_size", "max_batch_total_tokens",
-                     "host_kv_cache_bytes", "snapshot_dir")
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +63,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", str, "auto", "auto: cuda when available, else cpu",
          choices=("auto", "cpu", "cuda")),
     Flag("block_size", int, 16, "tokens per KV cache block"),
+    Flag("memory_fraction", float, 0.9, "share of free GPU memory the KV cache may take"),
+    Flag("cpu_kv_cache_bytes", int, None, "KV cache size on CPU when max-batch-total-tokens "
+         "is unset; default: a share of free RAM"),
     Flag("host_kv_cache_bytes", int, None, "host-RAM pool for preempted requests' KV; "
          "default: a share of free RAM"),
     Flag("snapshot_dir", str, None, "folder for KV snapshots; unset: snapshots off"),
@@ -129,6 +128,8 @@ def build_config(args: argparse.Namespace, num_cpus: int,
                     rank=rank, world_size=args.num_shard, master_addr=args.master_addr,
                     master_port=args.master_port, block_size=args.block_size,
                     max_batch_total_tokens=args.max_batch_total_tokens,
+                    memory_fraction=args.memory_fraction,
+                    cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
                     host_kv_cache_bytes=args.host_kv_cache_bytes, snapshot_dir=args.snapshot_dir)
         for rank, path in enumerate(socket_paths))
     # Router fields without a launcher flag keep their defaults.
@@ -157,7 +158,8 @@ def config_flags(config: object, names: Sequence[str]) -> list[str]:
 
 
 def shard_spec(config: ShardConfig, env: Mapping[str, str]) -> ProcessSpec:
-    argv = (sys.executable, "-m", SHARD_MODULE, *config_flags(config, SHARD_FLAG_FIELDS))
+    names = [f.name for f in dataclasses.fields(ShardConfig)]
+    argv = (sys.executable, "-m", SHARD_MODULE, *config_flags(config, names))
     return ProcessSpec(f"shard {config.rank}", argv, env, ready_marker=SHARD_READY_MARKER)
 
 

@@ -276,3 +276,13 @@ def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) ->
     assert "received SIGTERM" in log_path.read_text()
     assert events.index("router got SIGTERM") < events.index("router stopped") \
         < events.index("shard 0 got SIGTERM")
+
+
+def test_shard_server_parses_back_the_exact_config() -> None:
+    from loom.shard.server import parse_config
+
+    args = build_parser({}).parse_args(["--num-shard", "2", "--device", "cpu", "--dtype",
+                                        "float32", "--max-batch-total-tokens", "4096",
+                                        "--snapshot-dir", "/tmp/snaps", "--block-size", "8"])
+    for shard in build_config(args, num_cpus=2).shards:
+        assert parse_config(list(shard_spec(shard, {}).argv[3:])) == shard
