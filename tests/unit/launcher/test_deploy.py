@@ -18,7 +18,7 @@ DASHBOARD_METRICS = {
     "loom_prompt_tokens_cached_total", "loom_generated_tokens_total", "loom_preemptions_total",
     "loom_swapped_bytes_total", "loom_request_duration_seconds",
     "loom_time_to_first_token_seconds", "loom_inter_token_latency_seconds",
-    "loom_requests_total",
+    "loom_http_requests_total", "loom_requests_finished_total",
 }
 
 
@@ -71,6 +71,18 @@ def test_dashboard_covers_exactly_the_documented_metrics() -> None:
     used = {re.sub(r"_(bucket|sum|count)$", "", name)
             for expr in dashboard_exprs() for name in re.findall(r"loom_\w+", expr)}
     assert used == DASHBOARD_METRICS
+
+
+def test_dashboard_metrics_are_what_the_router_exports() -> None:
+    from loom.router.metrics import RouterMetrics
+    from loom.router.types import EngineStats
+
+    metrics = RouterMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}))
+    metrics.requests.labels(route="/generate", status="200").inc()
+    exposition, _ = metrics.render()
+    exported = {re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split(" ")[0])
+                for line in exposition.decode().splitlines() if not line.startswith("#")}
+    assert DASHBOARD_METRICS <= exported
 
 
 def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
