@@ -97,3 +97,29 @@ class PagedKVCache:
     def _indices(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.tensor(pairs, dtype=torch.long, device=device)
         return both[:, 0], both[:, 1]
+
+
+# Shares of MemAvailable the pools take on a CPU shard when no size is configured:
+# modest, because the weights, activations and other processes live in the same RAM.
+CPU_POOL_SHARE = 0.10
+HOST_POOL_SHARE = 0.05
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); 8 GiB assumed elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def blocks_for_bytes(pool_bytes: int, spec: KVCacheSpec) -> int:
+    return max(pool_bytes // spec.bytes_per_block, 0)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

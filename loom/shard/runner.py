@@ -16,12 +16,24 @@ from loom.common.step import (
     NewRequest,
     RunningRequest,
     SamplingParams,
+    ModelInfo,
     SeqOutput,
     StepPlan,
     StepResult,
+    WarmupResult,
 )
 from loom.shard.attention import SeqSpan, build_metadata
-from loom.shard.kv_cache import KVCacheSpec, PagedKVCache
+from loom.shard.config import ShardConfig
+from loom.shard.kv_cache import (
+    HOST_POOL_SHARE,
+    CPU_POOL_SHARE,
+    KVCacheSpec,
+    PagedKVCache,
+    available_ram_bytes,
+    blocks_for_bytes,
+    blocks_for_tokens,
+)
+from loom.shard.models import build_model
 from loom.shard.models.llama import LlamaModel
 from loom.shard.sampler import Sample, SeqSamplingState, sample
 
@@ -53,12 +65,19 @@ class _Scheduled:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        self.model = model
-        self.device = torch.device(device)
-        self.dtype = dtype
-        config = model.config
-        self.kv_spec = KVCacheSpec(config.num_layers, model.num_kv_heads, config.head_dim, block_size, dtype)
+    """One shard's executor. Build with a ShardConfig; pass `model` to skip loading (tests, benches)."""
+
+    def __init__(self, config: ShardConfig, model: LlamaModel | None = None) -> None:
+        self.config = config
+        self.device = torch.device(f"cuda:{config.rank}" if config.device == "cuda" else "cpu")
+        self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(config.device)
+        if model is None:
+            model, self.weights_hash = _load_model(config, self.dtype, self.device)
+        else:
+            self.weights_hash = "unhashed"
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        mc = self.model.config
+        self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.requests: dict[int, RequestState] = {}
 
@@ -66,10 +85,81 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_spec.block_size
 
+    def info(self) -> ModelInfo:
+        c = self.model.config
+        return ModelInfo(
+            architecture=c.architecture,
+            num_layers=c.num_layers,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            max_position_embeddings=c.max_position_embeddings,
+            dtype=str(self.dtype).removeprefix("torch."),
+            weights_hash=self.weights_hash,
+            device=str(self.device),
+            block_size=self.block_size,
+            rank=self.config.rank,
+            world_size=self.config.world_size,
+        )
+
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
         self.kv_cache = None  # free the old pool before allocating the new one
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device)
         return self.kv_cache
+
+    @torch.inference_mode()
+    def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None = None) -> WarmupResult:
+        """Run the largest prefill once, then size and allocate the KV pools.
+
+        Device blocks: `max_batch_total_tokens` when given (else the config's), else
+        free memory (CUDA: free * memory_fraction less the warmup's peak; CPU:
+        cpu_kv_cache_bytes or a share of available RAM).
+        """
+        self.clear()
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        peak_bytes = self._dry_run(max_prefill_tokens)
+        total_tokens = max_batch_total_tokens or self.config.max_batch_total_tokens
+        if total_tokens is not None:
+            num_blocks = blocks_for_tokens(total_tokens, self.block_size)
+        else:
+            num_blocks = blocks_for_bytes(self._device_pool_bytes(peak_bytes), self.kv_spec)
+        host_bytes = self.config.host_kv_cache_bytes
+        if host_bytes is None:
+            host_bytes = int(available_ram_bytes() * HOST_POOL_SHARE)
+        num_host_blocks = blocks_for_bytes(host_bytes, self.kv_spec)
+        if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size):
+            raise ValueError(f"{num_blocks} KV blocks cannot hold a prefill of {max_prefill_tokens} tokens")
+        self.allocate_kv_cache(num_blocks, num_host_blocks)
+        return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
+
+    def _dry_run(self, num_tokens: int) -> int:
+        """One prefill of num_tokens into a throwaway cache; returns peak activation bytes (CUDA)."""
+        num_blocks = blocks_for_tokens(num_tokens, self.block_size)
+        scratch = PagedKVCache(self.kv_spec, num_blocks, 0, self.device)
+        meta = build_metadata([SeqSpan(0, num_tokens, list(range(num_blocks)))], self.block_size, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, scratch.device_blocks, meta)
+        self.model.compute_logits(hidden[-1:])
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _device_pool_bytes(self, peak_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.memory_fraction) - peak_bytes
+        if self.config.cpu_kv_cache_bytes is not None:
+            return self.config.cpu_kv_cache_bytes
+        return int(available_ram_bytes() * CPU_POOL_SHARE)
 
     def release(self, request_ids: list[int]) -> None:
         """Drop per-request state; unknown ids are ignored (the router may release twice)."""
@@ -293,3 +383,27 @@ class _PlanCheck:
         for src, dst in pairs:
             if not (0 <= src < num_src and 0 <= dst < num_dst):
                 raise ValueError(f"{name}: block pair ({src}, {dst}) out of range ({num_src}, {num_dst})")
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """The dtype a shard runs in when none is configured.
+
+    CPU: bfloat16, measured faster than float32 on AVX-512-bf16 (bench/BENCHMARKS.md, Engine).
+    CUDA: bfloat16 (same speed as float16 on tensor cores, no overflow risk).
+    """
+    return torch.bfloat16
+
+
+def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
+    from loom.shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
+
+    model_config, weights = load_model_weights(config.model_id, dtype)
+    model = build_model(model_config)
+    model.load_weights(weights)
+    del weights
+    model = model.to(device=device, dtype=dtype)
+    if config.world_size > 1:
+        from loom.shard.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, config.rank, config.world_size)
+    return model, weights_hash(config.model_id)

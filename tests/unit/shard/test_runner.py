@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loom.common.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom.shard.config import ShardConfig
 from loom.shard.runner import ModelRunner
 from tests.unit.shard.conftest import hf_logits, random_tokens
 
@@ -15,7 +16,8 @@ GREEDY = SamplingParams(seed=0, top_n_tokens=3)
 
 @pytest.fixture()
 def runner(llama_pair) -> ModelRunner:
-    r = ModelRunner(llama_pair.loom, BLOCK_SIZE, "cpu", torch.float32)
+    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE)
+    r = ModelRunner(config, model=llama_pair.loom)
     r.allocate_kv_cache(num_blocks=32, num_host_blocks=8)
     return r
 
@@ -111,3 +113,20 @@ def test_bad_plan_raises_and_changes_nothing(runner, bad_plan: StepPlan, message
     assert after == before_requests
     assert torch.equal(runner.kv_cache.device_blocks, before_cache)
     assert torch.equal(runner.kv_cache.host_blocks, host_before)
+
+
+def test_warmup_sizes_pool_from_token_budget(llama_pair) -> None:
+    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE, host_kv_cache_bytes=10**5)
+    runner = ModelRunner(config, model=llama_pair.loom)
+    result = runner.warmup(max_prefill_tokens=20, max_batch_total_tokens=50)
+    assert (result.num_blocks, result.block_size) == (13, BLOCK_SIZE)
+    assert result.num_host_blocks == 10**5 // runner.kv_spec.bytes_per_block
+    assert runner.kv_cache.device_blocks.shape[2] == 13
+    with pytest.raises(ValueError, match="cannot hold a prefill"):
+        runner.warmup(max_prefill_tokens=60, max_batch_total_tokens=50)
+
+
+def test_warmup_sizes_cpu_pool_from_configured_bytes(llama_pair) -> None:
+    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE, cpu_kv_cache_bytes=2**20)
+    runner = ModelRunner(config, model=llama_pair.loom)
+    assert runner.warmup(max_prefill_tokens=8).num_blocks == 2**20 // runner.kv_spec.bytes_per_block
