@@ -1,0 +1,115 @@
+"""Shared pieces of the HTTP benchmarks: start a launcher, stream a request, read /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> str:
+    """One line naming the machine the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+@contextlib.contextmanager
+def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[str]:
+    """Start `loom-launcher` on a free port with `flags`; yield its base URL."""
+    port = free_port()
+    uds = tempfile.mktemp(prefix="loom-bench-")
+    log_path = Path(tempfile.mktemp(prefix="loom-bench-", suffix=".log"))
+    cmd = [sys.executable, "-m", "loom.launcher.cli", "--port", str(port), "--hostname", "127.0.0.1",
+           "--shard-uds-path", uds, *flags]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"launcher exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"launcher not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    ttft_s: float
+    total_s: float
+    num_tokens: int
+    token_times: list[float] = field(default_factory=list)  # seconds since the request was sent
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+async def stream_generate(client: httpx.AsyncClient, inputs: str | list[int], parameters: dict) -> StreamTiming:
+    """POST /generate_stream and time every token event."""
+    start = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", "/generate_stream", json={"inputs": inputs, "parameters": parameters}) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                if "token" in event:
+                    times.append(time.perf_counter() - start)
+    total = time.perf_counter() - start
+    return StreamTiming(times[0] if times else total, total, len(times), times)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Scrape /metrics into {"name{labels}": value}."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
