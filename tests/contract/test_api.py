@@ -1,0 +1,241 @@
+"""The router's HTTP API (TGI and OpenAI routes) against a real Engine driving a fake shard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from api_fakes import WORDS, FakeShardBackend
+
+from loom.router.api import create_app
+from loom.router.config import RouterConfig
+from loom.router.engine import Engine
+from loom.router.tokenizer import Tokenizer, load_tokenizer
+
+MAX_TOTAL_TOKENS = 64
+
+
+@dataclass
+class Harness:
+    client: httpx.AsyncClient
+    engine: Engine
+    backend: FakeShardBackend
+    tokenizer: Tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")
+
+
+@pytest.fixture
+def backend(tokenizer: Tokenizer) -> FakeShardBackend:
+    return FakeShardBackend(words=tokenizer.encode(WORDS), vocab_size=tokenizer.vocab_size)
+
+
+def router_config(**overrides: object) -> RouterConfig:
+    fields: dict = dict(model_id="", shard_uds_paths=("fake.sock",), max_concurrent_requests=4,
+                        max_total_tokens=MAX_TOTAL_TOKENS, max_stop_sequences=2, max_n=4, max_top_n_tokens=3)
+    return RouterConfig(**{**fields, **overrides})
+
+
+@pytest.fixture
+async def harness(backend: FakeShardBackend, tokenizer: Tokenizer) -> AsyncIterator[Harness]:
+    config = router_config()
+    engine = Engine(config, backend, tokenizer)
+    await engine.start()
+    app = create_app(engine, config)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as client:
+        yield Harness(client, engine, backend, tokenizer)
+    await engine.stop(drain_timeout_s=1.0)
+
+
+def sse_payloads(body: str) -> list:
+    """The data of every SSE event, JSON-decoded except OpenAI's [DONE]."""
+    events = [block for block in body.split("\n\n") if block.strip()]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+def word_text(tokenizer: Tokenizer, backend: FakeShardBackend, start: int, count: int) -> str:
+    """What the fake shard generates greedily: its word cycle from `start`."""
+    ids = [backend.words[(start + i) % len(backend.words)] for i in range(count)]
+    return tokenizer.decode(ids)
+
+
+# ---- TGI routes ---------------------------------------------------------------------------
+
+
+async def test_info_reports_model_and_limits(harness: Harness) -> None:
+    info = (await harness.client.get("/info")).json()
+    assert info["max_total_tokens"] == MAX_TOTAL_TOKENS and info["max_input_tokens"] == MAX_TOTAL_TOKENS - 1
+    assert info["max_concurrent_requests"] == 4 and info["max_best_of"] == 4 and info["max_stop_sequences"] == 2
+    assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
+    assert info["max_batch_total_tokens"] == harness.backend.num_blocks * harness.backend.block_size
+    assert isinstance(info["version"], str)
+
+
+async def test_health_follows_the_shards(harness: Harness) -> None:
+    assert (await harness.client.get("/health")).status_code == 200
+    harness.backend.healthy = False
+    response = await harness.client.get("/health")
+    assert response.status_code == 503 and response.json()["error_type"] == "unhealthy"
+
+
+async def test_generate_greedy_with_details(harness: Harness) -> None:
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": True}}
+    out = (await harness.client.post("/generate", json=body)).json()
+    assert out["generated_text"] == word_text(harness.tokenizer, harness.backend, 0, 5)
+    details = out["details"]
+    assert details["finish_reason"] == "length" and details["generated_tokens"] == 5
+    assert details["seed"] is None  # greedy: TGI reports no seed
+    assert [t["id"] for t in details["tokens"]] == harness.backend.words[:5]
+    assert all(set(t) == {"id", "text", "logprob", "special"} for t in details["tokens"])
+    assert details["prefill"] == [] and details["top_tokens"] == []
+
+
+async def test_generate_without_details_has_only_text(harness: Harness) -> None:
+    out = (await harness.client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})).json()
+    assert set(out) == {"generated_text"}
+
+
+async def test_max_new_tokens_unset_fills_the_context(harness: Harness) -> None:
+    ids = harness.tokenizer.encode("Hello there")
+    out = (await harness.client.post("/generate", json={"inputs": "Hello there",
+                                                        "parameters": {"details": True}})).json()
+    assert out["details"]["generated_tokens"] == MAX_TOTAL_TOKENS - len(ids)
+
+
+async def test_eos_and_stop_sequences_finish(harness: Harness) -> None:
+    harness.backend.eos_at = 2
+    out = (await harness.client.post("/generate", json={"inputs": "x", "parameters": {"details": True}})).json()
+    assert out["details"]["finish_reason"] == "eos_token" and out["details"]["generated_tokens"] == 3
+    harness.backend.eos_at = None
+    body = {"inputs": "x", "parameters": {"details": True, "stop": [" fox"], "max_new_tokens": 10}}
+    out = (await harness.client.post("/generate", json=body)).json()
+    assert out["details"]["finish_reason"] == "stop_sequence"
+    assert out["generated_text"] == " the quick brown"
+
+
+async def test_return_full_text_and_truncate(harness: Harness) -> None:
+    body = {"inputs": "one two three", "parameters": {"max_new_tokens": 2, "return_full_text": True,
+                                                      "truncate": 1, "decoder_input_details": True,
+                                                      "details": True}}
+    out = (await harness.client.post("/generate", json=body)).json()
+    assert out["generated_text"].startswith("one two three")
+    prefill = out["details"]["prefill"]
+    assert [t["id"] for t in prefill] == harness.tokenizer.encode("one two three")[-1:]
+    assert prefill[0]["logprob"] is None
+
+
+async def test_decoder_input_details_give_prompt_logprobs(harness: Harness) -> None:
+    body = {"inputs": "one two three four", "parameters": {"max_new_tokens": 1, "details": True,
+                                                           "decoder_input_details": True}}
+    prefill = (await harness.client.post("/generate", json=body)).json()["details"]["prefill"]
+    ids = harness.tokenizer.encode("one two three four")
+    assert [t["id"] for t in prefill] == ids
+    assert prefill[0]["logprob"] is None and all(isinstance(t["logprob"], float) for t in prefill[1:])
+
+
+async def test_best_of_returns_the_best_and_the_others(harness: Harness) -> None:
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 3, "best_of": 3, "do_sample": True, "seed": 5,
+                                          "details": True}}
+    details = (await harness.client.post("/generate", json=body)).json()["details"]
+    others = details["best_of_sequences"]
+    assert len(others) == 2
+    assert sorted([details["seed"]] + [o["seed"] for o in others]) == [5, 6, 7]
+    best = sum(t["logprob"] for t in details["tokens"])
+    assert all(best >= sum(t["logprob"] for t in o["tokens"]) for o in others)
+
+
+async def test_top_n_tokens(harness: Harness) -> None:
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 2, "top_n_tokens": 2, "details": True}}
+    top = (await harness.client.post("/generate", json=body)).json()["details"]["top_tokens"]
+    assert len(top) == 2 and all(len(step) == 2 for step in top)
+    assert set(top[0][0]) == {"id", "text", "logprob", "special"}
+
+
+async def test_generate_stream_sse_format(harness: Harness) -> None:
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 4, "details": True}}
+    response = await harness.client.post("/generate_stream", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_payloads(response.text)
+    assert [e["index"] for e in events] == [1, 2, 3, 4]
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    last = events[-1]
+    assert last["generated_text"] == word_text(harness.tokenizer, harness.backend, 0, 4)
+    assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == 4
+    assert "".join(e["token"]["text"] for e in events) == last["generated_text"]
+
+
+async def test_compat_route(harness: Harness) -> None:
+    out = (await harness.client.post("/", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})).json()
+    assert isinstance(out, list) and out[0]["generated_text"]
+    streamed = await harness.client.post("/", json={"inputs": "x", "stream": True,
+                                                     "parameters": {"max_new_tokens": 2}})
+    assert len(sse_payloads(streamed.text)) == 2
+
+
+async def test_tokenize(harness: Harness) -> None:
+    text = "Hello wörld, 123"
+    tokens = (await harness.client.post("/tokenize", json={"inputs": text})).json()
+    assert [t["id"] for t in tokens] == harness.tokenizer.encode(text)
+    assert "".join(t["text"] for t in tokens) == text
+    assert all(text[t["start"]:t["stop"]] == t["text"] for t in tokens)
+
+
+@pytest.mark.parametrize("content, body_check", [
+    (b"{not json", "not valid JSON"),
+    (json.dumps({"inputs": 5}).encode(), "`inputs`"),
+    (json.dumps({"inputs": "x", "parameters": {"temperature": "hot"}}).encode(), "parameters.temperature"),
+    (json.dumps({"inputs": "x", "parameters": {"top_p": 1.5}}).encode(), "parameters.top_p"),
+    (json.dumps({"inputs": ""}).encode(), "`inputs` cannot be empty"),
+    (json.dumps({"inputs": "x", "parameters": {"stop": ["a", "b", "c"]}}).encode(), "stop sequences"),
+    (json.dumps({"inputs": "x", "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS}}).encode(),
+     f"must be <= {MAX_TOTAL_TOKENS}"),
+    (json.dumps({"inputs": "hi " * MAX_TOTAL_TOKENS}).encode(), f"less than {MAX_TOTAL_TOKENS} tokens"),
+])
+async def test_tgi_bad_requests_get_422_and_the_server_stays_healthy(harness: Harness, content: bytes,
+                                                                     body_check: str) -> None:
+    response = await harness.client.post("/generate", content=content,
+                                         headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    error = response.json()
+    assert error["error_type"] == "validation" and body_check in error["error"], error
+    assert (await harness.client.get("/health")).status_code == 200
+    ok = await harness.client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
+    assert ok.status_code == 200
+
+
+async def test_overload_gives_429(harness: Harness) -> None:
+    harness.backend.step_delay_s = 0.02
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 20}}
+    running = [asyncio.create_task(harness.client.post("/generate", json=body)) for _ in range(4)]
+    while harness.engine.stats().num_running + harness.engine.stats().num_waiting < 4:
+        await asyncio.sleep(0.005)
+    response = await harness.client.post("/generate", json=body)
+    assert response.status_code == 429 and response.json()["error_type"] == "overloaded"
+    assert [r.status_code for r in await asyncio.gather(*running)] == [200] * 4
+
+
+async def test_shard_failure_gives_424_and_the_server_recovers(harness: Harness) -> None:
+    harness.backend.fail_steps = True
+    response = await harness.client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+    assert response.status_code == 424 and response.json()["error_type"] == "generation"
+    harness.backend.fail_steps = False
+    assert (await harness.client.get("/health")).status_code == 200
+
+
+async def test_metrics_export_engine_and_request_metrics(harness: Harness) -> None:
+    await harness.client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 3}})
+    text = (await harness.client.get("/metrics")).text
+    assert f"loom_kv_blocks_total {float(harness.backend.num_blocks)}" in text
+    assert 'loom_http_requests_total{route="/generate",status="200"} 1.0' in text
+    assert "loom_time_to_first_token_seconds_count 1.0" in text
+    assert "loom_request_generated_tokens_sum 3.0" in text
+    assert "loom_generated_tokens_total 3.0" in text
+    assert 'loom_preemptions_total{kind="swap"} 0.0' in text
