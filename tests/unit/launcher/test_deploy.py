@@ -92,3 +92,16 @@ def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
         text = (DEPLOY / name).read_text()
         assert f"ARG TORCH_VERSION={pin.group(1)}" in text
         assert 'ENTRYPOINT ["loom-launcher"]' in text and "EXPOSE 3000" in text
+
+
+def test_readme_documents_every_flag_and_the_ci_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines()
+            if line.startswith("| `--")}
+    assert set(rows) == {flag.option for flag in FLAGS}
+    for flag in FLAGS:
+        assert f"`{flag.env_var}`" in rows[flag.option]
+        if flag.default not in (None, ""):
+            assert f"`{flag.default}`" in rows[flag.option]
+    ci = (ROOT / ".ci/run").read_text()
+    assert "make test" in ci and "make test" in readme and "make serve" in readme

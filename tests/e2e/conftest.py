@@ -1,0 +1,171 @@
+"""End-to-end fixtures: the REAL launcher (shards + router) serving the embedded model.
+
+`launcher` is shared by a module's read-only tests; `start_launcher` gives a test its own
+launcher to stop or break. Logs go to a file, printed when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+# Small limits keep warmup and the KV pool small, so a launcher starts quickly on 2 cores.
+SMALL_LIMITS = ("--max-total-tokens", "512", "--max-input-tokens", "384",
+                "--max-batch-total-tokens", "4096", "--max-batch-prefill-tokens", "512",
+                "--host-kv-cache-bytes", str(64 << 20))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Launcher:
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> int | None:
+        """SIGTERM (graceful), then SIGKILL of the launcher's whole session if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+    def child_pids(self) -> dict[str, int]:
+        """The launcher's children by role ("shard 0", "router"), read from /proc."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        pids: dict[str, int] = {}
+        for pid in map(int, children.read_text().split()):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"loom.router.main" in cmdline:
+                pids["router"] = pid
+            elif b"loom.shard.server" in cmdline:
+                pids[f"shard {cmdline[cmdline.index(b'--rank') + 1].decode()}"] = pid
+        return pids
+
+
+def wait_healthy(launcher: Launcher) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if launcher.process.poll() is not None:
+            raise RuntimeError(f"launcher exited with {launcher.process.returncode} before "
+                               f"serving; its log:\n{launcher.log()}")
+        try:
+            if httpx.get(f"{launcher.base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    launcher.stop()
+    raise RuntimeError(f"launcher not healthy after {STARTUP_TIMEOUT_S:.0f}s; its log:\n"
+                       f"{launcher.log()}")
+
+
+StartLauncher = Callable[..., Launcher]
+
+
+@pytest.fixture(scope="session")
+def e2e_dir() -> Iterator[Path]:
+    # A short folder: unix socket paths must stay under ~100 bytes.
+    path = Path(tempfile.mkdtemp(prefix="loom-e2e-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def started_launchers() -> list[Launcher]:
+    return []
+
+
+@pytest.fixture
+def start_launcher(e2e_dir: Path, started_launchers: list[Launcher]) -> Iterator[StartLauncher]:
+    """Starts a launcher of the test's own; every one started is stopped at teardown."""
+    launchers: list[Launcher] = []
+
+    def start(*extra_args: str) -> Launcher:
+        launcher = spawn_launcher(e2e_dir, *extra_args)
+        launchers.append(launcher)
+        started_launchers.append(launcher)
+        wait_healthy(launcher)
+        return launcher
+
+    yield start
+    for launcher in launchers:
+        launcher.stop()
+
+
+def spawn_launcher(folder: Path, *extra_args: str) -> Launcher:
+    port = free_port()
+    name = f"l{port}"
+    log_path = folder / f"{name}.log"
+    argv = [sys.executable, "-m", "loom.launcher.cli", "--hostname", "127.0.0.1",
+            "--port", str(port), "--master-port", str(free_port()), "--device", "cpu",
+            "--shard-uds-path", str(folder / name), "--startup-timeout", str(STARTUP_TIMEOUT_S),
+            *SMALL_LIMITS, *extra_args]
+    with open(log_path, "wb") as log_file:
+        # Its own session, so a hung launcher can be killed with all its children.
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    return Launcher(process, f"http://127.0.0.1:{port}", log_path)
+
+
+@pytest.fixture(scope="module")
+def launcher(e2e_dir: Path) -> Iterator[Launcher]:
+    """One launcher shared by a module's tests that do not stop or break it."""
+    launcher = spawn_launcher(e2e_dir)
+    try:
+        wait_healthy(launcher)
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def print_launcher_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On failure, the logs of every launcher the test used land in the test's report."""
+    yield
+    if not request.node.stash.get(CALL_FAILED, False):
+        return
+    used: list[Launcher] = list(request.node.funcargs.get("started_launchers", []))
+    if isinstance(request.node.funcargs.get("launcher"), Launcher):
+        used.append(request.node.funcargs["launcher"])
+    for launcher in used:
+        print(f"===== launcher log {launcher.log_path} =====\n{launcher.log()}")
