@@ -239,3 +239,135 @@ async def test_metrics_export_engine_and_request_metrics(harness: Harness) -> No
     assert "loom_request_generated_tokens_sum 3.0" in text
     assert "loom_generated_tokens_total 3.0" in text
     assert 'loom_preemptions_total{kind="swap"} 0.0' in text
+
+
+# ---- OpenAI routes ------------------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "Hello"}]
+
+
+async def test_models(harness: Harness) -> None:
+    out = (await harness.client.get("/v1/models")).json()
+    assert out["object"] == "list" and out["data"][0]["object"] == "model"
+    assert out["data"][0]["id"] == "default" and out["data"][0]["max_model_len"] == MAX_TOTAL_TOKENS
+
+
+async def test_completion(harness: Harness) -> None:
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    out = (await harness.client.post("/v1/completions", json=body)).json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    (choice,) = out["choices"]
+    assert choice["text"] == word_text(harness.tokenizer, harness.backend, 0, 4)
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    n_prompt = len(harness.tokenizer.encode("Hello"))
+    assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 4, "total_tokens": n_prompt + 4,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_completion_prompt_as_token_ids_with_echo_and_logprobs(harness: Harness) -> None:
+    ids = harness.tokenizer.encode("one two three")
+    body = {"prompt": [ids], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    (choice,) = (await harness.client.post("/v1/completions", json=body)).json()["choices"]
+    assert choice["text"] == "one two three" + word_text(harness.tokenizer, harness.backend, 0, 2)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 2
+    assert logprobs["token_logprobs"][0] is None and all(lp is not None for lp in logprobs["token_logprobs"][1:])
+    assert logprobs["top_logprobs"][:len(ids)] == [None] * len(ids)
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][len(ids):])
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    assert "".join(logprobs["tokens"]) == choice["text"]
+
+
+async def test_completion_stream_with_usage(harness: Harness) -> None:
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_payloads((await harness.client.post("/v1/completions", json=body)).text)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 3
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == word_text(harness.tokenizer, harness.backend, 0, 3)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_completion_with_logprobs(harness: Harness) -> None:
+    body = {"model": "m", "messages": CHAT, "max_completion_tokens": 3, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    out = (await harness.client.post("/v1/chat/completions", json=body)).json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    (choice,) = out["choices"]
+    assert choice["message"] == {"role": "assistant",
+                                 "content": word_text(harness.tokenizer, harness.backend, 0, 3)}
+    content = choice["logprobs"]["content"]
+    assert len(content) == 3 and set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert bytes(content[0]["bytes"]).decode() == content[0]["token"] and len(content[0]["top_logprobs"]) == 2
+    prompt = harness.tokenizer.apply_chat_template(CHAT)
+    assert out["usage"]["prompt_tokens"] == len(harness.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+async def test_chat_stream_interleaves_n_choices(harness: Harness) -> None:
+    body = {"messages": CHAT, "max_tokens": 3, "n": 2, "seed": 1, "stream": True,
+            "choice_params": [{"temperature": 0}]}
+    events = sse_payloads((await harness.client.post("/v1/chat/completions", json=body)).text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    texts = {0: "", 1: ""}
+    for chunk in chunks[2:]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["delta"]["content"]
+    # choice 0 is greedy by its override; choice 1 samples with seed 1 + 1
+    assert texts[0] == word_text(harness.tokenizer, harness.backend, 0, 3)
+    assert texts[1] == word_text(harness.tokenizer, harness.backend, 2, 3)
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1]
+
+
+async def test_chat_stop_sequence_maps_to_stop(harness: Harness) -> None:
+    body = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "stop": " brown"}
+    (choice,) = (await harness.client.post("/v1/chat/completions", json=body)).json()["choices"]
+    assert choice["message"]["content"] == " the quick" and choice["finish_reason"] == "stop"
+
+
+async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness.tokenizer, "chat_template", None)
+    response = await harness.client.post("/v1/chat/completions", json={"messages": CHAT})
+    assert response.status_code == 422
+    assert "no chat template" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route, body, param, message", [
+    ("/v1/completions", {"prompt": "x", "n": 5}, None, "`n` must be <= 4"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": ""}, None, "`prompt` cannot be empty"),
+    ("/v1/completions", {"prompt": [[1], [2]]}, None, "batches are not supported"),
+    ("/v1/completions", {"prompt": [10**9]}, None, "token ids must be in"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": MAX_TOTAL_TOKENS}, None, f"<= {MAX_TOTAL_TOKENS}"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": CHAT, "choice_params": [{}, {}]}, None, "more than `n`"),
+])
+async def test_openai_bad_requests_get_422_in_openai_shape(harness: Harness, route: str, body: dict,
+                                                           param: str | None, message: str) -> None:
+    response = await harness.client.post(route, json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"], error
+    assert error["param"] == param and "code" in error
+
+
+async def test_openai_malformed_json(harness: Harness) -> None:
+    response = await harness.client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+    assert response.status_code == 422 and "not valid JSON" in response.json()["error"]["message"]
+
+
+async def test_openai_overload_is_429_in_openai_shape(harness: Harness) -> None:
+    harness.backend.step_delay_s = 0.02
+    body = {"prompt": "x", "max_tokens": 20}
+    running = [asyncio.create_task(harness.client.post("/v1/completions", json=body)) for _ in range(4)]
+    while harness.engine.stats().num_running + harness.engine.stats().num_waiting < 4:
+        await asyncio.sleep(0.005)
+    response = await harness.client.post("/v1/completions", json=body)
+    assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
+    await asyncio.gather(*running)
