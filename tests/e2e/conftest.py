@@ -164,8 +164,9 @@ def print_launcher_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[N
     yield
     if not request.node.stash.get(CALL_FAILED, False):
         return
-    used: list[Launcher] = list(request.node.funcargs.get("started_launchers", []))
-    if isinstance(request.node.funcargs.get("launcher"), Launcher):
-        used.append(request.node.funcargs["launcher"])
+    used: list[Launcher] = []
+    for value in request.node.funcargs.values():
+        candidates = value if isinstance(value, list) else [value]
+        used += [item for item in candidates if isinstance(item, Launcher) and item not in used]
     for launcher in used:
         print(f"===== launcher log {launcher.log_path} =====\n{launcher.log()}")
