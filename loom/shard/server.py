@@ -31,6 +31,7 @@ GRPC_OPTIONS = [
 ]
 STOP_GRACE_S = 2.0
 EXIT_MODEL_LOAD_ERROR = 2
+EXIT_SERVE_ERROR = 1
 
 T = TypeVar("T")
 
@@ -112,7 +113,10 @@ async def start_server(runner: Runner, uds_path: str) -> tuple[grpc.aio.Server, 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     servicer = ShardServicer(runner)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix://{uds_path}")
+    try:
+        server.add_insecure_port(f"unix://{uds_path}")
+    except RuntimeError as error:  # grpc's way of saying bind() failed
+        raise OSError(f"cannot serve on unix://{uds_path}: {error}") from None
     await server.start()
     return server, servicer
 
@@ -185,21 +189,29 @@ def build_runner(config: ShardConfig) -> Runner:
     return ModelRunner(config)
 
 
+def fail(message: str, status: int) -> int:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)  # one line
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Until serve() takes the signals over, SIGTERM stops a long model load like SIGINT does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     from loom.shard.loader import ModelLoadError
 
-    if config.world_size > 1:
-        init_distributed(config)
     try:
+        if config.world_size > 1:
+            init_distributed(config)
         runner = build_runner(config)
-    except ModelLoadError as error:
-        message = " ".join(str(error).split())  # one line, whatever the loader wrote
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        return EXIT_MODEL_LOAD_ERROR
-    try:
         asyncio.run(serve(runner, config))
+    except KeyboardInterrupt:
+        return 0
+    except ModelLoadError as error:
+        return fail(str(error), EXIT_MODEL_LOAD_ERROR)
+    except OSError as error:
+        return fail(str(error), EXIT_SERVE_ERROR)
     finally:
         close_distributed(config)
     return 0

@@ -231,7 +231,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_cli_prints_readiness_serves_and_exits_on_sigterm(tmp_path):
     """main()'s lifecycle around a fake runner: ready line, serving, clean SIGTERM exit."""
     path = str(tmp_path / "cli.sock")
@@ -249,6 +248,20 @@ def test_cli_prints_readiness_serves_and_exits_on_sigterm(tmp_path):
         asyncio.run(talk())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+    finally:
+        stop(proc)
+
+
+def test_cli_unusable_socket_path_is_one_line_error(tmp_path):
+    path = tmp_path / "missing-dir" / "s.sock"
+    proc = start_fake_shard("--uds-path", str(path))
+    try:
+        assert proc.wait(timeout=60) == 1
+        stderr = proc.stderr.read()
+        assert "Traceback" not in stderr
+        error_lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert len(error_lines) == 1, stderr
+        assert error_lines[0].startswith(f"error: cannot serve on unix://{path}")
     finally:
         stop(proc)
 
