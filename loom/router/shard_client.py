@@ -89,13 +89,18 @@ class ShardClient:
                 return [await call(ranks[0])]
             except grpc.aio.AioRpcError as error:
                 raise _shard_error(0, error) from None
-        replies = await asyncio.gather(*(call(r) for r in ranks), return_exceptions=True)
-        for rank, reply in enumerate(replies):
-            if isinstance(reply, grpc.aio.AioRpcError):
-                raise _shard_error(rank, reply) from None
-            if isinstance(reply, BaseException):
-                raise reply
-        return replies  # type: ignore[return-value]
+        tasks = [asyncio.ensure_future(call(r)) for r in ranks]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        # A rank that failed may leave the others blocked in a collective: do not wait for them.
+        for task in pending:
+            task.cancel()
+        errors = [(rank, task.exception()) for rank, task in enumerate(tasks) if task in done]
+        for rank, error in errors:
+            if isinstance(error, grpc.aio.AioRpcError):
+                raise _shard_error(rank, error) from None
+            if error is not None:
+                raise error
+        return [task.result() for task in tasks]
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until every rank accepts connections and answers Health; ShardError on timeout."""

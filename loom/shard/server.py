@@ -137,7 +137,9 @@ async def serve(runner: Runner, config: ShardConfig) -> None:
 
 def parse_config(argv: Sequence[str] | None = None) -> ShardConfig:
     parser = argparse.ArgumentParser(prog="loom-shard", description="Serve one Loom shard (one TP rank) over gRPC.")
-    parser.add_argument("--model-id", default="", help="GGUF file or Hugging Face folder; empty: the embedded default")
+    parser.add_argument(
+        "--model-id", default="", help="GGUF file or Hugging Face folder; empty: the embedded default"
+    )
     parser.add_argument("--uds-path", required=True, help="unix socket path to serve on")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the fastest that passes parity")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -196,7 +198,9 @@ def fail(message: str, status: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # Until serve() takes the signals over, SIGTERM stops a long model load like SIGINT does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from loom.shard.loader import ModelLoadError

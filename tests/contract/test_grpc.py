@@ -26,7 +26,8 @@ def decode_plan(request_id: int = 1, last_token: int = 5) -> StepPlan:
         request_id=request_id, token_ids=[1, 2, last_token], num_prompt_tokens=3, num_cached=0, num_compute=3,
         block_table=[0], sampling=SamplingParams(seed=7, top_k=3, logit_bias={4: 1.0}),
     )
-    return StepPlan(new_requests=[new], running_requests=[RunningRequest(request_id=9, num_compute=1)], copies=[(0, 1)])
+    running = RunningRequest(request_id=9, num_compute=1)
+    return StepPlan(new_requests=[new], running_requests=[running], copies=[(0, 1)])
 
 
 @pytest.fixture
@@ -142,6 +143,17 @@ async def test_failing_rank_is_named(shards):
     assert caught.value.rank == 1
 
 
+async def test_failing_rank_is_reported_without_waiting_for_a_blocked_rank(shards):
+    # Rank 0 stands in for a rank stuck in a collective its failed peer never joins.
+    runners, client = await shards(world_size=2)
+    runners[0].step_delay_s = 3.0
+    runners[1].fail_with = RuntimeError("device lost")
+    started = time.perf_counter()
+    with pytest.raises(ShardError, match="shard rank 1: INTERNAL: RuntimeError: device lost"):
+        await client.step(decode_plan())
+    assert time.perf_counter() - started < 1.0
+
+
 async def test_wait_ready_times_out_on_a_missing_shard(tmp_path):
     client = ShardClient([str(tmp_path / "nobody.sock")])
     started = time.perf_counter()
@@ -215,7 +227,8 @@ sys.exit(server.main(sys.argv[1:]))
 def start_fake_shard(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])}
     return subprocess.Popen(
-        [sys.executable, "-c", FAKE_SHARD_MAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", FAKE_SHARD_MAIN, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
 
 

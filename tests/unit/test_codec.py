@@ -60,7 +60,7 @@ def sample_plan() -> StepPlan:
         new_requests=[new, plain],
         running_requests=[
             RunningRequest(request_id=3, num_compute=1, new_block_ids=[7]),
-            RunningRequest(4, 16, forks=[Fork(request_id=13, sampling=SamplingParams(seed=5, top_p=0.5), block_table=[2])]),
+            RunningRequest(4, 16, forks=[Fork(13, SamplingParams(seed=5, top_p=0.5), block_table=[2])]),
         ],
         released_ids=[1, 2],
         swap_out=[(6, 0)],
