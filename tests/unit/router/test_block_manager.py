@@ -1,0 +1,228 @@
+"""Block manager: exact block ids, ref counts, prefix hits, LRU eviction, forks and swaps."""
+
+from __future__ import annotations
+
+import itertools
+
+from loom.common.step import SamplingParams
+from loom.router.block_manager import BlockManager
+from loom.router.request import Sequence, SequenceGroup
+
+_ids = itertools.count()
+
+
+def make_seq(prompt: list[int], output: list[int] | None = None) -> Sequence:
+    group_id = next(_ids)
+    group = SequenceGroup.create(group_id, prompt, [SamplingParams(seed=0)], first_seq_id=group_id)
+    seq = group.seqs[0]
+    seq.output_ids = list(output or [])
+    return seq
+
+
+def computed(bm: BlockManager, seq: Sequence) -> Sequence:
+    """Pretend the shard computed every token but the last, then hash the full blocks."""
+    seq.num_computed = seq.num_tokens - 1
+    bm.cache_full_blocks(seq)
+    return seq
+
+
+def refs(bm: BlockManager) -> list[int]:
+    return [block.ref_count for block in bm.blocks]
+
+
+def snapshot(bm: BlockManager) -> tuple:
+    return (refs(bm), list(bm._free_ids), list(bm._cached_ids), dict(bm._hash_to_id),
+            list(bm.host_ref_counts), list(bm._free_host_ids))
+
+
+def test_allocate_takes_blocks_in_order():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    seq = make_seq(list(range(10)))
+    assert bm.can_allocate(seq)
+    assert bm.allocate(seq) == 0
+    assert seq.block_table == [0, 1, 2]
+    assert refs(bm) == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert bm.num_free_blocks == 5 and bm.num_used_blocks == 3
+
+
+def test_prefix_hit_shares_full_computed_blocks():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    a = make_seq(list(range(1, 11)))
+    bm.allocate(a)
+    computed(bm, a)  # 9 computed tokens: blocks 0 and 1 are full
+    b = make_seq(list(range(1, 9)) + [99, 98])
+    assert bm.num_required_blocks(b.token_ids) == 1  # hits on in-use blocks cost nothing
+    assert bm.allocate(b) == 8
+    assert b.block_table == [0, 1, 3]
+    assert refs(bm)[:4] == [2, 2, 1, 1]
+    assert b.block_hashes == a.block_hashes
+
+
+def test_uncomputed_blocks_are_not_hits():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    a = make_seq(list(range(10)))
+    bm.allocate(a)  # allocated, but the shard has not computed anything yet
+    bm.cache_full_blocks(a)
+    b = make_seq(list(range(10)))
+    assert bm.allocate(b) == 0
+    assert b.block_table == [3, 4, 5]
+
+
+def test_whole_prompt_cached_recomputes_last_block():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    a = make_seq(list(range(8)), output=[50])
+    bm.allocate(a)
+    computed(bm, a)  # both prompt blocks full and hashed
+    assert len(a.block_hashes) == 2
+    b = make_seq(list(range(8)))
+    assert bm.allocate(b) == 4  # capped at (8 - 1) // 4 blocks: the last token is computed
+    assert b.block_table == [0, 3]
+
+
+def test_hash_collision_is_a_miss():
+    bm = BlockManager(block_size=4, num_blocks=8, hash_fn=lambda parent, tokens: 42)
+    a = make_seq([1, 2, 3, 4, 1, 2, 3, 4, 7])
+    bm.allocate(a)
+    computed(bm, a)
+    assert bm._hash_to_id == {42: 0}  # block 1 collides with block 0: not registered
+    other_tokens = make_seq([5, 6, 7, 8, 9])
+    assert bm.allocate(other_tokens) == 0
+    # Block 1 holds the same tokens as block 0 but after another parent: also a miss.
+    same_tokens = make_seq([1, 2, 3, 4, 1, 2, 3, 4, 9])
+    assert bm.allocate(same_tokens) == 4
+    assert same_tokens.block_table[0] == 0
+
+
+def test_free_keeps_hashed_blocks_cached_and_evicts_lru_first():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    a = make_seq(list(range(10)))
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free(a)
+    assert refs(bm) == [0] * 8
+    assert list(bm._cached_ids) == [1, 0]  # freed tail first, so the tail is evicted first
+    assert list(bm._free_ids) == [3, 4, 5, 6, 7, 2]
+    assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 2
+    big = make_seq(list(range(100, 125)))  # 7 blocks: the 6 unhashed ones, then evict block 1
+    bm.allocate(big)
+    assert big.block_table == [3, 4, 5, 6, 7, 2, 1]
+    assert list(bm._cached_ids) == [0]
+    assert bm.can_allocate(make_seq([1, 2])) and not bm.can_allocate(make_seq(list(range(5))))
+    bm.free(big)  # never computed, so nothing of it is cached
+    assert list(bm._cached_ids) == [0]
+    again = make_seq(list(range(10)))
+    assert bm.allocate(again) == 4  # block 0 survived
+    assert again.block_table == [0, 1, 2]
+
+
+def test_cached_hit_counts_against_free_blocks():
+    bm = BlockManager(block_size=4, num_blocks=3)
+    a = make_seq(list(range(9)))
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free(a)
+    b = make_seq(list(range(9)))
+    assert bm.num_required_blocks(b.token_ids) == 3  # reviving cached blocks uses them up
+    assert bm.can_allocate(b) and not bm.can_allocate(b, num_extra_blocks=1)
+
+
+def test_failed_checks_leave_state_unchanged():
+    bm = BlockManager(block_size=4, num_blocks=8, num_host_blocks=2)
+    a = make_seq(list(range(20)))
+    bm.allocate(a)
+    computed(bm, a)
+    before = snapshot(bm)
+    big = make_seq(list(range(100, 120)))
+    assert not bm.can_allocate(big)
+    assert not bm.can_swap_out([a])  # 5 blocks, 2 host blocks
+    assert not bm.can_allocate_cached(list(range(200, 224)))
+    assert snapshot(bm) == before
+
+
+def test_append_slot_grows_one_block_at_a_boundary():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    seq = make_seq(list(range(8)))
+    bm.allocate(seq)
+    assert bm.num_slot_blocks(seq) == 0 and bm.append_slot(seq) == []
+    seq.output_ids.append(5)  # 9 tokens: the next decode writes position 8
+    assert bm.can_append_slot(seq)
+    assert bm.append_slot(seq) == [2]
+    assert seq.block_table == [0, 1, 2]
+
+
+def test_fork_shares_full_blocks_and_copies_partial_last():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    group = SequenceGroup.create(100, list(range(6)), [SamplingParams(seed=s) for s in range(3)],
+                                 first_seq_id=100)
+    parent, child1, child2 = group.seqs
+    bm.allocate(parent)
+    assert bm.fork(parent, child1) == [(1, 2)]
+    assert bm.fork(parent, child2) == [(1, 3)]
+    assert child1.block_table == [0, 2] and child2.block_table == [0, 3]
+    assert refs(bm)[:4] == [3, 1, 1, 1]
+    for seq in group.seqs:
+        bm.free(seq)
+    assert refs(bm) == [0] * 8 and bm.num_free_blocks == 8
+
+
+def test_fork_of_block_aligned_prompt_copies_nothing():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    group = SequenceGroup.create(200, list(range(8)), [SamplingParams(seed=s) for s in range(2)],
+                                 first_seq_id=200)
+    parent, child = group.seqs
+    bm.allocate(parent)
+    assert bm.fork(parent, child) == []
+    assert child.block_table == [0, 1]
+    assert refs(bm)[:2] == [2, 2]
+
+
+def test_swap_out_and_in_keep_sharing():
+    bm = BlockManager(block_size=4, num_blocks=8, num_host_blocks=4)
+    group = SequenceGroup.create(300, list(range(6)), [SamplingParams(seed=s) for s in range(2)],
+                                 first_seq_id=300)
+    parent, child = group.seqs
+    bm.allocate(parent)
+    bm.fork(parent, child)  # parent [0, 1], child [0, 2]
+    assert bm.can_swap_out(group.seqs)
+    assert bm.swap_out(group.seqs) == [(0, 0), (1, 1), (2, 2)]
+    assert parent.host_block_table == [0, 1] and child.host_block_table == [0, 2]
+    assert bm.host_ref_counts == [2, 1, 1, 0] and bm.num_free_host_blocks == 1
+    assert parent.block_table == [] and bm.num_free_blocks == 8
+    assert list(bm._free_ids) == [3, 4, 5, 6, 7, 1, 2, 0]
+    assert bm.can_swap_in(group.seqs)
+    assert bm.swap_in(group.seqs) == [(0, 3), (1, 4), (2, 5)]
+    assert parent.block_table == [3, 4] and child.block_table == [3, 5]
+    assert refs(bm)[3:6] == [2, 1, 1]
+    assert bm.host_ref_counts == [0, 0, 0, 0] and bm.num_free_host_blocks == 4
+
+
+def test_swap_in_needs_room_for_next_token():
+    bm = BlockManager(block_size=4, num_blocks=2, num_host_blocks=2)
+    seq = make_seq(list(range(8)))
+    bm.allocate(seq)
+    bm.swap_out([seq])
+    seq.output_ids.append(1)  # the next decode needs a third block
+    assert not bm.can_swap_in([seq])
+
+
+def test_allocate_cached_then_commit_makes_hits():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    tokens = list(range(9))
+    fill = bm.allocate_cached(tokens)
+    assert fill.block_ids == [0, 1] and fill.block_indices == [0, 1]  # the partial tail is left
+    assert bm.allocate(make_seq(tokens)) == 0  # not committed: no hits yet
+    bm.commit_cached(fill)
+    assert bm.num_cached_blocks == 2
+    seq = make_seq(tokens + [9])
+    assert bm.allocate(seq) == 8
+    assert seq.block_table[:2] == [0, 1]
+    again = bm.allocate_cached(tokens)  # everything already cached: nothing to fill
+    assert again.block_ids == []
+
+
+def test_cancel_cached_returns_blocks_unhashed():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    fill = bm.allocate_cached(list(range(8)))
+    bm.cancel_cached(fill)
+    assert refs(bm) == [0] * 8 and bm.num_cached_blocks == 0 and bm.num_free_blocks == 8
+    assert bm.allocate(make_seq(list(range(9)))) == 0
