@@ -149,3 +149,16 @@ def test_every_step_dataclass_has_a_message_with_the_same_fields():
     for cls in classes:
         message = getattr(pb, cls.__name__)
         assert {f.name for f in dataclasses.fields(cls)} == set(message.DESCRIPTOR.fields_by_name), cls.__name__
+
+
+def test_missing_stubs_say_how_to_generate_them():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    # A None entry in sys.modules makes `from loom.proto import shard_pb2` fail as if never generated.
+    code = "import sys; sys.modules['loom.proto.shard_pb2'] = None; import loom.common.codec"
+    repo_root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, timeout=60)
+    assert done.returncode != 0
+    assert "run `python proto/generate.py` (make does it)" in done.stderr
