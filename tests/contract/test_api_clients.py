@@ -1,0 +1,127 @@
+"""The router served by uvicorn on a free localhost port (real Engine, fake shard), exercised
+by the official `text_generation` and `openai` clients, and by clients that hang up."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import text_generation
+import uvicorn
+from api_fakes import WORDS, FakeShardBackend
+
+from loom.router.api import create_app
+from loom.router.config import RouterConfig
+from loom.router.engine import Engine
+from loom.router.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class Served:
+    url: str
+    engine: Engine
+    backend: FakeShardBackend
+    tokenizer: Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def served(tokenizer: Tokenizer) -> AsyncIterator[Served]:
+    backend = FakeShardBackend(words=tokenizer.encode(WORDS), vocab_size=tokenizer.vocab_size)
+    config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port(),
+                          max_total_tokens=256, served_model_name="smol")
+    engine = Engine(config, backend, tokenizer)
+    app = create_app(engine, config, manage_engine=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "the server did not start"
+        await asyncio.sleep(0.01)
+    yield Served(f"http://127.0.0.1:{config.port}", engine, backend, tokenizer)
+    server.should_exit = True
+    await asyncio.wait_for(task, 10)
+
+
+def expected_text(s: Served, count: int) -> str:
+    return s.tokenizer.decode([s.backend.words[i % len(s.backend.words)] for i in range(count)])
+
+
+async def test_text_generation_client(served: Served) -> None:
+    client = text_generation.AsyncClient(served.url)
+    response = await client.generate("Hello", max_new_tokens=5, decoder_input_details=True)
+    assert response.generated_text == expected_text(served, 5)
+    assert response.details.finish_reason.value == "length" and len(response.details.prefill) > 0
+    streamed = [r async for r in client.generate_stream("Hello", max_new_tokens=5)]
+    assert [r.token.id for r in streamed] == [t.id for t in response.details.tokens]
+    assert streamed[-1].generated_text == response.generated_text
+    with pytest.raises(text_generation.errors.ValidationError):
+        await client.generate("Hello", max_new_tokens=1000)
+
+
+async def test_openai_client(served: Served) -> None:
+    client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["smol"]
+    chat = await client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4, temperature=0, logprobs=True, top_logprobs=1)
+    assert chat.choices[0].message.content == expected_text(served, 4)
+    assert chat.choices[0].logprobs.content[0].top_logprobs[0].logprob == -1.0
+    assert chat.usage.completion_tokens == 4
+    stream = await client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_text(served, 4)
+    assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
+    completion = await client.completions.create(model="smol", prompt="Hi", max_tokens=3, temperature=0, n=2)
+    assert [c.text for c in completion.choices] == [expected_text(served, 3)] * 2
+    with pytest.raises(openai.UnprocessableEntityError):
+        await client.completions.create(model="smol", prompt="Hi", max_tokens=3, n=100)
+
+
+async def wait_cancelled(engine: Engine, count: int) -> None:
+    for _ in range(200):
+        if engine.stats().requests_finished.get("cancelled", 0) >= count and not engine.stats().num_running:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not cancelled: {engine.stats()}")
+
+
+async def test_stream_disconnect_cancels_the_request(served: Served) -> None:
+    served.backend.step_delay_s = 0.01  # the request would run for 2 s
+    async with httpx.AsyncClient(base_url=served.url) as client:
+        async with client.stream("POST", "/generate_stream",
+                                 json={"inputs": "x", "parameters": {"max_new_tokens": 200}}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    break  # hang up after the first token
+    await wait_cancelled(served.engine, 1)
+    assert served.engine.stats().generated_tokens < 100
+
+
+async def test_non_streaming_disconnect_cancels_the_request(served: Served) -> None:
+    served.backend.step_delay_s = 0.01
+    async with httpx.AsyncClient(base_url=served.url) as client:
+        request = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 200}))
+        while served.engine.stats().generated_tokens < 3:
+            await asyncio.sleep(0.01)
+        request.cancel()  # closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    await wait_cancelled(served.engine, 1)
+    assert served.engine.stats().generated_tokens < 100
