@@ -90,12 +90,15 @@ class ShardClient:
             except grpc.aio.AioRpcError as error:
                 raise _shard_error(0, error) from None
         tasks = [asyncio.ensure_future(call(r)) for r in ranks]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        # A rank that failed may leave the others blocked in a collective: do not wait for them.
-        for task in pending:
-            task.cancel()
-        errors = [(rank, task.exception()) for rank, task in enumerate(tasks) if task in done]
-        for rank, error in errors:
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            # A rank that failed may leave the others blocked in a collective: do not
+            # wait for them (nor leave calls behind when this coroutine is cancelled).
+            for task in tasks:
+                task.cancel()
+        for rank, task in enumerate(tasks):
+            error = task.exception() if task.done() and not task.cancelled() else None
             if isinstance(error, grpc.aio.AioRpcError):
                 raise _shard_error(rank, error) from None
             if error is not None:
