@@ -164,6 +164,8 @@ class Driver:
         self.scheduler = scheduler
         self.shard = shard
         self.max_new_tokens = max_new_tokens
+        self.max_new_tokens_of: dict[int, int] = {}  # per group id, overrides max_new_tokens
+        self.prompt_logprobs: dict[int, list[float]] = {}  # per seq id, as the engine sees them
         self.num_steps = 0
 
     def step(self) -> StepPlan | None:
@@ -178,7 +180,9 @@ class Driver:
         return plan
 
     def _maybe_finish(self, seq: Sequence, out: SeqOutput) -> None:
-        if out.token_id is not None and seq.num_generated >= self.max_new_tokens:
+        self.prompt_logprobs.setdefault(seq.seq_id, []).extend(out.prompt_logprobs)
+        limit = self.max_new_tokens_of.get(seq.group.group_id, self.max_new_tokens)
+        if out.token_id is not None and seq.num_generated >= limit:
             self.scheduler.finish(seq)
 
     def run(self, max_steps: int = 10_000) -> None:

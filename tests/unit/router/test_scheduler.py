@@ -309,3 +309,47 @@ def test_random_load_with_aborts_leaks_nothing():
     assert len(finished) > 20
     for g in finished:
         assert_reference_outputs(g, 6)
+
+
+def preempt_n_group_mid_prompt(num_host_blocks: int) -> tuple[Scheduler, Driver, SequenceGroup, SequenceGroup, StepPlan]:
+    """a decodes and grows; b (n=2, 13-token prompt, 1 token a step) is preempted mid-prompt."""
+    scheduler, _, driver = setup(num_host_blocks=num_host_blocks, budget=2)
+    driver.max_new_tokens_of = {0: 14, 1: 3}
+    a = group(0, [1, 2])
+    b = group(1, list(range(20, 33)), seeds=[5, 6], prompt_logprobs=True)
+    scheduler.add(a)
+    driver.step()
+    scheduler.add(b)
+    plan = driver.step()
+    assert summary(plan) == [("new", 16, 0, 1, [1, 2, 3, 4]), ("run", 0, 1, [])]
+    assert b.seqs[1].block_table == [1, 2, 3, 5]  # its own copy of the partial last block
+    while not plan.released_ids:
+        plan = driver.step()
+    assert plan.released_ids == [16]  # only the parent was on the shard
+    assert b.seqs[0].num_generated == 0  # still mid-prompt
+    assert not b.forked and b.seqs[0].status is SeqStatus.PREEMPTED
+    return scheduler, driver, a, b, plan
+
+
+def test_n_group_swapped_mid_prompt_forks_after_resume():
+    scheduler, driver, a, b, plan = preempt_n_group_mid_prompt(num_host_blocks=8)
+    assert [host for _, host in plan.swap_out] == [0, 1, 2, 3, 4]  # parent's 4 + child's copy
+    assert b.seqs[1].host_block_table == [0, 1, 2, 4]
+    driver.run()
+    assert scheduler.stats.preemptions_swap == 1
+    assert scheduler.stats.prompt_tokens_computed == 2 + 13  # swapping kept b's computed prefix
+    assert_reference_outputs(a, 14)
+    assert_reference_outputs(b, 3)
+    assert driver.prompt_logprobs[16] == [fake_prompt_logprob(t) for t in range(21, 33)]
+
+
+def test_n_group_recomputed_mid_prompt_forks_after_resume():
+    scheduler, driver, a, b, plan = preempt_n_group_mid_prompt(num_host_blocks=0)
+    assert plan.swap_out == [] and all(not seq.block_table for seq in b.seqs)
+    driver.run()
+    assert scheduler.stats.preemptions_recompute == 1
+    assert scheduler.stats.prompt_tokens_computed > 2 + 13  # part of b's prompt ran twice
+    assert_reference_outputs(a, 14)
+    assert_reference_outputs(b, 3)
+    # Recomputed prompt positions are not reported twice.
+    assert driver.prompt_logprobs[16] == [fake_prompt_logprob(t) for t in range(21, 33)]
