@@ -1,44 +1,47 @@
-"""An in-process fake shard for the router API contract tests (the real Engine drives it)."""
+"""The scheduler tests' FakeShard (tests/unit/router/fake_shard.py) behind the ShardClient's async
+methods, so the API contract tests drive a real Engine against a shard that checks its blocks.
+
+Its hash-sampled token ids are mapped onto a cycle of plain words so responses read as text
+(the mapped token replaces the sampled one in the shard's record, keeping `verify()` exact).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import sys
+from pathlib import Path
 
-from loom.common.step import ModelInfo, SamplingParams, SeqOutput, StepPlan, StepResult, TokenLogprob, WarmupResult
+from loom.common.step import ModelInfo, StepPlan, StepResult, TokenLogprob, WarmupResult
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))
+from fake_shard import FakeShard, fake_sample  # noqa: E402
 
 WORDS = " the quick brown fox jumps over the lazy dog and then it sleeps in the sun"
 
 
-@dataclass(slots=True)
-class _Seq:
-    token_ids: list[int]
-    sampling: SamplingParams
-    num_computed: int = 0
-    num_generated: int = 0
+class FakeShardClient:
+    """A FakeShard with the ShardClient's interface, plus knobs for failure and pacing tests."""
 
+    def __init__(self, words: list[int], vocab_size: int, eos_id: int, block_size: int = 4,
+                 num_blocks: int = 256, max_position_embeddings: int = 256) -> None:
+        self.shard = FakeShard(block_size, num_blocks)
+        self.words = words
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.max_position_embeddings = max_position_embeddings
+        self.eos_at: int | None = None  # generated index at which every sequence emits EOS
+        self.step_delay_s = 0.0
+        self.fail_steps = False
+        self.healthy = True
+        self.num_steps = 0
 
-@dataclass
-class FakeShardBackend:
-    """Executes StepPlans deterministically, with the ShardClient's async methods.
+    @property
+    def num_blocks(self) -> int:
+        return len(self.shard.device)
 
-    Token i of a sequence is `words[(seed * do_sample + i) % len(words)]`, so greedy
-    choices agree and sampled ones depend on their seed; `eos_at` makes choice tokens
-    end with EOS at that generated index. `step_delay_s` paces the steps.
-    """
-
-    words: list[int]
-    vocab_size: int
-    eos_id: int = 2
-    eos_at: int | None = None
-    step_delay_s: float = 0.0
-    fail_steps: bool = False
-    healthy: bool = True
-    num_blocks: int = 256
-    block_size: int = 4
-    max_position_embeddings: int = 256
-    seqs: dict[int, _Seq] = field(default_factory=dict)
-    released: list[int] = field(default_factory=list)
+    @property
+    def block_size(self) -> int:
+        return self.shard.block_size
 
     async def wait_ready(self, timeout_s: float) -> None:
         return None
@@ -57,7 +60,7 @@ class FakeShardBackend:
 
     async def release(self, request_ids: list[int]) -> None:
         for request_id in request_ids:
-            self.seqs.pop(request_id, None)
+            self.shard.states.pop(request_id, None)
 
     async def clear_cache(self) -> None:
         return None
@@ -70,47 +73,26 @@ class FakeShardBackend:
             await asyncio.sleep(self.step_delay_s)
         if self.fail_steps:
             raise RuntimeError("fake shard failure")
-        await self.release(plan.released_ids)
-        self.released += plan.released_ids
-        outputs = []
-        for new in plan.new_requests:
-            seq = _Seq(list(new.token_ids), new.sampling, new.num_cached)
-            self.seqs[new.request_id] = seq
-            outputs.append(self._compute(new.request_id, seq, new.num_compute, new.prompt_logprobs,
-                                         new.num_prompt_tokens))
-            if new.forks and outputs[-1].token_id is not None:
-                for fork in new.forks:
-                    child = _Seq(seq.token_ids[:new.num_prompt_tokens], fork.sampling, new.num_prompt_tokens)
-                    self.seqs[fork.request_id] = child
-                    outputs.append(SeqOutput(fork.request_id, *self._sample(child)))
-        for running in plan.running_requests:
-            seq = self.seqs[running.request_id]
-            outputs.append(self._compute(running.request_id, seq, running.num_compute, False, 0))
-        return StepResult(outputs=outputs, forward_ms=0.0, total_ms=0.0)
+        result = self.shard.step(plan)
+        self.shard.verify()
+        self.num_steps += 1
+        for out in result.outputs:
+            if out.token_id is not None:
+                self._as_word(out)
+        return result
 
-    def _compute(self, request_id: int, seq: _Seq, num_compute: int, prompt_logprobs: bool,
-                 num_prompt: int) -> SeqOutput:
-        start = seq.num_computed
-        seq.num_computed += num_compute
-        logprobs = []
-        if prompt_logprobs:  # positions >= 1 computed by this step
-            logprobs = [-float(p) / 10 for p in range(max(1, start), min(seq.num_computed, num_prompt))]
-        if seq.num_computed < len(seq.token_ids):
-            return SeqOutput(request_id, None, None, prompt_logprobs=logprobs)
-        token_id, logprob, top = self._sample(seq)
-        return SeqOutput(request_id, token_id, logprob, top, prompt_logprobs=logprobs)
+    def _as_word(self, out) -> None:  # noqa: ANN001 (a SeqOutput)
+        state = self.shard.states[out.request_id]
+        index = len(state.token_ids) - state.num_prompt_tokens - 1  # of this token among the generated
+        token_id = self.eos_id if index == self.eos_at else self.words[out.token_id % len(self.words)]
+        state.token_ids[-1] = out.token_id = token_id
+        out.logprob = -0.1 * (1 + state.sampling.seed % 5)  # seeds differ in score: best_of has a winner
+        out.top_tokens = [TokenLogprob(self.words[(index + k) % len(self.words)], -1.0 - k)
+                          for k in range(state.sampling.top_n_tokens)]
 
-    def _sample(self, seq: _Seq) -> tuple[int, float, list[TokenLogprob]]:
-        i = seq.num_generated
-        if self.eos_at is not None and i == self.eos_at:
-            token_id = self.eos_id
-        else:
-            offset = seq.sampling.seed if seq.sampling.do_sample else 0
-            token_id = self.words[(offset + i) % len(self.words)]
-        seq.num_generated += 1
-        seq.token_ids.append(token_id)
-        # sampled choices differ in logprob by seed, so best_of has a clear winner
-        logprob = -0.1 * (1 + seq.sampling.seed % 5) if seq.sampling.do_sample else -0.25
-        top = [TokenLogprob(self.words[(i + k) % len(self.words)], -1.0 - k)
-               for k in range(seq.sampling.top_n_tokens)]
-        return token_id, logprob, top
+    def reference(self, prompt_ids: list[int], seed: int, count: int) -> list[int]:
+        """The tokens a sequence generates with this seed, computed without the router."""
+        tokens = list(prompt_ids)
+        for _ in range(count):
+            tokens.append(self.words[fake_sample(seed, tokens) % len(self.words)])
+        return tokens[len(prompt_ids):]

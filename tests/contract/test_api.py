@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from api_fakes import WORDS, FakeShardBackend
+from api_fakes import WORDS, FakeShardClient
 
 from loom.router.api import create_app
 from loom.router.config import RouterConfig
@@ -23,7 +23,7 @@ MAX_TOTAL_TOKENS = 64
 class Harness:
     client: httpx.AsyncClient
     engine: Engine
-    backend: FakeShardBackend
+    backend: FakeShardClient
     tokenizer: Tokenizer
 
 
@@ -33,8 +33,8 @@ def tokenizer() -> Tokenizer:
 
 
 @pytest.fixture
-def backend(tokenizer: Tokenizer) -> FakeShardBackend:
-    return FakeShardBackend(words=tokenizer.encode(WORDS), vocab_size=tokenizer.vocab_size)
+def backend(tokenizer: Tokenizer) -> FakeShardClient:
+    return FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
 
 
 def router_config(**overrides: object) -> RouterConfig:
@@ -44,7 +44,7 @@ def router_config(**overrides: object) -> RouterConfig:
 
 
 @pytest.fixture
-async def harness(backend: FakeShardBackend, tokenizer: Tokenizer) -> AsyncIterator[Harness]:
+async def harness(backend: FakeShardClient, tokenizer: Tokenizer) -> AsyncIterator[Harness]:
     config = router_config()
     engine = Engine(config, backend, tokenizer)
     await engine.start()
@@ -61,10 +61,18 @@ def sse_payloads(body: str) -> list:
     return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
 
 
-def word_text(tokenizer: Tokenizer, backend: FakeShardBackend, start: int, count: int) -> str:
-    """What the fake shard generates greedily: its word cycle from `start`."""
-    ids = [backend.words[(start + i) % len(backend.words)] for i in range(count)]
-    return tokenizer.decode(ids)
+def expected_ids(h: Harness, prompt: str | list[int], seed: int, count: int) -> list[int]:
+    """What the fake shard generates for this prompt and seed, computed without the router."""
+    ids = h.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    return h.backend.reference(ids, seed, count)
+
+
+def expected_text(h: Harness, prompt: str | list[int], seed: int, count: int) -> str:
+    return h.tokenizer.decode(expected_ids(h, prompt, seed, count))
+
+
+def chat_ids(h: Harness, messages: list[dict]) -> list[int]:
+    return h.tokenizer.encode(h.tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
 # ---- TGI routes ---------------------------------------------------------------------------
@@ -87,13 +95,13 @@ async def test_health_follows_the_shards(harness: Harness) -> None:
 
 
 async def test_generate_greedy_with_details(harness: Harness) -> None:
-    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": True}}
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": True, "seed": 3}}
     out = (await harness.client.post("/generate", json=body)).json()
-    assert out["generated_text"] == word_text(harness.tokenizer, harness.backend, 0, 5)
+    assert out["generated_text"] == expected_text(harness, "Hello", 3, 5)
     details = out["details"]
     assert details["finish_reason"] == "length" and details["generated_tokens"] == 5
     assert details["seed"] is None  # greedy: TGI reports no seed
-    assert [t["id"] for t in details["tokens"]] == harness.backend.words[:5]
+    assert [t["id"] for t in details["tokens"]] == expected_ids(harness, "Hello", 3, 5)
     assert all(set(t) == {"id", "text", "logprob", "special"} for t in details["tokens"])
     assert details["prefill"] == [] and details["top_tokens"] == []
 
@@ -115,10 +123,12 @@ async def test_eos_and_stop_sequences_finish(harness: Harness) -> None:
     out = (await harness.client.post("/generate", json={"inputs": "x", "parameters": {"details": True}})).json()
     assert out["details"]["finish_reason"] == "eos_token" and out["details"]["generated_tokens"] == 3
     harness.backend.eos_at = None
-    body = {"inputs": "x", "parameters": {"details": True, "stop": [" fox"], "max_new_tokens": 10}}
+    text = expected_text(harness, "x", 1, 10)
+    stop = text[text.index(" ", 2):][:4]  # the start of the second word
+    body = {"inputs": "x", "parameters": {"details": True, "stop": [stop], "max_new_tokens": 10, "seed": 1}}
     out = (await harness.client.post("/generate", json=body)).json()
     assert out["details"]["finish_reason"] == "stop_sequence"
-    assert out["generated_text"] == " the quick brown"
+    assert out["generated_text"] == text[:text.index(stop)]
 
 
 async def test_return_full_text_and_truncate(harness: Harness) -> None:
@@ -160,14 +170,14 @@ async def test_top_n_tokens(harness: Harness) -> None:
 
 
 async def test_generate_stream_sse_format(harness: Harness) -> None:
-    body = {"inputs": "x", "parameters": {"max_new_tokens": 4, "details": True}}
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 4, "details": True, "seed": 2}}
     response = await harness.client.post("/generate_stream", json=body)
     assert response.headers["content-type"].startswith("text/event-stream")
     events = sse_payloads(response.text)
     assert [e["index"] for e in events] == [1, 2, 3, 4]
     assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
     last = events[-1]
-    assert last["generated_text"] == word_text(harness.tokenizer, harness.backend, 0, 4)
+    assert last["generated_text"] == expected_text(harness, "x", 2, 4)
     assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == 4
     assert "".join(e["token"]["text"] for e in events) == last["generated_text"]
 
@@ -253,11 +263,11 @@ async def test_models(harness: Harness) -> None:
 
 
 async def test_completion(harness: Harness) -> None:
-    body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "seed": 8}
     out = (await harness.client.post("/v1/completions", json=body)).json()
     assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
     (choice,) = out["choices"]
-    assert choice["text"] == word_text(harness.tokenizer, harness.backend, 0, 4)
+    assert choice["text"] == expected_text(harness, "Hello", 8, 4)
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None
     n_prompt = len(harness.tokenizer.encode("Hello"))
     assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 4, "total_tokens": n_prompt + 4,
@@ -266,9 +276,9 @@ async def test_completion(harness: Harness) -> None:
 
 async def test_completion_prompt_as_token_ids_with_echo_and_logprobs(harness: Harness) -> None:
     ids = harness.tokenizer.encode("one two three")
-    body = {"prompt": [ids], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    body = {"prompt": [ids], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2, "seed": 4}
     (choice,) = (await harness.client.post("/v1/completions", json=body)).json()["choices"]
-    assert choice["text"] == "one two three" + word_text(harness.tokenizer, harness.backend, 0, 2)
+    assert choice["text"] == "one two three" + expected_text(harness, ids, 4, 2)
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) + 2
     assert logprobs["token_logprobs"][0] is None and all(lp is not None for lp in logprobs["token_logprobs"][1:])
@@ -279,7 +289,7 @@ async def test_completion_prompt_as_token_ids_with_echo_and_logprobs(harness: Ha
 
 
 async def test_completion_stream_with_usage(harness: Harness) -> None:
-    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True,
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True, "seed": 5,
             "stream_options": {"include_usage": True}}
     events = sse_payloads((await harness.client.post("/v1/completions", json=body)).text)
     assert events[-1] == "[DONE]"
@@ -287,28 +297,27 @@ async def test_completion_stream_with_usage(harness: Harness) -> None:
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 3
     chunks = events[:-2]
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
-    assert "".join(c["choices"][0]["text"] for c in chunks) == word_text(harness.tokenizer, harness.backend, 0, 3)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(harness, "Hello", 5, 3)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_chat_completion_with_logprobs(harness: Harness) -> None:
     body = {"model": "m", "messages": CHAT, "max_completion_tokens": 3, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2}
+            "logprobs": True, "top_logprobs": 2, "seed": 6}
     out = (await harness.client.post("/v1/chat/completions", json=body)).json()
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     (choice,) = out["choices"]
     assert choice["message"] == {"role": "assistant",
-                                 "content": word_text(harness.tokenizer, harness.backend, 0, 3)}
+                                 "content": expected_text(harness, chat_ids(harness, CHAT), 6, 3)}
     content = choice["logprobs"]["content"]
     assert len(content) == 3 and set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
     assert bytes(content[0]["bytes"]).decode() == content[0]["token"] and len(content[0]["top_logprobs"]) == 2
-    prompt = harness.tokenizer.apply_chat_template(CHAT)
-    assert out["usage"]["prompt_tokens"] == len(harness.tokenizer.encode(prompt, add_special_tokens=False))
+    assert out["usage"]["prompt_tokens"] == len(chat_ids(harness, CHAT))
 
 
 async def test_chat_stream_interleaves_n_choices(harness: Harness) -> None:
     body = {"messages": CHAT, "max_tokens": 3, "n": 2, "seed": 1, "stream": True,
-            "choice_params": [{"temperature": 0}]}
+            "choice_params": [{"temperature": 0, "seed": 40}]}
     events = sse_payloads((await harness.client.post("/v1/chat/completions", json=body)).text)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -318,17 +327,20 @@ async def test_chat_stream_interleaves_n_choices(harness: Harness) -> None:
     for chunk in chunks[2:]:
         (choice,) = chunk["choices"]
         texts[choice["index"]] += choice["delta"]["content"]
-    # choice 0 is greedy by its override; choice 1 samples with seed 1 + 1
-    assert texts[0] == word_text(harness.tokenizer, harness.backend, 0, 3)
-    assert texts[1] == word_text(harness.tokenizer, harness.backend, 2, 3)
+    # choice 0 has its own seed; choice 1 samples with the request's seed + 1
+    ids = chat_ids(harness, CHAT)
+    assert texts[0] == expected_text(harness, ids, 40, 3)
+    assert texts[1] == expected_text(harness, ids, 2, 3)
     finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
     assert sorted(finishes) == [0, 1]
 
 
 async def test_chat_stop_sequence_maps_to_stop(harness: Harness) -> None:
-    body = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "stop": " brown"}
+    text = expected_text(harness, chat_ids(harness, CHAT), 9, 10)
+    stop = text[text.index(" ", 2):][:4]
+    body = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "stop": stop, "seed": 9}
     (choice,) = (await harness.client.post("/v1/chat/completions", json=body)).json()["choices"]
-    assert choice["message"]["content"] == " the quick" and choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == text[:text.index(stop)] and choice["finish_reason"] == "stop"
 
 
 async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:

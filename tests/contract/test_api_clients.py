@@ -13,7 +13,7 @@ import openai
 import pytest
 import text_generation
 import uvicorn
-from api_fakes import WORDS, FakeShardBackend
+from api_fakes import WORDS, FakeShardClient
 
 from loom.router.api import create_app
 from loom.router.config import RouterConfig
@@ -25,7 +25,7 @@ from loom.router.tokenizer import Tokenizer, load_tokenizer
 class Served:
     url: str
     engine: Engine
-    backend: FakeShardBackend
+    backend: FakeShardClient
     tokenizer: Tokenizer
 
 
@@ -42,7 +42,7 @@ def free_port() -> int:
 
 @pytest.fixture
 async def served(tokenizer: Tokenizer) -> AsyncIterator[Served]:
-    backend = FakeShardBackend(words=tokenizer.encode(WORDS), vocab_size=tokenizer.vocab_size)
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port(),
                           max_total_tokens=256, served_model_name="smol")
     engine = Engine(config, backend, tokenizer)
@@ -57,16 +57,18 @@ async def served(tokenizer: Tokenizer) -> AsyncIterator[Served]:
     await asyncio.wait_for(task, 10)
 
 
-def expected_text(s: Served, count: int) -> str:
-    return s.tokenizer.decode([s.backend.words[i % len(s.backend.words)] for i in range(count)])
+def expected_text(s: Served, prompt_ids: list[int], seed: int, count: int) -> str:
+    return s.tokenizer.decode(s.backend.reference(prompt_ids, seed, count))
 
 
 async def test_text_generation_client(served: Served) -> None:
     client = text_generation.AsyncClient(served.url)
-    response = await client.generate("Hello", max_new_tokens=5, decoder_input_details=True)
-    assert response.generated_text == expected_text(served, 5)
-    assert response.details.finish_reason.value == "length" and len(response.details.prefill) > 0
-    streamed = [r async for r in client.generate_stream("Hello", max_new_tokens=5)]
+    prompt_ids = served.tokenizer.encode("Hello")
+    response = await client.generate("Hello", max_new_tokens=5, decoder_input_details=True, seed=3)
+    assert response.generated_text == expected_text(served, prompt_ids, 3, 5)
+    assert response.details.finish_reason.value == "length"
+    assert [t.id for t in response.details.prefill] == prompt_ids
+    streamed = [r async for r in client.generate_stream("Hello", max_new_tokens=5, seed=3)]
     assert [r.token.id for r in streamed] == [t.id for t in response.details.tokens]
     assert streamed[-1].generated_text == response.generated_text
     with pytest.raises(text_generation.errors.ValidationError):
@@ -77,19 +79,21 @@ async def test_openai_client(served: Served) -> None:
     client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
     models = await client.models.list()
     assert [m.id for m in models.data] == ["smol"]
-    chat = await client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=4, temperature=0, logprobs=True, top_logprobs=1)
-    assert chat.choices[0].message.content == expected_text(served, 4)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = served.tokenizer.encode(served.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    chat = await client.chat.completions.create(model="smol", messages=messages, max_tokens=4, temperature=0,
+                                                seed=7, logprobs=True, top_logprobs=1)
+    assert chat.choices[0].message.content == expected_text(served, chat_ids, 7, 4)
     assert chat.choices[0].logprobs.content[0].top_logprobs[0].logprob == -1.0
-    assert chat.usage.completion_tokens == 4
-    stream = await client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                                  max_tokens=4, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+    assert chat.usage.completion_tokens == 4 and chat.usage.prompt_tokens == len(chat_ids)
+    stream = await client.chat.completions.create(model="smol", messages=messages, max_tokens=4, temperature=0,
+                                                  seed=7, stream=True, stream_options={"include_usage": True})
     chunks = [chunk async for chunk in stream]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_text(served, 4)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
-    completion = await client.completions.create(model="smol", prompt="Hi", max_tokens=3, temperature=0, n=2)
-    assert [c.text for c in completion.choices] == [expected_text(served, 3)] * 2
+    completion = await client.completions.create(model="smol", prompt="Hi", max_tokens=3, n=2, seed=10)
+    prompt_ids = served.tokenizer.encode("Hi")
+    assert [c.text for c in completion.choices] == [expected_text(served, prompt_ids, s, 3) for s in (10, 11)]
     with pytest.raises(openai.UnprocessableEntityError):
         await client.completions.create(model="smol", prompt="Hi", max_tokens=3, n=100)
 
