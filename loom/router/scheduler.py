@@ -345,7 +345,7 @@ class Scheduler:
         """Drop logprobs of prompt positions already returned (a prompt recomputed after a
         preemption), so the engine sees each position 1..L-1 once, in order."""
         group = seq.group
-        first = max(1, start)  # position of out.prompt_logprobs[0]
+        first = start + 1  # position of out.prompt_logprobs[0]: logits at q score token q + 1
         skip = max(0, group.num_prompt_logprobs_sent + 1 - first)
         if skip:
             out.prompt_logprobs = out.prompt_logprobs[skip:]

@@ -107,10 +107,10 @@ class FakeShard:
         state = item.state
         start, state.num_computed = state.num_computed, state.num_computed + item.num_compute
         out = SeqOutput(item.request_id, None, None)
-        if state.prompt_logprobs:
-            end = min(state.num_computed, state.num_prompt_tokens)
+        if state.prompt_logprobs:  # the logits at position q score prompt token q + 1
+            end = min(state.num_computed + 1, state.num_prompt_tokens)
             out.prompt_logprobs = [fake_prompt_logprob(state.token_ids[pos])
-                                   for pos in range(max(1, start), end)]
+                                   for pos in range(start + 1, end)]
         if state.num_computed < len(state.token_ids):
             return [out]
         context = self._read(state, state.num_computed)
