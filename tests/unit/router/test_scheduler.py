@@ -353,3 +353,9 @@ def test_n_group_recomputed_mid_prompt_forks_after_resume():
     assert_reference_outputs(b, 3)
     # Recomputed prompt positions are not reported twice.
     assert driver.prompt_logprobs[16] == [fake_prompt_logprob(t) for t in range(21, 33)]
+
+
+def test_max_batch_total_tokens_caps_the_pool():
+    scheduler, _, _ = setup(max_batch_total_tokens=16)
+    assert scheduler.stats.blocks_total == 4 and scheduler.block_manager.num_blocks == 4
+    assert scheduler.can_ever_fit(16, 1) and not scheduler.can_ever_fit(17, 1)
