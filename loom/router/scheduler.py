@@ -201,14 +201,14 @@ class Scheduler:
         # Prompt logprobs need every prompt position computed: no prefix hits before that.
         use_cache = not (group.prompt_logprobs and group.seqs[0].num_generated == 0)
         fresh = group.seqs[0].status is SeqStatus.WAITING
-        if group.forked:
+        if group.forked and not fresh:  # resuming independent choices
             seqs = group.unfinished_seqs()
             needed = sum(bm.num_required_blocks(seq.token_ids, use_cache) for seq in seqs)
             if needed > bm.num_free_blocks:
                 return False
             for seq in seqs:
                 bm.allocate(seq, use_cache)
-        else:
+        else:  # a prompt to prefill, then fork
             parent = group.seqs[0]
             # Each child takes one block (its copy of the last partial block, or the block
             # of its first decode); the parent's first decode needs one when the prompt

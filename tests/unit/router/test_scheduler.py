@@ -238,9 +238,10 @@ def test_abort_while_the_step_runs_releases_next_plan():
 
 def test_abort_waiting_group_releases_nothing():
     scheduler, _, driver = setup(budget=32)
-    scheduler.add(group(0, list(range(28))))  # 7 blocks + 1 for its first decode
-    scheduler.add(group(1, list(range(8))))
+    scheduler.add(group(0, list(range(24))))  # 6 blocks
+    scheduler.add(group(1, list(range(8))))  # 2 blocks + 1 for its first decode: 2 are free
     assert [r[1] for r in summary(driver.step())] == [0]
+    assert scheduler.block_manager.num_free_blocks == 2
     scheduler.abort(1)
     assert scheduler.stats.num_waiting == 0 and scheduler.schedule().released_ids == []
 
