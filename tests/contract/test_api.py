@@ -383,3 +383,10 @@ async def test_openai_overload_is_429_in_openai_shape(harness: Harness) -> None:
     response = await harness.client.post("/v1/completions", json=body)
     assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
     await asyncio.gather(*running)
+
+
+async def test_openapi_docs(harness: Harness) -> None:
+    assert (await harness.client.get("/docs")).status_code == 200
+    paths = (await harness.client.get("/openapi.json")).json()["paths"]
+    assert {"/generate", "/generate_stream", "/", "/info", "/health", "/tokenize", "/metrics", "/v1/models",
+            "/v1/completions", "/v1/chat/completions"} <= set(paths)

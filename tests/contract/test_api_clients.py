@@ -4,6 +4,7 @@ by the official `text_generation` and `openai` clients, and by clients that hang
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -129,3 +130,26 @@ async def test_non_streaming_disconnect_cancels_the_request(served: Served) -> N
             await request
     await wait_cancelled(served.engine, 1)
     assert served.engine.stats().generated_tokens < 100
+
+
+async def test_shutdown_lets_in_flight_streams_finish(tokenizer: Tokenizer) -> None:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
+    backend.step_delay_s = 0.01
+    config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port())
+    engine = Engine(config, backend, tokenizer)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host=config.hostname,
+                                           port=config.port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    events = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}") as client:
+        async with client.stream("POST", "/generate_stream",
+                                 json={"inputs": "x", "parameters": {"max_new_tokens": 30}}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    server.should_exit = True  # as SIGTERM does
+    await asyncio.wait_for(task, 10)
+    assert len(events) == 30 and json.loads(events[-1][5:])["generated_text"] is not None
+    assert engine._loop_task is not None and engine._loop_task.done()  # the lifespan stopped the engine
