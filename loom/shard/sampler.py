@@ -14,6 +14,8 @@ import torch
 from loom.common.step import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
+_TWO_POW_MINUS_53 = 2.0**-53
+_TOP_P_CANDIDATES = 256  # likeliest tokens searched for the top-p cut before a full sort
 
 
 @dataclass(slots=True)
@@ -175,13 +177,29 @@ def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keeps the smallest most-likely set whose probability mass reaches top_p."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly likelier tokens
-    remove = mass_before >= top_p.to(logits.dtype).unsqueeze(1)
-    remove[:, 0] = False  # the most likely token always stays
-    return logits.masked_fill(remove.scatter(1, sorted_ids, remove), float("-inf"))
+    """Keeps the smallest most-likely set whose probability mass reaches top_p (ties kept).
+
+    A full sort of the vocabulary is slow on CPU, so the cut is looked for among each
+    row's likeliest few tokens first; only rows whose mass is spread wider sort everything.
+    """
+    probs = logits.softmax(dim=-1)  # [rows, vocab]
+    top_p = top_p.to(probs.dtype).unsqueeze(1)  # [rows, 1]
+    thresholds = _top_p_thresholds(probs, top_p, min(_TOP_P_CANDIDATES, probs.shape[-1]))
+    wide = thresholds.isnan().squeeze(1)
+    if bool(wide.any()):
+        thresholds[wide] = _top_p_thresholds(probs[wide], top_p[wide], probs.shape[-1])
+    return logits.masked_fill(probs < thresholds, float("-inf"))
+
+
+def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
+    """The smallest kept probability per row [rows, 1]; NaN where the top k fall short of top_p."""
+    values = probs.topk(k, dim=-1).values  # [rows, k], descending
+    cumulative = values.cumsum(dim=-1)
+    num_keep = ((cumulative - values) < top_p).sum(dim=-1, keepdim=True)  # >= 1: top_p > 0
+    thresholds = values.gather(1, num_keep - 1)
+    if k == probs.shape[-1]:
+        return thresholds  # the whole vocabulary: reached, up to rounding
+    return thresholds.masked_fill(cumulative[:, -1:] < top_p, float("nan"))
 
 
 def _typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -207,17 +225,19 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
-    """One token per row via the exponential race: argmax(p / E), E ~ Exp(1) per token.
+    """One token per row by inverse transform sampling: the first token whose cumulative
+    probability (in id order) exceeds u * total.
 
-    The noise of a row comes from its own generator, seeded by (seed, tokens generated so
-    far), so a draw does not depend on the batch around it or on a preemption in between.
+    u is a uniform in [0, 1) made from hash64(seed, tokens generated so far), so a draw
+    depends on nothing but the row's own probabilities, seed and position: not on the
+    batch around it, a preemption in between, or the device. It is what
+    torch.multinomial does with one uniform, without a generator per row.
     """
-    generator = torch.Generator(device=probs.device)
-    noise = torch.empty_like(probs)  # [rows, vocab]
-    for row, state in enumerate(states):
-        generator.manual_seed(hash64(state.params.seed, state.num_generated))
-        noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    uniforms = [(hash64(s.params.seed, s.num_generated) >> 11) * _TWO_POW_MINUS_53 for s in states]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device).unsqueeze(1)  # [rows, 1]
+    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]; float64 so rare tokens keep their width
+    token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return token_ids.clamp(max=probs.shape[-1] - 1)
 
 
 def _build_samples(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loom.common.step import SamplingParams
-from loom.shard.sampler import SeqSamplingState, process_row, sample
+from loom.shard.sampler import SeqSamplingState, filtered_probs, process_row, sample
 
 VOCAB = 16
 
@@ -197,3 +197,22 @@ def test_temperature_zero_is_greedy():
     logits = _logits(1, seed=9)
     out = sample(logits, [_state(do_sample=True, temperature=0.0)])[0]
     assert out.token_id == int(logits[0].argmax())
+
+
+def test_top_p_on_a_large_vocabulary_peaked_and_flat_rows():
+    """Rows whose mass sits in a few tokens and rows that need the full sort agree with the definition."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 3000
+    logits = torch.stack([torch.randn(vocab, generator=g) * 6.0, torch.randn(vocab, generator=g) * 0.3])
+    params = [SamplingParams(seed=0, do_sample=True, top_p=0.9) for _ in range(2)]
+    kept = [set(torch.nonzero(row > 0).flatten().tolist()) for row in filtered_probs(logits, params)]
+    for row, kept_ids in zip(logits, kept):
+        probs = torch.softmax(row.double(), dim=-1).tolist()
+        expected, mass = set(), 0.0
+        for t in sorted(range(vocab), key=lambda t: -probs[t]):
+            expected.add(t)
+            mass += probs[t]
+            if mass >= 0.9:
+                break
+        assert kept_ids == expected
+    assert len(kept[0]) < 256 < len(kept[1])  # both the quick path and the full sort ran
