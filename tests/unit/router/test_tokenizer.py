@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from loom.router.text import IncrementalDetokenizer
 from loom.router.tokenizer import ChatTemplateError, Tokenizer, TokenizerLoadError, load_tokenizer
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -163,3 +164,61 @@ def test_missing_model_is_a_clear_error(tmp_path: Path):
         load_tokenizer(str(tmp_path / "nope"))
     with pytest.raises(TokenizerLoadError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory: pytest.TempPathFactory):
+    """A SentencePiece BPE model trained here, and the same vocabulary written as a "llama" GGUF."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    import gguf
+
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Hello world! Numbers 12345 and ünïcödé 日本語.",
+              "  double  spaces and\nnewlines\ttabs"] * 50
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, character_coverage=1.0,
+        minloglevel=2, unk_id=0, bos_id=1, eos_id=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ids = range(sp.get_piece_size())
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids]
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in ids])
+    writer.add_token_scores([sp.get_score(i) for i in ids])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sp, load_tokenizer(str(path))
+
+
+def test_sentencepiece_gguf_matches_sentencepiece(spm_gguf):
+    sp, tok = spm_gguf
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
+    for text in ["The quick brown fox", "Hello world! 12345", "  double  spaces", "ünïcödé 日本語 😀 unseen ZQX",
+                 "a\nb\tc", " lead", ""]:
+        ids = tok.encode(text)
+        assert ids == [1, *sp.encode(text)], text  # add_bos_token: true here
+        assert tok.decode(ids, skip_special_tokens=True) == sp.decode(ids) == text
+
+
+def test_sentencepiece_gguf_streams_spaces_and_byte_fallback(spm_gguf):
+    _, tok = spm_gguf
+    text = "The fox 😀 jumps over 日本"
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt_ids, generated = ids[:2], ids[2:]
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    chunks = [detok.add(i) for i in generated] + [detok.flush()]
+    assert "".join(chunks) == tok.decode(ids)[len(tok.decode(prompt_ids)) :]
+    assert not any("\ufffd" in c for c in chunks)  # 😀 arrives as byte tokens <0xF0>...
+    assert any(tok.token_text(i).startswith("<0x") for i in generated)
