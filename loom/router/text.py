@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._ids = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0) :])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
