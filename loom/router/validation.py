@@ -26,6 +26,14 @@ class _Strict(BaseModel):
     # strict: a string where a number belongs is a 422, not silently coerced
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Clients send `"n": null` or `"stream": null` for "unset": give those the default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 @dataclass(slots=True, frozen=True)
 class Limits:

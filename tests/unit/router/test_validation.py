@@ -41,7 +41,7 @@ def test_tgi_out_of_range_values_are_rejected_naming_the_field(field: str, value
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", "0.5"), ("top_k", 1.5), ("do_sample", "yes"), ("do_sample", 1), ("stop", "x"),
-    ("max_new_tokens", "10"), ("details", None),
+    ("max_new_tokens", "10"), ("details", "true"),
 ])
 def test_tgi_wrong_types_are_rejected_not_coerced(field: str, value: object) -> None:
     with pytest.raises(pydantic.ValidationError):
@@ -215,3 +215,12 @@ def test_completion_prompt_forms() -> None:
         assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
     with pytest.raises(pydantic.ValidationError):
         CompletionRequest.model_validate({"prompt": 5})
+
+
+def test_null_means_default_for_every_field() -> None:
+    req = ChatCompletionRequest.model_validate({"messages": CHAT, "n": None, "stream": None, "logprobs": None,
+                                                "stop": None, "ignore_eos": None, "temperature": None})
+    assert req.n == 1 and not req.stream and not req.logprobs and req.stop_sequences == []
+    assert TGIRequest.model_validate({"inputs": "x", "parameters": None}).parameters == TGIParameters()
+    with pytest.raises(pydantic.ValidationError):
+        CompletionRequest.model_validate({"prompt": None})  # a required field stays required
