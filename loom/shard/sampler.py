@@ -7,6 +7,7 @@ all-greedy batch is one argmax plus one logsumexp gather.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,10 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.softmax(logits, dim=-1)
 
 
-def _apply_filter(logits: torch.Tensor, params: list[SamplingParams], name: str, fn) -> torch.Tensor:
+FilterFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits [rows, vocab], values [rows])
+
+
+def _apply_filter(logits: torch.Tensor, params: list[SamplingParams], name: str, fn: FilterFn) -> torch.Tensor:
     rows = [i for i, p in enumerate(params) if _filter_active(name, getattr(p, name))]
     if not rows:
         return logits
