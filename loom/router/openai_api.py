@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loom.router.http_common import (
     AppState,
+    ChoiceResult,
     EventStreamResponse,
     Generation,
     encode,
@@ -61,6 +62,9 @@ class _Reply:
     kind: str  # "chat" or "text"
     model: str
     logprobs: bool
+    include_usage: bool
+    echo_ids: list[int] | None = None  # completions with echo: the prompt, written before the text
+    echo_text: str = ""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,13 +93,13 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
     ids = await _completion_prompt_ids(state, body)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
-    reply = _Reply("text", state.model_name, body.logprobs is not None)
-    echo_text = state.tokenizer.decode(ids) if body.echo else ""
+    reply = _Reply("text", state.model_name, body.logprobs is not None, body.include_usage)
+    if body.echo:
+        reply.echo_ids, reply.echo_text = ids, state.tokenizer.decode(ids)
     if body.stream:
-        return _stream(state, reply, ids, params, body.include_usage, echo_text)
+        return _stream(state, reply, ids, params)
     generation = await generate(state, request, ids, params)
-    choices = [_text_choice(state, c.index, c.text, c.tokens, c.finish_reason, reply, echo_text, ids,
-                            generation.prompt) for c in generation.choices]
+    choices = [_text_choice(state, reply, c, generation.prompt) for c in generation.choices]
     return {**reply.envelope("text_completion", choices), "usage": _usage(generation.prompt, generation)}
 
 
@@ -109,9 +113,9 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
-    reply = _Reply("chat", state.model_name, body.logprobs)
+    reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
     if body.stream:
-        return _stream(state, reply, ids, params, body.include_usage, "")
+        return _stream(state, reply, ids, params)
     generation = await generate(state, request, ids, params)
     choices = [{
         "index": c.index,
@@ -143,43 +147,41 @@ async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> li
 # ---- streaming --------------------------------------------------------------------------
 
 
-def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams, include_usage: bool,
-            echo_text: str) -> Response:
+def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams) -> Response:
     stream = state.engine.submit(ids, params)
     timer = state.metrics.start_request(len(ids))
-    events = _chunks(state, reply, params, tracked(stream, timer), stream, include_usage, echo_text)
-    return EventStreamResponse(events, stream.cancel)
+    return EventStreamResponse(_chunks(state, reply, params.n, stream, tracked(stream, timer)), stream.cancel)
 
 
-async def _chunks(state: AppState, reply: _Reply, params: GenerationParams, events: AsyncIterator[ChoiceEvent],
-                  stream: Any, include_usage: bool, echo_text: str) -> AsyncIterator[str]:
+async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
+                  events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
-    extra = {"usage": None} if include_usage else {}
-    for index in range(params.n):  # OpenAI opens every chat choice with the role; echo opens text ones
+    extra = {"usage": None} if reply.include_usage else {}
+    for index in range(n):  # OpenAI opens every chat choice with the role; echo opens text ones
         if reply.kind == "chat":
             opening = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None}
-        elif echo_text:
-            opening = {"index": index, "text": echo_text, "logprobs": None, "finish_reason": None}
+        elif reply.echo_text:
+            opening = {"index": index, "text": reply.echo_text, "logprobs": None, "finish_reason": None}
         else:
             continue
         yield sse({**reply.envelope(obj, [opening]), **extra})
     num_generated = 0
-    offsets = [len(echo_text)] * params.n
+    offsets = [len(reply.echo_text)] * n  # text_offset of each choice's next token
     try:
         async for event in events:
             num_generated += 1
             if reply.kind == "chat":
                 choice = _chat_chunk_choice(state, reply, event)
             else:
-                choice = _text_choice(state, event.index, event.text, [event.token], event.finish_reason,
-                                      reply, "", None, None, offsets[event.index])
+                one = ChoiceResult(event.index, [event.text], [event.token], event.finish_reason)
+                choice = _text_choice(state, reply, one, None, offsets[event.index])
                 offsets[event.index] += len(event.token.text)
             yield sse({**reply.envelope(obj, [choice]), **extra})
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         return
-    if include_usage:
+    if reply.include_usage:
         usage = _usage_counts(stream.prompt, num_generated)
         yield sse({**reply.envelope(obj, []), "usage": usage})
     yield sse("[DONE]")
@@ -194,24 +196,29 @@ def _chat_chunk_choice(state: AppState, reply: _Reply, event: ChoiceEvent) -> di
 # ---- response pieces ---------------------------------------------------------------------
 
 
-def _text_choice(state: AppState, index: int, text: str, tokens: list[GeneratedToken], finish: Any,
-                 reply: _Reply, echo_text: str, prompt_ids: list[int] | None, prompt: PromptInfo | None,
+def _text_choice(state: AppState, reply: _Reply, choice: ChoiceResult, prompt: PromptInfo | None,
                  first_offset: int = 0) -> dict[str, Any]:
+    """A completion choice. With `prompt` (a whole response) the echo comes first; a stream
+    chunk (prompt None) carries only its own tokens, starting at `first_offset` in the text."""
+    echo_ids = reply.echo_ids if prompt is not None else None
     logprobs = None
     if reply.logprobs:
-        logprobs = _completion_logprobs(state, tokens, prompt_ids if echo_text else None, prompt, first_offset)
-    return {"index": index, "text": echo_text + text, "logprobs": logprobs,
+        logprobs = _completion_logprobs(state, choice.tokens, echo_ids, prompt, first_offset)
+    text = (reply.echo_text if echo_ids is not None else "") + choice.text
+    finish = choice.finish_reason
+    return {"index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": finish.openai if finish else None}
 
 
-def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], prompt_ids: list[int] | None,
+def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo_ids: list[int] | None,
                          prompt: PromptInfo | None, first_offset: int) -> dict[str, Any]:
     """The legacy completions logprobs: parallel lists, echoed prompt tokens first."""
     decode = state.tokenizer.decode
     texts: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
-    if prompt_ids is not None:
+    if echo_ids is not None:
+        prompt_ids = echo_ids
         prompt_logprobs = list(prompt.prompt_logprobs) if prompt is not None else []
         prompt_logprobs += [None] * (len(prompt_ids) - len(prompt_logprobs))
         texts += [decode([i]) for i in prompt_ids]

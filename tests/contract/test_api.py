@@ -301,6 +301,17 @@ async def test_completion_stream_with_usage(harness: Harness) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_completion_stream_with_echo_and_logprobs(harness: Harness) -> None:
+    body = {"prompt": "Hello", "max_tokens": 2, "stream": True, "echo": True, "logprobs": 1, "seed": 3}
+    events = sse_payloads((await harness.client.post("/v1/completions", json=body)).text)
+    opening, first, second, done = events
+    assert opening["choices"][0]["text"] == "Hello" and done == "[DONE]"
+    assert first["choices"][0]["logprobs"]["text_offset"] == [len("Hello")]
+    assert second["choices"][0]["logprobs"]["text_offset"] == [len("Hello") + len(first["choices"][0]["text"])]
+    assert all(len(e["choices"][0]["logprobs"]["top_logprobs"][0]) == 1 for e in (first, second))
+    assert first["choices"][0]["text"] + second["choices"][0]["text"] == expected_text(harness, "Hello", 3, 2)
+
+
 async def test_chat_completion_with_logprobs(harness: Harness) -> None:
     body = {"model": "m", "messages": CHAT, "max_completion_tokens": 3, "temperature": 0,
             "logprobs": True, "top_logprobs": 2, "seed": 6}
