@@ -22,6 +22,7 @@ ENV_PREFIX = "LOOM_"
 SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom.shard.server"
 ROUTER_MODULE = "loom.router.main"
+ROUTER_EXIT_MARGIN_S = 10.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,10 +164,12 @@ def shard_spec(config: ShardConfig, env: Mapping[str, str]) -> ProcessSpec:
     return ProcessSpec(f"shard {config.rank}", argv, env, ready_marker=SHARD_READY_MARKER)
 
 
-def router_spec(config: RouterConfig, env: Mapping[str, str]) -> ProcessSpec:
+def router_spec(config: RouterConfig, env: Mapping[str, str],
+                shutdown_timeout: float) -> ProcessSpec:
     names = [f.name for f in dataclasses.fields(RouterConfig)]
-    return ProcessSpec("router", (sys.executable, "-m", ROUTER_MODULE,
-                                  *config_flags(config, names)), env)
+    argv = (sys.executable, "-m", ROUTER_MODULE, *config_flags(config, names),
+            "--shutdown-timeout", str(shutdown_timeout))
+    return ProcessSpec("router", argv, env)
 
 
 def child_env(environ: Mapping[str, str], num_threads: int) -> dict[str, str]:
@@ -198,10 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = child_env(environ, config.num_threads)
     stop = threading.Event()
     install_signal_handlers(stop)
+    # The router drains within its own timeout; the margin lets it exit before a SIGKILL.
     return serve(shards=[shard_spec(shard, env) for shard in config.shards],
-                 router=router_spec(config.router, env), health_url=health_url(config.router),
-                 startup_timeout=config.startup_timeout,
-                 shutdown_timeout=config.shutdown_timeout, stop=stop)
+                 router=router_spec(config.router, env, config.shutdown_timeout),
+                 health_url=health_url(config.router), startup_timeout=config.startup_timeout,
+                 shutdown_timeout=config.shutdown_timeout + ROUTER_EXIT_MARGIN_S, stop=stop)
 
 
 if __name__ == "__main__":

@@ -167,13 +167,14 @@ def test_children_command_lines() -> None:
     assert flags["--rank"] == "1" and flags["--world-size"] == "2"
     assert flags["--master-port"] == "29600" and flags["--uds-path"] == "/tmp/loom-server-1"
     assert flags["--model-id"] == "" and "--dtype" not in flags  # None is left out
-    router = router_spec(config.router, {}).argv
+    router = router_spec(config.router, {}, shutdown_timeout=7.0).argv
     assert router[1:3] == ("-m", "loom.router.main")
     pairs = list(zip(router[3::2], router[4::2]))
     assert [v for k, v in pairs if k == "--shard-uds-path"] == ["/tmp/loom-server-0",
                                                                 "/tmp/loom-server-1"]
     assert ("--port", "3100") in pairs and ("--max-total-tokens", "512") in pairs
     assert "--max-input-tokens" not in router
+    assert ("--shutdown-timeout", "7.0") in pairs
 
 
 def test_child_env_sets_threads_and_keeps_the_rest() -> None:
@@ -286,3 +287,16 @@ def test_shard_server_parses_back_the_exact_config() -> None:
                                         "--snapshot-dir", "/tmp/snaps", "--block-size", "8"])
     for shard in build_config(args, num_cpus=2).shards:
         assert parse_config(list(shard_spec(shard, {}).argv[3:])) == shard
+
+
+def test_router_parses_back_the_exact_config() -> None:
+    from loom.router.main import build_parser as router_parser
+    from loom.router.main import config_from_args
+
+    args = build_parser({}).parse_args(["--num-shard", "2", "--device", "cpu", "--port", "3100",
+                                        "--max-total-tokens", "512", "--max-input-tokens", "300",
+                                        "--served-model-name", "smol", "--snapshot-dir", "/tmp/s"])
+    config = build_config(args, num_cpus=2).router
+    router_args = router_parser().parse_args(list(router_spec(config, {}, 5.0).argv[3:]))
+    assert config_from_args(router_args) == config
+    assert router_args.shutdown_timeout == 5.0
