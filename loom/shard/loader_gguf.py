@@ -9,13 +9,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from loom.shard.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 from loom.shard.loader_common import LoadProgress, ModelLoadError, ProgressFn, check_names, check_shape, expected_shapes
 from loom.shard.model_config import ModelConfig, RopeScaling
 
-GGUF_MAGIC = b"GGUF"
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,36 +48,22 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """A GGUFReader over the file; raises ModelLoadError for anything that is not a sound GGUF."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's metadata and tensor directory; ModelLoadError for anything that is not a sound GGUF."""
     try:
-        with path.open("rb") as file:
-            magic = file.read(4)
+        return read_gguf(path)
+    except GGUFFormatError as error:
+        raise ModelLoadError(path, str(error)) from None
     except OSError as error:
         raise ModelLoadError(path, f"unreadable file: {error.strerror or error}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(path, f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as error:  # the reader raises ValueError/IndexError/... on damaged files
-        raise ModelLoadError(path, f"damaged or truncated GGUF file ({type(error).__name__}: {error})") from None
-    _check_tensor_extents(path, reader)
-    return reader
 
 
-def _check_tensor_extents(path: Path, reader: GGUFReader) -> None:
-    file_size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > file_size:
-            raise ModelLoadError(path, f"truncated GGUF file: tensor {tensor.name} ends past the end of the file")
-
-
-def gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
+def gguf_config(path: Path, reader: GGUFFile) -> ModelConfig:
     """The ModelConfig that a GGUF file's metadata and tensor list describe."""
     arch = str(_field(reader, "general.architecture", path))
     if arch not in _ARCHITECTURES:
         raise ModelLoadError(path, f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = reader.tensors
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(path, "missing tensor token_embd.weight")
     hidden_size = int(_field(reader, f"{arch}.embedding_length", path))
@@ -110,28 +95,27 @@ def gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
 _REQUIRED = object()
 
 
-def _field(reader: GGUFReader, key: str, path: Path, default: Any = _REQUIRED) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ModelLoadError(path, f"GGUF metadata lacks the key {key}")
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, path: Path, default: Any = _REQUIRED) -> Any:
+    if key in reader.metadata:
+        return reader.metadata[key]
+    if default is _REQUIRED:
+        raise ModelLoadError(path, f"GGUF metadata lacks the key {key}")
+    return default
 
 
-def _vocab_size(path: Path, reader: GGUFReader, arch: str, embedding: Any) -> int:
+def _vocab_size(path: Path, reader: GGUFFile, arch: str, embedding: TensorInfo) -> int:
     # The embedding's row count is what the model needs; the metadata must agree with it.
     rows = int(embedding.shape[-1])  # GGUF lists dims innermost first: [hidden, vocab]
     declared = _field(reader, f"{arch}.vocab_size", path, None)
     if declared is None:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
-        declared = len(tokens.data) if tokens is not None else rows
+        tokens = reader.metadata.get("tokenizer.ggml.tokens")
+        declared = len(tokens) if tokens is not None else rows
     if int(declared) != rows:
         raise ModelLoadError(path, f"vocab size {declared} in the metadata, but token_embd.weight has {rows} rows")
     return rows
 
 
-def _reject_unsupported_rope(path: Path, reader: GGUFReader, arch: str, head_dim: int) -> None:
+def _reject_unsupported_rope(path: Path, reader: GGUFFile, arch: str, head_dim: int) -> None:
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", path, "none")
     if scaling_type not in ("none", None):
         raise ModelLoadError(path, f"unsupported rope scaling type {scaling_type!r}")
@@ -141,12 +125,12 @@ def _reject_unsupported_rope(path: Path, reader: GGUFReader, arch: str, head_dim
 
 
 def _rope_scaling(
-    path: Path, reader: GGUFReader, freqs_tensor: Any, rope_theta: float, head_dim: int
+    path: Path, reader: GGUFFile, freqs_tensor: TensorInfo | None, rope_theta: float, head_dim: int
 ) -> RopeScaling | None:
     """Recovers Llama-3 rope scaling from the per-frequency factors llama.cpp stores instead."""
     if freqs_tensor is None:
         return None
-    factors = dequantize(freqs_tensor.data, freqs_tensor.tensor_type).reshape(-1).astype(np.float64)
+    factors = dequantize(reader.raw_data(freqs_tensor), freqs_tensor.tensor_type).reshape(-1).astype(np.float64)
     factor = float(factors.max())
     for low, high, original in _LLAMA3_CANDIDATES:
         expected = llama3_rope_factors(rope_theta, head_dim, factor, low, high, original)
@@ -172,18 +156,18 @@ def llama3_rope_factors(
 
 
 def load_gguf_weights(
-    path: Path, reader: GGUFReader, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None
+    path: Path, reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None
 ) -> dict[str, torch.Tensor]:
     """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory."""
     shapes = expected_shapes(config)
-    by_hf_name = {hf_name(tensor.name): tensor for tensor in reader.tensors}
+    by_hf_name = {hf_name(name): tensor for name, tensor in reader.tensors.items()}
     check_names(path, config, by_hf_name)
     report = LoadProgress(path, len(shapes), progress)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         tensor = by_hf_name[name]
         check_shape(path, name, tuple(int(d) for d in reversed(tensor.shape)), shape)
-        weight = _to_torch(path, tensor, dtype).reshape(shape)
+        weight = _to_torch(path, reader, tensor, dtype).reshape(shape)
         if config.architecture == "LlamaForCausalLM":
             weight = _unpermute_qk(name, weight, config)
         tensors[name] = weight
@@ -192,9 +176,9 @@ def load_gguf_weights(
     return tensors
 
 
-def _to_torch(path: Path, tensor: Any, dtype: torch.dtype) -> torch.Tensor:
+def _to_torch(path: Path, reader: GGUFFile, tensor: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     try:
-        array = dequantize(tensor.data, tensor.tensor_type)
+        array = dequantize(reader.raw_data(tensor), tensor.tensor_type)
     except (NotImplementedError, ValueError) as error:
         raise ModelLoadError(path, f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}") from None
     if not array.flags.writeable:  # an unquantized tensor is a view of the read-only memory map

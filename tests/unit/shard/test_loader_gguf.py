@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from loom.shard.gguf_reader import read_gguf
 from loom.shard.loader import ModelLoadError, config_from_hf, load_model_config, load_model_weights, resolve_model_path
 
 TINY = dict(
@@ -198,3 +199,34 @@ def test_embedded_gguf_weights_equal_transformers() -> None:
     assert set(weights) == set(reference)
     for name, tensor in weights.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, reference[name]), name
+
+
+def test_lean_reader_agrees_with_gguf_package_reader(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("test.u32", 7)
+    writer.add_float64("test.f64", 0.25)
+    writer.add_bool("test.flag", True)
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_token_list(["a", "bc", "déf"])
+    writer.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("b.weight", np.ones((2, 64), dtype=np.float16))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("c.weight", gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    lean = read_gguf(path)
+    reference = gguf.GGUFReader(path)
+
+    assert (lean.metadata["test.u32"], lean.metadata["test.f64"], lean.metadata["test.flag"]) == (7, 0.25, True)
+    assert list(lean.metadata["test.ints"]) == [1, -2, 3]
+    assert len(lean.metadata["tokenizer.ggml.tokens"]) == 3
+    assert lean.metadata["general.architecture"] == "llama"
+    for tensor in reference.tensors:
+        info = lean.tensors[tensor.name]
+        assert (info.offset, info.num_bytes, info.tensor_type) == (tensor.data_offset, tensor.n_bytes, tensor.tensor_type)
+        assert info.shape == tuple(int(d) for d in tensor.shape)
+        assert np.array_equal(lean.raw_data(info).view(np.uint8).reshape(-1), tensor.data.view(np.uint8).reshape(-1))
