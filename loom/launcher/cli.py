@@ -23,6 +23,7 @@ SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom.shard.server"
 ROUTER_MODULE = "loom.router.main"
 ROUTER_EXIT_MARGIN_S = 10.0
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,7 +52,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_input_tokens", int, None, "longest prompt; default: max-total-tokens - 1"),
     Flag("max_total_tokens", int, None, "prompt + generated tokens per request; "
          "default: the model's context length"),
-    Flag("max_batch_prefill_tokens", int, 2048, "prompt tokens computed in one step"),
+    Flag("max_batch_prefill_tokens", int, None, "prompt tokens computed in one step; default: "
+         f"{DEFAULT_MAX_BATCH_PREFILL_TOKENS}, or max-batch-total-tokens when smaller"),
     Flag("max_batch_total_tokens", int, None, "KV cache size in tokens, shared by all requests; "
          "default: sized from free memory at warmup"),
     Flag("max_stop_sequences", int, 4, "stop sequences per request"),
@@ -116,11 +118,24 @@ def shard_socket_path(prefix: str, rank: int) -> str:
     return f"{prefix}-{rank}"
 
 
+def resolve_prefill_tokens(prefill_tokens: int | None, total_tokens: int | None) -> int:
+    """A prefill step's tokens must all fit in the KV cache at once: the default shrinks to
+    a small cache, an explicit value that cannot fit is an error (as in TGI)."""
+    if prefill_tokens is None:
+        return min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, total_tokens or DEFAULT_MAX_BATCH_PREFILL_TOKENS)
+    if total_tokens is not None and prefill_tokens > total_tokens:
+        raise ValueError(f"max_batch_prefill_tokens ({prefill_tokens}) must not exceed "
+                         f"max_batch_total_tokens ({total_tokens})")
+    return prefill_tokens
+
+
 def build_config(args: argparse.Namespace, num_cpus: int,
                  detect: Callable[[], str] = detect_device) -> LauncherConfig:
     """Raises ValueError on an invalid combination (the configs validate themselves)."""
     if args.num_shard <= 0:
         raise ValueError(f"num_shard must be positive, got {args.num_shard}")
+    prefill_tokens = resolve_prefill_tokens(args.max_batch_prefill_tokens,
+                                            args.max_batch_total_tokens)
     device = detect() if args.device == "auto" else args.device
     socket_paths = tuple(shard_socket_path(args.shard_uds_path, rank)
                          for rank in range(args.num_shard))
@@ -135,8 +150,9 @@ def build_config(args: argparse.Namespace, num_cpus: int,
         for rank, path in enumerate(socket_paths))
     # Router fields without a launcher flag keep their defaults.
     router_fields = {f.name for f in dataclasses.fields(RouterConfig)} & set(vars(args))
-    router = RouterConfig(shard_uds_paths=socket_paths,
-                          **{name: getattr(args, name) for name in router_fields})
+    router_values = {name: getattr(args, name) for name in router_fields}
+    router = RouterConfig(**{**router_values, "shard_uds_paths": socket_paths,
+                             "max_batch_prefill_tokens": prefill_tokens})
     num_threads = (max(1, num_cpus // args.num_shard) if args.num_threads is None
                    else args.num_threads)
     return LauncherConfig(shards=shards, router=router, num_threads=num_threads,

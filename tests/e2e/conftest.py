@@ -25,7 +25,7 @@ STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 # Small limits keep warmup and the KV pool small, so a launcher starts quickly on 2 cores.
 SMALL_LIMITS = ("--max-total-tokens", "512", "--max-input-tokens", "384",
-                "--max-batch-total-tokens", "4096", "--max-batch-prefill-tokens", "512",
+                "--max-batch-total-tokens", "4096",
                 "--host-kv-cache-bytes", str(64 << 20))
 
 

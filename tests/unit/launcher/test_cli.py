@@ -17,6 +17,7 @@ import pytest
 from loom.launcher.cli import (FLAGS, build_config, build_parser, child_env, health_url,
                                router_spec, shard_spec)
 from loom.launcher.supervisor import ExitStatus, ProcessSpec, serve
+from loom.router.config import RouterConfig
 
 # One fake child for every role. argv: name notes_path mode [port].
 # It notes what happens to it in notes_path, so a test can check the order of events.
@@ -95,7 +96,7 @@ class Logs:
 def test_defaults_match_tgi_names() -> None:
     args = build_parser({}).parse_args([])
     assert (args.model_id, args.num_shard, args.hostname, args.port) == ("", 1, "0.0.0.0", 3000)
-    assert args.max_concurrent_requests == 128 and args.max_batch_prefill_tokens == 2048
+    assert args.max_concurrent_requests == 128
     assert args.max_stop_sequences == 4 and args.max_n == 16
     assert args.max_total_tokens is None and args.device == "auto"
     assert args.shard_uds_path == "/tmp/loom-server"
@@ -137,6 +138,17 @@ def test_config_gives_each_rank_its_socket_and_splits_threads() -> None:
     assert build_config(explicit, num_cpus=8).num_threads == 3
 
 
+def test_default_prefill_budget_shrinks_to_a_small_kv_cache() -> None:
+    def router_for(*argv: str) -> RouterConfig:
+        return build_config(build_parser({}).parse_args([*argv, "--device", "cpu"]), 2).router
+
+    assert router_for().max_batch_prefill_tokens == 2048
+    assert router_for("--max-batch-total-tokens", "320").max_batch_prefill_tokens == 320
+    assert router_for("--max-batch-total-tokens", "9000").max_batch_prefill_tokens == 2048
+    assert router_for("--max-batch-prefill-tokens", "100",
+                      "--max-batch-total-tokens", "320").max_batch_prefill_tokens == 100
+
+
 def test_device_auto_asks_the_probe_only_when_auto() -> None:
     auto = build_parser({}).parse_args([])
     assert build_config(auto, 2, detect=lambda: "cuda").shards[0].device == "cuda"
@@ -150,7 +162,9 @@ def test_device_auto_asks_the_probe_only_when_auto() -> None:
 
 @pytest.mark.parametrize("argv", [["--num-shard", "0"],
                                   ["--max-input-tokens", "512", "--max-total-tokens", "512"],
-                                  ["--num-threads", "0", "--num-shard", "1"]])
+                                  ["--num-threads", "0", "--num-shard", "1"],
+                                  ["--max-batch-total-tokens", "320",
+                                   "--max-batch-prefill-tokens", "512"]])
 def test_invalid_combinations_are_rejected(argv: list[str]) -> None:
     args = build_parser({}).parse_args([*argv, "--device", "cpu"])
     with pytest.raises(ValueError):
