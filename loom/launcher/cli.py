@@ -129,6 +129,12 @@ def resolve_prefill_tokens(prefill_tokens: int | None, total_tokens: int | None)
     return prefill_tokens
 
 
+def flag_values(config_type: type, args: argparse.Namespace) -> dict[str, object]:
+    """The parsed flags named like the config's fields; fields without a flag keep defaults."""
+    names = {f.name for f in dataclasses.fields(config_type)} & set(vars(args))
+    return {name: getattr(args, name) for name in names}
+
+
 def build_config(args: argparse.Namespace, num_cpus: int,
                  detect: Callable[[], str] = detect_device) -> LauncherConfig:
     """Raises ValueError on an invalid combination (the configs validate themselves)."""
@@ -140,18 +146,10 @@ def build_config(args: argparse.Namespace, num_cpus: int,
     socket_paths = tuple(shard_socket_path(args.shard_uds_path, rank)
                          for rank in range(args.num_shard))
     shards = tuple(
-        ShardConfig(model_id=args.model_id, uds_path=path, dtype=args.dtype, device=device,
-                    rank=rank, world_size=args.num_shard, master_addr=args.master_addr,
-                    master_port=args.master_port, block_size=args.block_size,
-                    max_batch_total_tokens=args.max_batch_total_tokens,
-                    memory_fraction=args.memory_fraction,
-                    cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
-                    host_kv_cache_bytes=args.host_kv_cache_bytes, snapshot_dir=args.snapshot_dir)
+        ShardConfig(**{**flag_values(ShardConfig, args), "uds_path": path, "rank": rank,
+                       "world_size": args.num_shard, "device": device})
         for rank, path in enumerate(socket_paths))
-    # Router fields without a launcher flag keep their defaults.
-    router_fields = {f.name for f in dataclasses.fields(RouterConfig)} & set(vars(args))
-    router_values = {name: getattr(args, name) for name in router_fields}
-    router = RouterConfig(**{**router_values, "shard_uds_paths": socket_paths,
+    router = RouterConfig(**{**flag_values(RouterConfig, args), "shard_uds_paths": socket_paths,
                              "max_batch_prefill_tokens": prefill_tokens})
     num_threads = (max(1, num_cpus // args.num_shard) if args.num_threads is None
                    else args.num_threads)

@@ -300,6 +300,7 @@ def test_shard_server_parses_back_the_exact_config() -> None:
                                         "float32", "--max-batch-total-tokens", "4096",
                                         "--snapshot-dir", "/tmp/snaps", "--block-size", "8"])
     for shard in build_config(args, num_cpus=2).shards:
+        assert (shard.dtype, shard.snapshot_dir, shard.block_size) == ("float32", "/tmp/snaps", 8)
         assert parse_config(list(shard_spec(shard, {}).argv[3:])) == shard
 
 
