@@ -41,7 +41,7 @@ class PrefillChunk:
 class DecodeBatch:
     start: int  # first decode token index in the flat batch
     block_ids: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] float32, 0 or -inf (padding)
 
 
 @dataclass(slots=True)
@@ -105,8 +105,8 @@ def _decode_batch(decodes: list[SeqSpan], start: int, block_size: int, device: t
     block_ids = torch.tensor(padded, dtype=torch.long, device=device)
     key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
     lens = torch.tensor(context_lens, device=device).unsqueeze(1)
-    mask = (key_pos < lens).view(len(decodes), 1, 1, -1)
-    return DecodeBatch(start, block_ids, mask)
+    mask = torch.zeros(len(decodes), key_pos.shape[1], device=device).masked_fill(key_pos >= lens, float("-inf"))
+    return DecodeBatch(start, block_ids, mask.view(len(decodes), 1, 1, -1))
 
 
 def paged_attention(
@@ -138,7 +138,7 @@ def _prefill(
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
     else:
         context = chunk.mask.shape[1]
-        kv = kv_layer[:, chunk.block_ids].flatten(1, 2)[:, :context]  # [2, context, kv_heads, head_dim]
+        kv = kv_layer.index_select(1, chunk.block_ids).flatten(1, 2)[:, :context]  # [2, context, kv_heads, head_dim]
         key, value = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=chunk.mask, enable_gqa=True)
     return out.transpose(0, 1)  # [chunk_len, num_heads, head_dim]
@@ -146,11 +146,14 @@ def _prefill(
 
 def _decode(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.shape[3]
+    _, _, block_size, num_kv_heads, _ = kv_layer.shape
     # One query token per sequence: fold each kv head's query group into query rows,
     # so grouped-query attention needs no K/V repeat.
-    query = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    kv = kv_layer[:, batch.block_ids].flatten(2, 3)  # [2, num_decodes, context, kv_heads, head_dim]
-    key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_decodes, kv_heads, context, head_dim]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.mask)
-    return out.view(num_decodes, num_heads, head_dim)
+    query = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim) * head_dim**-0.5
+    # index_select + one head-major copy beats advanced indexing and SDPA's strided
+    # path on CPU (bench/BENCHMARKS.md); the matmuls then run on contiguous K/V.
+    kv = kv_layer.index_select(1, batch.block_ids.view(-1))  # [2, num_decodes * max_blocks, block_size, ...]
+    kv = kv.view(2, num_decodes, -1, num_kv_heads, head_dim).transpose(2, 3).contiguous()
+    scores = torch.matmul(query, kv[0].transpose(-1, -2)).float() + batch.mask  # [decodes, kv_heads, group, context]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, kv[1]).view(num_decodes, num_heads, head_dim)
