@@ -41,7 +41,7 @@ class PrefillChunk:
 class DecodeBatch:
     start: int  # first decode token index in the flat batch
     block_ids: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] float32, 0 or -inf (padding)
+    mask: torch.Tensor  # [num_decodes, 1, max_blocks * block_size] float32, 0 or -inf (padding)
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ def _decode_batch(decodes: list[SeqSpan], start: int, block_size: int, device: t
     key_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
     lens = torch.tensor(context_lens, device=device).unsqueeze(1)
     mask = torch.zeros(len(decodes), key_pos.shape[1], device=device).masked_fill(key_pos >= lens, float("-inf"))
-    return DecodeBatch(start, block_ids, mask.view(len(decodes), 1, 1, -1))
+    return DecodeBatch(start, block_ids, mask.view(len(decodes), 1, -1))
 
 
 def paged_attention(
@@ -146,14 +146,16 @@ def _prefill(
 
 def _decode(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_layer.shape
-    # One query token per sequence: fold each kv head's query group into query rows,
-    # so grouped-query attention needs no K/V repeat.
-    query = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim) * head_dim**-0.5
-    # index_select + one head-major copy beats advanced indexing and SDPA's strided
-    # path on CPU (bench/BENCHMARKS.md); the matmuls then run on contiguous K/V.
-    kv = kv_layer.index_select(1, batch.block_ids.view(-1))  # [2, num_decodes * max_blocks, block_size, ...]
-    kv = kv.view(2, num_decodes, -1, num_kv_heads, head_dim).transpose(2, 3).contiguous()
-    scores = torch.matmul(query, kv[0].transpose(-1, -2)).float() + batch.mask  # [decodes, kv_heads, group, context]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    # One query token per sequence: each kv head's query group becomes its query rows,
+    # so grouped-query attention needs no K/V repeat. Batched over [kv_heads, decodes].
+    query = (q * head_dim**-0.5).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
+    # Gathering from a head-major view copies K/V once, straight into the layout the
+    # matmuls want (faster on CPU than advanced indexing + SDPA; bench/BENCHMARKS.md).
+    kv = kv_layer.permute(0, 3, 1, 2, 4).index_select(2, batch.block_ids.view(-1))
+    kv = kv.view(2, num_kv_heads, num_decodes, -1, head_dim)  # [2, kv_heads, decodes, context, head_dim]
+    scores = torch.matmul(query, kv[0].transpose(-1, -2)).float() + batch.mask  # [kv_heads, decodes, group, context]
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, kv[1]).view(num_decodes, num_heads, head_dim)
+    out = torch.matmul(probs, kv[1])  # [kv_heads, decodes, group, head_dim]
+    return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
