@@ -22,7 +22,9 @@ least its last token (the shard samples only after computing): a prompt of 8 tok
 in 2 full blocks reuses block 0 and recomputes block 1's tokens into a fresh block.
 
 Only blocks whose KV has been computed are hashed (`cache_full_blocks`, after each step),
-so a hit never points at a block still being filled.
+so a hit never points at a block still being filled. The chain hashes of full prompt blocks
+allocated but not yet computed are "pending" (`is_prefix_pending`): a scheduler can hold back
+a prompt that starts the same way until they are computed, and then it hits.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class BlockManager:
         self._free_ids: deque[int] = deque(range(num_blocks))  # never hashed: used first
         self._cached_ids: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, LRU first
         self._hash_to_id: dict[int, int] = {}
+        self._pending: dict[int, int] = {}  # chain hash -> device sequences still computing it
         self.host_ref_counts = [0] * num_host_blocks
         self._free_host_ids: deque[int] = deque(range(num_host_blocks))
 
@@ -155,14 +158,65 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        num_hashed = len(seq.block_hashes)
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
-        for index in range(len(seq.block_hashes), num_full):
+        for index in range(num_hashed, num_full):
             start = index * self.block_size
             tokens = tuple(seq.token_slice(start, start + self.block_size))
             block_hash = self._hash_fn(parent_hash, tokens)
             self._register(self.blocks[seq.block_table[index]], block_hash, parent_hash, tokens)
             seq.block_hashes.append(block_hash)
             parent_hash = block_hash
+        # pending_hashes[0] is the hash of block num_hashed: the computed ones are done.
+        num_done = max(0, num_full - num_hashed)
+        self._unmark_pending(seq.pending_hashes[:num_done])
+        del seq.pending_hashes[:num_done]
+
+    # ---- pending prefixes (allocated, not yet computed) -------------------------------
+
+    def is_prefix_pending(self, token_ids: Seq[int]) -> bool:
+        """Is the first full block of token_ids that the cache lacks being computed now?
+
+        Then admitting token_ids after that block is computed turns its prefill into a hit.
+        O(1) while nothing is pending, else O(blocks of token_ids).
+        """
+        if not self._pending:
+            return False
+        max_blocks = self._max_hit_blocks(len(token_ids))
+        hit_ids, hashes = self._find_prefix(token_ids, max_blocks)
+        index = len(hit_ids)
+        if index >= max_blocks:
+            return False
+        parent_hash = hashes[-1] if hashes else None
+        return self._hash_fn(parent_hash, self._block_tokens(token_ids, index)) in self._pending
+
+    @property
+    def num_pending_hashes(self) -> int:
+        return len(self._pending)
+
+    def _mark_pending(self, seq: Sequence) -> None:
+        """Record the hashes of seq's full prompt blocks after its computed (hashed) ones."""
+        assert not seq.pending_hashes, f"seq {seq.seq_id} already has pending blocks"
+        if not self.enable_prefix_caching:
+            return
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        for index in range(len(seq.block_hashes), seq.num_prompt_tokens // self.block_size):
+            block_hash = self._hash_fn(parent_hash, self._block_tokens(seq.prompt_ids, index))
+            seq.pending_hashes.append(block_hash)
+            self._pending[block_hash] = self._pending.get(block_hash, 0) + 1
+            parent_hash = block_hash
+
+    def _unmark_pending(self, hashes: Iterable[int]) -> None:
+        for block_hash in hashes:
+            count = self._pending[block_hash] - 1
+            if count:
+                self._pending[block_hash] = count
+            else:
+                del self._pending[block_hash]
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        self._unmark_pending(seq.pending_hashes)
+        seq.pending_hashes = []
 
     # ---- device blocks -----------------------------------------------------------------
 
@@ -224,6 +278,7 @@ class BlockManager:
         seq.block_table = hit_ids + new_ids
         seq.block_hashes = hashes
         seq.num_computed = len(hit_ids) * self.block_size
+        self._mark_pending(seq)
         return seq.num_computed
 
     def num_slot_blocks(self, seq: Sequence) -> int:
@@ -265,6 +320,7 @@ class BlockManager:
             self._release_block(block_id)
         for host_id in seq.host_block_table:
             self._release_host_block(host_id)
+        self._drop_pending(seq)
         seq.block_table, seq.block_hashes, seq.host_block_table = [], [], []
 
     # ---- host swap pool ----------------------------------------------------------------
@@ -295,6 +351,7 @@ class BlockManager:
             for block_id in reversed(seq.block_table):
                 self._release_block(block_id)
             seq.block_table = []
+            self._drop_pending(seq)  # off the device: nobody should wait for it
         return list(mapping.items())
 
     def can_swap_in(self, seqs: Iterable[Sequence]) -> bool:
@@ -308,8 +365,8 @@ class BlockManager:
     def swap_in(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
         """Bring swapped seqs back into fresh device blocks; returns (host, device) copies.
 
-        Their hashes are kept: the restored blocks hold the same tokens, but they are not
-        re-registered (the cache may already hold equal blocks).
+        Their hashed blocks become cache entries again where the cache lost them meanwhile
+        (the shard copies them in before the step's forward, so a hit in the same step is safe).
         """
         mapping: dict[int, int] = {}
         for seq in seqs:
@@ -322,7 +379,17 @@ class BlockManager:
             for host_id in seq.host_block_table:
                 self._release_host_block(host_id)
             seq.host_block_table = []
+            self._reregister(seq)  # (a swapped seq mid-prompt marks nothing pending: rare)
         return list(mapping.items())
+
+    def _reregister(self, seq: Sequence) -> None:
+        """Register seq's hashed blocks unless the cache still holds equal ones."""
+        parent_hash = None
+        for index, block_hash in enumerate(seq.block_hashes):
+            start = index * self.block_size
+            tokens = tuple(seq.token_slice(start, start + self.block_size))
+            self._register(self.blocks[seq.block_table[index]], block_hash, parent_hash, tokens)
+            parent_hash = block_hash
 
     # ---- filling the cache from outside (snapshot restore) -----------------------------
 

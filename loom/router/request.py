@@ -39,6 +39,8 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)  # device block ids
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full, computed blocks
+    # Chain hashes of its full prompt blocks after block_hashes: held on the device, not yet computed.
+    pending_hashes: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)  # host block ids while swapped out
     on_shard: bool = False  # the shard holds state for seq_id (released when this turns False)
 

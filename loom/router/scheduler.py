@@ -187,6 +187,8 @@ class Scheduler:
             num_group_seqs = len(group.unfinished_seqs())
             if num_seqs + num_group_seqs > self.config.max_num_seqs:
                 break
+            if self._waits_for_prefix(group):
+                break  # its prefix is being computed: next step it is a hit (FIFO kept)
             admitted = self._swap_in(group, step) if group.swapped else self._admit(group, step)
             if not admitted:
                 break  # FIFO: nothing overtakes the head, preempted groups first
@@ -195,11 +197,22 @@ class Scheduler:
             group.set_status(SeqStatus.RUNNING)
             num_seqs += num_group_seqs
 
+    @staticmethod
+    def _uses_prefix_cache(group: SequenceGroup) -> bool:
+        # Prompt logprobs need every prompt position computed: no prefix hits before that.
+        return not (group.prompt_logprobs and group.seqs[0].num_generated == 0)
+
+    def _waits_for_prefix(self, group: SequenceGroup) -> bool:
+        """Should the group wait a step because a running sequence is computing the next
+        blocks of its prompt? Identical prefixes arriving together are then computed once."""
+        if group.swapped or not self._uses_prefix_cache(group):
+            return False
+        return self.block_manager.is_prefix_pending(group.seqs[0].token_ids)
+
     def _admit(self, group: SequenceGroup, step: _Step) -> bool:
         """Allocate a new (or preempted-to-recompute) group, reusing cached prefixes."""
         bm = self.block_manager
-        # Prompt logprobs need every prompt position computed: no prefix hits before that.
-        use_cache = not (group.prompt_logprobs and group.seqs[0].num_generated == 0)
+        use_cache = self._uses_prefix_cache(group)
         fresh = group.seqs[0].status is SeqStatus.WAITING
         if group.forked and not fresh:  # resuming independent choices
             seqs = group.unfinished_seqs()

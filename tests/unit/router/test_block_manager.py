@@ -226,3 +226,73 @@ def test_cancel_cached_returns_blocks_unhashed():
     bm.cancel_cached(fill)
     assert refs(bm) == [0] * 8 and bm.num_cached_blocks == 0 and bm.num_free_blocks == 8
     assert bm.allocate(make_seq(list(range(9)))) == 0
+
+
+def test_pending_prefix_from_allocation_until_computed():
+    bm = BlockManager(block_size=4, num_blocks=16)
+    a = make_seq(list(range(14)))  # 3 full prompt blocks
+    assert not bm.is_prefix_pending(list(range(14)))
+    bm.allocate(a)
+    assert len(a.pending_hashes) == 3 and bm.num_pending_hashes == 3
+    assert bm.is_prefix_pending(list(range(12)) + [99, 98])
+    assert bm.is_prefix_pending(list(range(4)) + [99] * 6)  # only the first block shared
+    assert not bm.is_prefix_pending([99] + list(range(1, 14)))  # differs in the first block
+    assert not bm.is_prefix_pending(list(range(4)))  # its only block is its last: computed anyway
+    a.num_computed = 8
+    bm.cache_full_blocks(a)  # blocks 0 and 1 are hits now, block 2 still pending
+    assert a.pending_hashes == [a_hash_of_block_2(bm)] and bm.num_pending_hashes == 1
+    assert bm.is_prefix_pending(list(range(12)) + [99])
+    assert not bm.is_prefix_pending(list(range(8)) + [99] * 5)  # its first missing block is not
+    a.num_computed = 13
+    bm.cache_full_blocks(a)
+    assert a.pending_hashes == [] and bm.num_pending_hashes == 0
+    assert not bm.is_prefix_pending(list(range(12)) + [99, 98])
+
+
+def a_hash_of_block_2(bm: BlockManager) -> int:
+    h0 = bm._hash_fn(None, (0, 1, 2, 3))
+    return bm._hash_fn(bm._hash_fn(h0, (4, 5, 6, 7)), (8, 9, 10, 11))
+
+
+def test_pending_prefix_dropped_on_free_and_swap_out_and_counted_per_sequence():
+    bm = BlockManager(block_size=4, num_blocks=16, num_host_blocks=8)
+    a, b = make_seq(list(range(9))), make_seq(list(range(9)))
+    bm.allocate(a)
+    bm.allocate(b)  # no hits yet: both compute the same blocks
+    assert bm.num_pending_hashes == 2
+    bm.free(a)
+    assert bm.is_prefix_pending(list(range(9)))  # b still computes them
+    bm.swap_out([b])
+    assert b.pending_hashes == [] and bm.num_pending_hashes == 0
+    assert not bm.is_prefix_pending(list(range(9)))
+
+
+def test_swap_in_reregisters_blocks_the_cache_lost():
+    bm = BlockManager(block_size=4, num_blocks=4, num_host_blocks=4)
+    a = make_seq(list(range(9)))
+    bm.allocate(a)
+    computed(bm, a)  # blocks 0, 1 hashed
+    bm.swap_out([a])
+    assert bm.num_cached_blocks == 2
+    filler = make_seq(list(range(100, 116)))  # takes every block: the cached ones are evicted
+    bm.allocate(filler)
+    assert bm.num_cached_blocks == 0 and bm._hash_to_id == {}
+    bm.free(filler)
+    bm.swap_in([a])
+    assert a.block_table == [0, 1, 2]  # the filler's blocks, freed tail first
+    assert sorted(bm._hash_to_id.values()) == [0, 1]
+    b = make_seq(list(range(8)) + [50, 51])
+    assert bm.allocate(b) == 8 and b.block_table[:2] == [0, 1]
+
+
+def test_swap_in_keeps_the_cache_entries_that_survived():
+    bm = BlockManager(block_size=4, num_blocks=8, num_host_blocks=4)
+    a = make_seq(list(range(9)))
+    bm.allocate(a)
+    computed(bm, a)
+    entries = dict(bm._hash_to_id)
+    bm.swap_out([a])
+    bm.swap_in([a])
+    assert bm._hash_to_id == entries  # blocks 0, 1 still cached: the swapped-in copies are not entries
+    assert a.block_table == [3, 4, 5]
+    assert all(bm.blocks[i].block_hash is None for i in a.block_table)

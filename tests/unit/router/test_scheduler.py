@@ -11,12 +11,12 @@ from loom.router.request import SequenceGroup, SeqStatus
 from loom.router.scheduler import Scheduler, SchedulerConfig
 
 
-def setup(num_host_blocks: int = 0, budget: int = 8, max_new_tokens: int = 10,
+def setup(num_host_blocks: int = 0, budget: int = 8, max_new_tokens: int = 10, num_blocks: int = 8,
           **kwargs) -> tuple[Scheduler, FakeShard, Driver]:
-    config = SchedulerConfig(block_size=4, num_blocks=8, num_host_blocks=num_host_blocks,
+    config = SchedulerConfig(block_size=4, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                              max_batch_prefill_tokens=budget, **kwargs)
     scheduler = Scheduler(config)
-    shard = FakeShard(4, 8, num_host_blocks)
+    shard = FakeShard(4, num_blocks, num_host_blocks)
     return scheduler, shard, Driver(scheduler, shard, max_new_tokens)
 
 
@@ -302,7 +302,7 @@ def test_random_load_with_aborts_leaks_nothing():
     done += live
     bm = scheduler.block_manager
     assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0 and bm.num_free_host_blocks == 4
-    assert all(block.ref_count == 0 for block in bm.blocks)
+    assert all(block.ref_count == 0 for block in bm.blocks) and bm.num_pending_hashes == 0
     assert shard.states == {}
     assert scheduler.stats.preemptions_swap + scheduler.stats.preemptions_recompute > 0
     assert scheduler.stats.prompt_tokens_cached > 0
@@ -360,3 +360,68 @@ def test_max_batch_total_tokens_caps_the_pool():
     scheduler, _, _ = setup(max_batch_total_tokens=16)
     assert scheduler.stats.blocks_total == 4 and scheduler.block_manager.num_blocks == 4
     assert scheduler.can_ever_fit(16, 1) and not scheduler.can_ever_fit(17, 1)
+
+
+def test_identical_prefixes_arriving_together_are_computed_once():
+    scheduler, _, driver = setup(budget=64, num_blocks=64, max_new_tokens=3)
+    prefix = list(range(500, 512))  # 3 full blocks
+    groups = [group(i, prefix + [i, 100 + i]) for i in range(8)]
+    for g in groups:
+        scheduler.add(g)
+    first = driver.step()
+    assert summary(first) == [("new", 0, 0, 14, [0, 1, 2, 3])]  # the others wait one step
+    second = driver.step()
+    assert [(r.request_id, r.num_cached, r.num_compute) for r in second.new_requests] == [
+        (16 * i, 12, 2) for i in range(1, 8)]
+    driver.run()
+    assert scheduler.stats.prompt_tokens_computed == 12 + 8 * 2
+    assert scheduler.stats.prompt_tokens_cached == 7 * 12
+    assert scheduler.block_manager.num_pending_hashes == 0
+    for g in groups:
+        assert_reference_outputs(g, 3)
+
+
+def test_prefix_still_prefilling_in_chunks_holds_back_its_sharers():
+    scheduler, _, driver = setup(budget=8, num_blocks=32, max_new_tokens=2)
+    prefix = list(range(500, 512))  # 3 full blocks: the first prompt takes two chunks
+    a, b, c = group(0, prefix + [1]), group(1, prefix + [2]), group(2, [7, 8, 9])
+    for g in (a, b, c):
+        scheduler.add(g)
+    assert summary(driver.step()) == [("new", 0, 0, 8, [0, 1, 2, 3])]
+    # Blocks 0-1 are cached now, block 2 is being computed: b (and c behind it, FIFO) wait
+    # although 3 tokens of the budget are left.
+    assert summary(driver.step()) == [("run", 0, 5, [])]
+    plan = driver.step()
+    assert [(r.request_id, r.num_cached, r.num_compute) for r in plan.new_requests] == [(16, 12, 1), (32, 0, 3)]
+    driver.run()
+    assert scheduler.stats.prompt_tokens_computed == 13 + 1 + 3
+    for g in (a, b, c):
+        assert_reference_outputs(g, 2)
+
+
+def test_prompt_logprobs_request_does_not_wait_for_a_pending_prefix():
+    scheduler, _, driver = setup(budget=64, num_blocks=32, max_new_tokens=2)
+    prefix = list(range(500, 512))
+    a, b = group(0, prefix + [1]), group(1, prefix + [2], prompt_logprobs=True)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert [r.request_id for r in driver.step().new_requests] == [0, 16]
+    driver.run()
+    assert scheduler.stats.prompt_tokens_computed == 2 * 13
+
+
+def test_preempted_groups_resume_before_a_long_queue_of_new_ones():
+    scheduler, shard, driver, a, b = two_long_decoders(num_host_blocks=8)
+    driver.step()  # b is swapped out
+    assert b.swapped
+    newcomers = [group(10 + i, [i + 1, i + 2]) for i in range(20)]
+    for g in newcomers:
+        scheduler.add(g)  # each would fit on its own right now
+    admitted: list[int] = []
+    while scheduler.has_work():
+        plan = driver.step()
+        admitted += [r.request_id // 16 for r in plan.new_requests if r.request_id // 16 not in admitted]
+    assert admitted[0] == 1  # b first
+    assert admitted[1:] == [g.group_id for g in newcomers]  # then the queue in order
+    for g in (a, b, *newcomers):
+        assert_reference_outputs(g, 20)
