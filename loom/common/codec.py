@@ -2,6 +2,7 @@
 
 `to_pb(obj)` turns any dataclass of loom.common.step into its message;
 `from_pb(msg)` turns a message back. Optional proto fields carry the `None`s.
+Snapshot replies carry a status enum, mapped by name (`SNAPSHOT_<NAME>` <-> `SnapshotStatus.<NAME>`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from loom.common.step import (
     TokenLogprob,
     WarmupResult,
 )
+from loom.shard.snapshot import SnapshotReply, SnapshotStatus  # torch-free
 
-__all__ = ["from_pb", "pb", "to_pb"]
+__all__ = ["from_pb", "pb", "snapshot_reply_from_pb", "snapshot_status_to_pb", "to_pb"]
 
 _OPTIONAL_SAMPLING = ("top_k", "top_p", "typical_p", "min_p", "repetition_penalty")
 
@@ -284,3 +286,26 @@ def from_pb(msg: Any) -> Any:
     if convert is None:
         raise TypeError(f"no dataclass for protobuf message {type(msg).__name__}")
     return convert(msg)
+
+
+# ---- snapshots ------------------------------------------------------------------------------
+
+
+def snapshot_status_to_pb(status: SnapshotStatus) -> int:
+    return pb.SnapshotStatus.Value(f"SNAPSHOT_{status.name}")
+
+
+def snapshot_status_from_pb(value: int) -> SnapshotStatus:
+    return SnapshotStatus[pb.SnapshotStatus.Name(value).removeprefix("SNAPSHOT_")]
+
+
+def snapshot_reply_from_pb(
+    m: pb.SaveSnapshotResponse | pb.LoadSnapshotResponse | pb.FillSnapshotResponse,
+) -> SnapshotReply:
+    """Any snapshot RPC's answer (fields a message lacks keep their defaults)."""
+    reply = SnapshotReply(snapshot_status_from_pb(m.status), m.message)
+    if hasattr(m, "num_bytes"):
+        reply.num_bytes = m.num_bytes
+    if hasattr(m, "token_ids"):
+        reply.token_ids = list(m.token_ids)
+    return reply

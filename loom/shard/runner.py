@@ -36,6 +36,7 @@ from loom.shard.kv_cache import (
 from loom.shard.models import build_model
 from loom.shard.models.llama import LlamaModel
 from loom.shard.sampler import Sample, SeqSamplingState, sample
+from loom.shard.snapshot import KVLayout
 
 
 @dataclass(slots=True)
@@ -269,6 +270,45 @@ class ModelRunner:
         )
         self.requests[fork.request_id] = state
         return state
+
+    # ---- snapshots: KV bytes of one sequence, to and from host memory -------------------
+
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]:
+        """A host copy of the first num_tokens tokens' KV in block_ids, as raw bytes."""
+        kv = self._require_cache()
+        _check_block_ids(block_ids, kv.num_blocks)
+        if not 0 < num_tokens <= len(block_ids) * self.block_size:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
+        host = kv.read_blocks(block_ids, num_tokens).contiguous()  # [layers, 2, tokens, kv_heads, head_dim]
+        spec = self.kv_spec
+        layout = KVLayout(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim, _dtype_name(self.dtype))
+        return layout, memoryview(host.view(torch.uint8).numpy()).cast("B")
+
+    def write_kv(self, block_ids: list[int], block_indices: list[int], layout: KVLayout, kv: memoryview) -> None:
+        """Write full blocks of a sequence's KV (laid out as `read_kv` returns it) into
+        block_ids: block_ids[i] gets tokens [b * block_size, (b + 1) * block_size), b = block_indices[i]."""
+        cache = self._require_cache()
+        _check_block_ids(block_ids, cache.num_blocks)
+        spec, bs = self.kv_spec, self.block_size
+        if (layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim) != (
+                _dtype_name(self.dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"KV layout {layout} does not fit this shard's cache {spec}")
+        if len(block_ids) != len(block_indices) or any(not 0 <= b < layout.num_tokens // bs for b in block_indices):
+            raise ValueError(f"block indices {block_indices} do not match {len(block_ids)} full blocks "
+                             f"of {layout.num_tokens} tokens")
+        tokens = torch.frombuffer(kv, dtype=self.dtype).view(layout.shape)
+        positions = (torch.tensor(block_indices, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
+        cache.write_blocks(block_ids, tokens[:, :, positions])
+
+
+def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad} outside 0..{num_blocks - 1}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _output(request_id: int, smp: Sample, prompt_logprobs: list[float]) -> SeqOutput:

@@ -12,15 +12,18 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from loom.common.codec import from_pb, pb, to_pb
+from loom.common.codec import from_pb, pb, snapshot_status_to_pb, to_pb
 from loom.common.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom.proto import shard_pb2_grpc
 from loom.shard.config import DTYPES, ShardConfig
+from loom.shard.snapshot import KVLayout, PartStore, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 
 log = logging.getLogger("loom.shard.server")
 
@@ -44,6 +47,8 @@ class Runner(Protocol):
     def step(self, plan: StepPlan) -> StepResult: ...
     def release(self, request_ids: list[int]) -> None: ...
     def clear(self) -> None: ...
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]: ...
+    def write_kv(self, block_ids: list[int], block_indices: list[int], layout: KVLayout, kv: memoryview) -> None: ...
 
 
 def describe(error: BaseException) -> str:
@@ -56,15 +61,21 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     Everything that touches model or cache state (Warmup, Step, Release,
     ClearCache) runs on one worker thread, so those run one at a time and in
     arrival order, while Info and Health answer from the event loop at once.
+    Snapshot block copies run on that worker too (between two steps); their file
+    reads, writes and checksums run on an I/O thread, so steps continue meanwhile.
     """
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, snapshot_dir: str | None = None) -> None:
         self._runner = runner
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-forward")
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
+        info = runner.info()
+        self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
 
     def close(self) -> None:
         # A forward already running finishes; queued ones are dropped.
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
 
     async def _on_worker(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the worker thread; a failure becomes a gRPC error and the shard keeps serving."""
@@ -107,11 +118,79 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         await self._on_worker(context, self._runner.clear)
         return pb.ClearCacheResponse()
 
+    # ---- snapshots: a status in the reply, never a gRPC error, for what the router maps ----
 
-async def start_server(runner: Runner, uds_path: str) -> tuple[grpc.aio.Server, ShardServicer]:
+    async def SaveSnapshot(
+        self, request: pb.SaveSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveSnapshotResponse:
+        reply = await _snapshot_call("SaveSnapshot", self._save(request))
+        return pb.SaveSnapshotResponse(
+            status=snapshot_status_to_pb(reply.status), message=reply.message, num_bytes=reply.num_bytes
+        )
+
+    async def LoadSnapshot(
+        self, request: pb.LoadSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadSnapshotResponse:
+        reply = await _snapshot_call("LoadSnapshot", self._load(request))
+        return pb.LoadSnapshotResponse(
+            status=snapshot_status_to_pb(reply.status), message=reply.message,
+            token_ids=reply.token_ids, num_bytes=reply.num_bytes,
+        )
+
+    async def FillSnapshot(
+        self, request: pb.FillSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FillSnapshotResponse:
+        reply = await _snapshot_call("FillSnapshot", self._fill(request))
+        return pb.FillSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message)
+
+    async def _run(self, executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    async def _save(self, request: pb.SaveSnapshotRequest) -> SnapshotReply:
+        self._parts.folder(request.dir_name)  # fail before copying anything
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        token_ids = list(request.token_ids)
+        layout, kv = await self._run(self._worker, self._runner.read_kv, list(request.block_ids), len(token_ids))
+        num_bytes = await self._run(self._io, self._parts.save, request.dir_name, fingerprint, token_ids, layout, kv)
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=num_bytes)
+
+    async def _load(self, request: pb.LoadSnapshotRequest) -> SnapshotReply:
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        loaded = await self._run(self._io, self._parts.load, request.dir_name, request.load_id, fingerprint)
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=loaded.num_bytes, token_ids=loaded.header.token_ids)
+
+    async def _fill(self, request: pb.FillSnapshotRequest) -> SnapshotReply:
+        loaded = self._parts.take(request.load_id)
+        if not request.block_ids:
+            return SnapshotReply(SnapshotStatus.OK)  # only forget it
+        if loaded is None:
+            raise SnapshotError(SnapshotStatus.NOT_FOUND, f"no loaded snapshot {request.load_id!r}")
+        await self._run(self._worker, self._runner.write_kv, list(request.block_ids),
+                        list(request.block_indices), loaded.header.layout, loaded.kv)
+        return SnapshotReply(SnapshotStatus.OK)
+
+
+async def _snapshot_call(name: str, call: Awaitable[SnapshotReply]) -> SnapshotReply:
+    """Run a snapshot operation; its failure becomes a status and the shard keeps serving."""
+    try:
+        return await call
+    except SnapshotError as error:
+        log.warning("%s: %s: %s", name, error.status.value, error.message)
+        return SnapshotReply(error.status, error.message)
+    except ValueError as error:
+        log.warning("%s rejected: %s", name, describe(error))
+        return SnapshotReply(SnapshotStatus.INVALID, describe(error))
+    except Exception as error:
+        log.exception("%s failed", name)
+        return SnapshotReply(SnapshotStatus.FAILED, describe(error))
+
+
+async def start_server(
+    runner: Runner, uds_path: str, snapshot_dir: str | None = None
+) -> tuple[grpc.aio.Server, ShardServicer]:
     """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    servicer = ShardServicer(runner)
+    servicer = ShardServicer(runner, snapshot_dir)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     try:
         server.add_insecure_port(f"unix://{uds_path}")
@@ -127,7 +206,9 @@ async def serve(runner: Runner, config: ShardConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    server, servicer = await start_server(runner, config.uds_path)
+    if config.snapshot_dir:
+        Path(config.snapshot_dir).mkdir(parents=True, exist_ok=True)
+    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir)
     print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
     await stop.wait()
     log.info("stopping rank %d", config.rank)
