@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 import loom
-from loom.router import openai_api
+from loom.router import openai_api, snapshots
 from loom.router.config import RouterConfig
 from loom.router.http_common import (
     AppState,
@@ -75,6 +75,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
     _add_error_handlers(app)
     _add_tgi_routes(app)
     app.include_router(openai_api.router)
+    app.include_router(snapshots.build_router())
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

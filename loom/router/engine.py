@@ -5,7 +5,8 @@
     for seq, out in scheduler.update(plan, result): postprocess(seq, out)
 
 HTTP handlers talk to it through `submit()` and the `GenerationStream` it returns.
-Every scheduler mutation happens inside the loop task, between steps.
+Every scheduler mutation happens inside the loop task, between steps; code outside the
+loop (snapshots) hands it callables through `run_between_steps()`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from loom.common.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupResult
 from loom.router.config import RouterConfig
@@ -37,6 +38,8 @@ from loom.router.types import (
 )
 
 log = logging.getLogger("loom.engine")
+
+T = TypeVar("T")
 
 
 class ShardBackend(Protocol):
@@ -60,6 +63,9 @@ class GenerationStream:
         self.prompt = PromptInfo(num_prompt_tokens=num_prompt_tokens)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self.closed = False
+        # With hold_blocks: the finished sequence, still holding its blocks until
+        # `Engine.release_held` (its KV stays valid for a snapshot to copy).
+        self.held: Sequence | None = None
 
     def put(self, item: object) -> None:
         self._queue.put_nowait(item)
@@ -97,6 +103,7 @@ class _Active:
     num_open: int  # choices not finished yet
     arrival: float
     prompt_logprobs: list[float | None]  # filled chunk by chunk when asked for
+    hold_blocks: bool = False  # keep the finished sequence's blocks (see GenerationStream.held)
 
 
 class Engine:
@@ -112,6 +119,7 @@ class Engine:
         self._active: dict[int, _Active] = {}
         self._pending_adds: list[SequenceGroup] = []
         self._pending_aborts: set[int] = set()
+        self._between_steps: list[tuple[Callable[[Scheduler], object], asyncio.Future[object]]] = []
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -152,6 +160,8 @@ class Engine:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
+        for _, future in self._between_steps:
+            future.cancel()
 
     async def health(self) -> bool:
         if not self._loop_alive():
@@ -193,8 +203,13 @@ class Engine:
                 f"cannot fit in the KV cache ({self.max_batch_total_tokens} tokens) even alone")
         return max_new_tokens
 
-    def submit(self, prompt_ids: list[int], params: GenerationParams) -> GenerationStream:
-        """Queue one request; its events arrive on the returned stream."""
+    def submit(self, prompt_ids: list[int], params: GenerationParams, hold_blocks: bool = False) -> GenerationStream:
+        """Queue one request; its events arrive on the returned stream.
+
+        hold_blocks (n == 1): when it finishes, its blocks stay allocated in `stream.held`
+        until `release_held(stream)`; a cancelled or failed request holds nothing.
+        """
+        assert not hold_blocks or params.n == 1
         if self._draining:
             raise OverloadedError("the server is shutting down")
         if not self._loop_alive():
@@ -213,7 +228,8 @@ class Engine:
         )
         stream = GenerationStream(self, group_id, len(prompt_ids))
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
-        self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None])
+        self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
+                                         hold_blocks)
         self._pending_adds.append(group)
         self._wakeup.set()
         return stream
@@ -222,6 +238,23 @@ class Engine:
         if group_id in self._active:
             self._pending_aborts.add(group_id)
             self._wakeup.set()
+
+    def run_between_steps(self, fn: Callable[[Scheduler], T]) -> asyncio.Future[T]:
+        """Run fn(scheduler) in the loop, before the next schedule(); its result (or
+        exception) comes back on the future. A future cancelled before then skips fn."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        if not self._loop_alive():
+            future.set_exception(GenerationError(f"the engine loop is not running: {self._loop_error!r}"))
+            return future
+        self._between_steps.append((fn, future))  # type: ignore[arg-type]
+        self._wakeup.set()
+        return future
+
+    def release_held(self, stream: GenerationStream) -> None:
+        """Give back the blocks a hold_blocks request kept (between steps; idempotent)."""
+        seq, stream.held = stream.held, None
+        if seq is not None:
+            self.run_between_steps(lambda scheduler: scheduler.block_manager.free(seq))
 
     def _new_text(self, prompt_ids: list[int], params: GenerationParams) -> _SeqText:
         return _SeqText(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
@@ -233,10 +266,11 @@ class Engine:
         try:
             while True:
                 self._apply_pending()
+                self._run_between_steps()
                 plan = self.scheduler.schedule()
                 if plan is None:
                     self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
+                    if not (self._pending_adds or self._pending_aborts or self._between_steps):
                         await self._wakeup.wait()
                     continue
                 result = await self._step(plan)
@@ -270,6 +304,16 @@ class Engine:
         for group in self._pending_adds:
             self.scheduler.add(group)
         self._pending_adds.clear()
+
+    def _run_between_steps(self) -> None:
+        calls, self._between_steps = self._between_steps, []
+        for fn, future in calls:
+            if future.cancelled():
+                continue
+            try:
+                future.set_result(fn(self.scheduler))
+            except Exception as err:  # the caller's failure, not the loop's
+                future.set_exception(err)
 
     async def _step(self, plan: StepPlan) -> StepResult | None:
         """One step on the shards; a failure fails the requests in it, not the server."""
@@ -345,7 +389,13 @@ class Engine:
 
     def _finish(self, active: _Active, seq: Sequence, reason: FinishReason) -> None:
         assert self.scheduler is not None
+        held_table: list[int] = []
+        if active.hold_blocks:  # the scheduler finishes a sequence that holds no blocks
+            held_table, seq.block_table = seq.block_table, []
         self.scheduler.finish(seq)
+        if active.hold_blocks:
+            seq.block_table = held_table  # freed by release_held
+            active.stream.held = seq
         active.num_open -= 1
         self._count_finish(reason.value)
         if active.num_open == 0:
@@ -358,6 +408,10 @@ class Engine:
             active.stream.closed = True
             active.stream.put(err)
         self._active.clear()
+        for _, future in self._between_steps:
+            if not future.done():
+                future.set_exception(err)
+        self._between_steps.clear()
 
     def _count_finish(self, key: str) -> None:
         counts = self._counters.requests_finished

@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from loom.common.codec import from_pb, pb, to_pb
+from loom.common.codec import from_pb, pb, snapshot_reply_from_pb, to_pb
 from loom.common.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom.proto import shard_pb2_grpc
+from loom.shard.snapshot import SnapshotReply
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -156,6 +157,26 @@ class ShardClient:
 
     async def clear_cache(self) -> None:
         await self._on_all(lambda r: r.stub.ClearCache(pb.ClearCacheRequest()))
+
+    # ---- snapshots: every rank handles its own part; the replies come back in rank order ----
+
+    async def save_snapshot(self, dir_name: str, block_ids: Sequence[int], token_ids: Sequence[int],
+                            tokenizer_hash: str) -> list[SnapshotReply]:
+        """Each rank copies the blocks' KV and writes its part into dir_name (which must exist)."""
+        request = pb.SaveSnapshotRequest(dir_name=dir_name, block_ids=block_ids, token_ids=token_ids,
+                                         tokenizer_hash=tokenizer_hash)
+        return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.SaveSnapshot(request))]
+
+    async def load_snapshot(self, dir_name: str, load_id: str, tokenizer_hash: str) -> list[SnapshotReply]:
+        """Each rank reads and verifies its part, keeping its KV under load_id."""
+        request = pb.LoadSnapshotRequest(dir_name=dir_name, load_id=load_id, tokenizer_hash=tokenizer_hash)
+        return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.LoadSnapshot(request))]
+
+    async def fill_snapshot(self, load_id: str, block_ids: Sequence[int],
+                            block_indices: Sequence[int]) -> list[SnapshotReply]:
+        """Each rank writes the loaded KV into the blocks (none: forgets it)."""
+        request = pb.FillSnapshotRequest(load_id=load_id, block_ids=block_ids, block_indices=block_indices)
+        return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.FillSnapshot(request))]
 
     async def close(self) -> None:
         if self._ranks is not None:

@@ -1,0 +1,243 @@
+"""Snapshot routes against a real Engine and a fake shard whose "KV" is the token id in each
+block slot: the snapshot's part file (real format, real PartStore) holds those values, so a
+restore that fills the wrong blocks, or fills them wrongly, fails the fake shard's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from api_fakes import WORDS, FakeShardClient
+
+from loom.router.api import create_app
+from loom.router.config import RouterConfig
+from loom.router.engine import Engine
+from loom.router.tokenizer import Tokenizer, load_tokenizer
+from loom.shard.snapshot import KVLayout, PartStore, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")
+
+
+class SnapshotFakeClient(FakeShardClient):
+    """The fake shard plus the three snapshot RPCs over a real PartStore."""
+
+    def __init__(self, tokenizer: Tokenizer, root: Path) -> None:
+        super().__init__(tokenizer.encode(WORDS), tokenizer.vocab_size, tokenizer.eos_token_ids[0],
+                         block_size=BLOCK_SIZE, num_blocks=64, max_position_embeddings=128)
+        self.parts = PartStore(root, rank=0, world_size=1)
+        self.fill_calls: list[list[int]] = []
+
+    async def _fingerprint(self, tokenizer_hash: str) -> dict:
+        return model_fingerprint(await self.info(), tokenizer_hash)
+
+    async def save_snapshot(self, dir_name, block_ids, token_ids, tokenizer_hash) -> list[SnapshotReply]:
+        bs = self.block_size
+        values = [self.shard.device[block_ids[p // bs]][p % bs] for p in range(len(token_ids))]
+        assert values == list(token_ids), "the held blocks do not hold the sequence"
+        kv = memoryview(struct.pack(f"<{2 * len(values)}f", *values, *values))  # "K" then "V"
+        layout = KVLayout(1, len(values), 1, 1, "float32")
+        return [await _reply(asyncio.to_thread(self.parts.save, dir_name, await self._fingerprint(tokenizer_hash),
+                                               list(token_ids), layout, kv))]
+
+    async def load_snapshot(self, dir_name, load_id, tokenizer_hash) -> list[SnapshotReply]:
+        fingerprint = await self._fingerprint(tokenizer_hash)
+        return [await _reply(asyncio.to_thread(self.parts.load, dir_name, load_id, fingerprint))]
+
+    async def fill_snapshot(self, load_id, block_ids, block_indices) -> list[SnapshotReply]:
+        loaded = self.parts.take(load_id)
+        if block_ids:
+            self.fill_calls.append(list(block_ids))
+            values = struct.unpack(f"<{2 * loaded.header.layout.num_tokens}f", loaded.kv)
+            for block_id, index in zip(block_ids, block_indices):
+                self.shard.device[block_id] = [int(v) for v in values[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]]
+        return [SnapshotReply(SnapshotStatus.OK)]
+
+
+async def _reply(call) -> SnapshotReply:  # noqa: ANN001 (an awaitable of a count or a LoadedPart)
+    try:
+        result = await call
+    except SnapshotError as error:
+        return SnapshotReply(error.status, error.message)
+    if isinstance(result, int):
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=result)
+    return SnapshotReply(SnapshotStatus.OK, num_bytes=result.num_bytes, token_ids=result.header.token_ids)
+
+
+async def _serve(tokenizer: Tokenizer, backend: FakeShardClient, snapshot_dir: str | None):
+    config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_total_tokens=128,
+                          snapshot_dir=snapshot_dir)
+    engine = Engine(config, backend, tokenizer)
+    await engine.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, config)), base_url="http://loom")
+    return engine, client
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "snaps"  # created by the router on first use
+
+
+@pytest.fixture
+async def served(tokenizer: Tokenizer, root: Path) -> AsyncIterator[tuple[Engine, httpx.AsyncClient, SnapshotFakeClient]]:
+    backend = SnapshotFakeClient(tokenizer, root)
+    engine, client = await _serve(tokenizer, backend, str(root))
+    async with client:
+        yield engine, client, backend
+    await engine.stop(drain_timeout_s=1.0)
+
+
+def cached_blocks(engine: Engine) -> int:
+    return engine.scheduler.block_manager.num_cached_blocks
+
+
+async def complete(client: httpx.AsyncClient, prompt_ids: list[int], max_tokens: int = 4) -> dict:
+    response = await client.post("/v1/completions", json={"prompt": prompt_ids, "max_tokens": max_tokens,
+                                                           "temperature": 0, "seed": 7})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks of 4 and a partial one
+
+
+async def test_off_without_snapshot_dir(tokenizer: Tokenizer) -> None:
+    engine, client = await _serve(tokenizer, SnapshotFakeClient(tokenizer, Path("/nonexistent")), None)
+    async with client:
+        for method, url in [("GET", "/snapshots"), ("POST", "/snapshots/a?action=restore"),
+                            ("DELETE", "/snapshots/a")]:
+            response = await client.request(method, url)
+            assert response.status_code == 501 and "--snapshot-dir" in response.json()["error"]
+    await engine.stop(drain_timeout_s=1.0)
+
+
+async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root: Path, served) -> None:
+    engine, client, backend = served
+    response = await client.post("/snapshots/sys prompt?action=save", json={"token_ids": PROMPT})
+    assert response.status_code == 200, response.text
+    saved = response.json()
+    assert (saved["name"], saved["tokens"]) == ("sys prompt", len(PROMPT)) and saved["bytes"] > 0
+    assert sorted(p.name for p in root.iterdir()) == ["sys prompt"]
+    assert engine.scheduler.block_manager.num_used_blocks == 0  # the held blocks were given back
+
+    # A fresh router and shard (empty cache) restore it; the next request skips those blocks.
+    fresh = SnapshotFakeClient(tokenizer, root)
+    engine2, client2 = await _serve(tokenizer, fresh, str(root))
+    async with client2:
+        listed = (await client2.get("/snapshots")).json()["snapshots"]
+        assert [(s["name"], s["tokens"], s["fits"]) for s in listed] == [("sys prompt", len(PROMPT), True)]
+        response = await client2.post("/snapshots/sys%20prompt?action=restore")
+        assert response.status_code == 200, response.text
+        assert response.json()["tokens"] == len(PROMPT)
+        full_blocks = len(PROMPT) // BLOCK_SIZE
+        assert cached_blocks(engine2) == full_blocks and len(fresh.fill_calls[0]) == full_blocks
+        prompt = PROMPT + [5, 6, 7]
+        body = await complete(client2, prompt)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * BLOCK_SIZE
+        assert body["choices"][0]["text"] == tokenizer.decode(fresh.reference(prompt, 7, 4))
+        # Restoring again finds every block cached: nothing to fill.
+        assert (await client2.post("/snapshots/sys%20prompt?action=restore")).status_code == 200
+        assert len(fresh.fill_calls) == 1
+    await engine2.stop(drain_timeout_s=1.0)
+
+
+async def test_save_from_text_and_messages(served, tokenizer: Tokenizer) -> None:
+    engine, client, _ = served
+    response = await client.post("/snapshots/text?action=save", json={"inputs": WORDS})
+    assert response.json()["tokens"] == len(tokenizer.encode(WORDS))
+    messages = [{"role": "user", "content": "hi"}]
+    response = await client.post("/snapshots/chat?action=save", json={"messages": messages})
+    expected = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert response.json()["tokens"] == len(expected)
+    for body in [{}, {"inputs": "a", "token_ids": [1]}, {"token_ids": [10**9]}]:
+        assert (await client.post("/snapshots/x?action=save", json=body)).status_code == 422
+
+
+async def test_refusals_leave_the_cache_unchanged(served, root: Path) -> None:
+    engine, client, backend = served
+    assert (await client.post("/snapshots/s?action=save", json={"token_ids": PROMPT})).status_code == 200
+    before = cached_blocks(engine)
+    part = root / "s" / "rank-0.kv"
+    manifest_path = root / "s" / "manifest.json"
+    good_part, good_manifest = part.read_bytes(), manifest_path.read_text()
+
+    async def restore_status() -> int:
+        response = await client.post("/snapshots/s?action=restore")
+        return response.status_code
+
+    flipped = bytearray(good_part)
+    flipped[len(flipped) // 2] ^= 0x10
+    part.write_bytes(bytes(flipped))
+    assert await restore_status() == 422
+    part.write_bytes(good_part[:-10])
+    assert await restore_status() == 422
+    part.write_bytes(good_part)
+    for field, value in [("weights_hash", "other"), ("dtype", "bfloat16")]:
+        manifest = json.loads(good_manifest)
+        manifest["fingerprint"][field] = value
+        manifest_path.write_text(json.dumps(manifest))
+        response = await client.post("/snapshots/s?action=restore")
+        assert response.status_code == 409 and field in response.json()["error"]
+    manifest = json.loads(good_manifest)
+    manifest["num_shards"] = 2
+    manifest_path.write_text(json.dumps(manifest))
+    response = await client.post("/snapshots/s?action=restore")
+    assert response.status_code == 409 and "shard count" in response.json()["error"]
+    manifest_path.write_text(good_manifest)
+    assert (await client.post("/snapshots/missing?action=restore")).status_code == 404
+    assert cached_blocks(engine) == before and backend.fill_calls == []
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert backend.parts.take("anything") is None and not backend.parts._loaded  # every load forgotten
+    await complete(client, [1, 2, 3])  # still serving
+
+
+async def test_delete_and_list(served, root: Path) -> None:
+    _, client, _ = served
+    assert (await client.post("/snapshots/d?action=save", json={"token_ids": [1, 2, 3]})).status_code == 200
+    (root / "broken").mkdir()
+    listed = {s["name"]: s for s in (await client.get("/snapshots")).json()["snapshots"]}
+    assert listed["d"]["fits"] and listed["d"]["tokens"] == 3 and listed["d"]["created"] > 0
+    assert not listed["broken"]["fits"] and "damaged" in listed["broken"]["reason"]
+    assert (await client.delete("/snapshots/d")).status_code == 200
+    assert (await client.delete("/snapshots/d")).status_code == 404
+    assert sorted(p.name for p in root.iterdir()) == ["broken"]
+
+
+BAD_URL_NAMES = ["a%2Fb", "a/b", "a%5Cb", "a:b", "a%2A", "a%3F", "a%22b", "a%3Cb", "a%3Eb", "a%7Cb", "%2E",
+                 "%2E%2E", "%2E%2E%2Fescape", "x%2E%2E", "%20a", "a%20", "a.", "a%01", "a%0Ab", "%EF%BB%BFa",
+                 "a%E2%80%8Db", "caf%E9", "e%CC%81", "a" * 256]
+
+
+@pytest.mark.parametrize("name", BAD_URL_NAMES)
+async def test_bad_names_are_400_and_write_nothing(served, root: Path, tmp_path: Path, name: str) -> None:
+    _, client, _ = served
+    await client.get("/snapshots")  # creates the directory
+    before = sorted(p.name for p in tmp_path.iterdir())
+    response = await client.post(f"/snapshots/{name}?action=save", json={"token_ids": [1, 2, 3]})
+    assert response.status_code == 400, response.text
+    assert (await client.post(f"/snapshots/{name}?action=restore")).status_code == 400
+    assert (await client.delete(f"/snapshots/{name}")).status_code == 400
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert list(root.iterdir()) == []
+
+
+async def test_symlink_out_of_the_directory_is_refused(served, root: Path, tmp_path: Path) -> None:
+    _, client, _ = served
+    await client.get("/snapshots")  # creates the directory
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    for method, url in [("POST", "/snapshots/link?action=save"), ("POST", "/snapshots/link?action=restore"),
+                        ("DELETE", "/snapshots/link")]:
+        response = await client.request(method, url, json={"token_ids": [1, 2, 3]})
+        assert response.status_code == 400, (url, response.text)
+    assert list(outside.iterdir()) == []
