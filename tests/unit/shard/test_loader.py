@@ -158,6 +158,13 @@ def test_folder_with_a_wrongly_shaped_tensor(tmp_path: Path) -> None:
     assert_one_line_error(str(tmp_path), "model.safetensors", "model.norm.weight has shape [31], the config needs [32]")
 
 
+def test_folder_with_a_truncated_safetensors_file(tmp_path: Path) -> None:
+    save_tiny(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:5000])
+    assert_one_line_error(str(tmp_path), "model.safetensors", "damaged safetensors file")
+
+
 def test_folder_without_config_json(tmp_path: Path) -> None:
     save_tiny(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
     (tmp_path / "config.json").unlink()
