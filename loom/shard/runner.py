@@ -219,7 +219,7 @@ class ModelRunner:
         meta = build_metadata([s.span for s in scheduled], self.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
         rows, sample_rows, logprob_rows = _logit_rows(scheduled)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])  # rows may be empty
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
         samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing])
