@@ -23,10 +23,11 @@ import pytest
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
-# Small limits keep warmup and the KV pool small, so a launcher starts quickly on 2 cores.
-SMALL_LIMITS = ("--max-total-tokens", "512", "--max-input-tokens", "384",
-                "--max-batch-total-tokens", "4096",
-                "--host-kv-cache-bytes", str(64 << 20))
+# Small limits keep warmup (one step of max-batch-prefill-tokens) and the KV pool small, so a
+# launcher starts quickly on 2 cores. A test's own flags win (see `launcher_argv`).
+SMALL_LIMITS = {"--max-total-tokens": "512", "--max-input-tokens": "384",
+                "--max-batch-total-tokens": "4096", "--max-batch-prefill-tokens": "512",
+                "--host-kv-cache-bytes": str(64 << 20)}
 
 
 def free_port() -> int:
@@ -121,6 +122,18 @@ def start_launcher(e2e_dir: Path, started_launchers: list[Launcher]) -> Iterator
         launcher.stop()
 
 
+def limits_for(extra_args: tuple[str, ...]) -> list[str]:
+    """SMALL_LIMITS less what the test sets or what would contradict it."""
+    given = dict(zip(extra_args[::2], extra_args[1::2]))  # every launcher flag takes a value
+    limits = {flag: value for flag, value in SMALL_LIMITS.items() if flag not in given}
+    if "--max-total-tokens" in given:
+        limits.pop("--max-input-tokens", None)
+    if "--max-batch-total-tokens" in given and "--max-batch-prefill-tokens" in limits:
+        budget = min(int(limits["--max-batch-prefill-tokens"]), int(given["--max-batch-total-tokens"]))
+        limits["--max-batch-prefill-tokens"] = str(budget)
+    return [item for pair in limits.items() for item in pair]
+
+
 def spawn_launcher(folder: Path, *extra_args: str) -> Launcher:
     port = free_port()
     name = f"l{port}"
@@ -128,7 +141,7 @@ def spawn_launcher(folder: Path, *extra_args: str) -> Launcher:
     argv = [sys.executable, "-m", "loom.launcher.cli", "--hostname", "127.0.0.1",
             "--port", str(port), "--master-port", str(free_port()), "--device", "cpu",
             "--shard-uds-path", str(folder / name), "--startup-timeout", str(STARTUP_TIMEOUT_S),
-            *SMALL_LIMITS, *extra_args]
+            *limits_for(extra_args), *extra_args]
     with open(log_path, "wb") as log_file:
         # Its own session, so a hung launcher can be killed with all its children.
         process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,

@@ -32,7 +32,7 @@ def test_health_and_info_report_the_launchers_limits(launcher: Launcher) -> None
     assert httpx.get(f"{launcher.base_url}/health", timeout=10).status_code == 200
     info = httpx.get(f"{launcher.base_url}/info", timeout=10).json()
     assert info["max_total_tokens"] == 512 and info["max_input_tokens"] == 384
-    assert info["max_concurrent_requests"] == 128 and info["max_batch_total_tokens"] == 4096
+    assert info["max_concurrent_requests"] == 128 and info["max_batch_prefill_tokens"] == 512
     assert info["model_device_type"] == "cpu" and info["world_size"] == 1
 
 
