@@ -47,6 +47,7 @@ class DecodeBatch:
 @dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
+    max_position: int
     slot_mapping: torch.Tensor  # [num_tokens]
     prefills: list[PrefillChunk]
     decode: DecodeBatch | None
@@ -77,6 +78,7 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) 
     decode_start = len(positions) - len(decodes)
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
+        max_position=max(positions, default=0),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         prefills=prefills,
         decode=_decode_batch(decodes, decode_start, block_size, device) if decodes else None,

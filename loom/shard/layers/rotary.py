@@ -56,9 +56,12 @@ class RotaryEmbedding(nn.Module):
         half = self.head_dim // 2
         self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for each position: two [num_tokens, 1, head_dim] tensors."""
-        needed = int(positions.max().item()) + 1 if positions.numel() else 1
+    def lookup(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for each position: two [num_tokens, 1, head_dim] tensors.
+
+        max_position (known on the host) sizes the table without a device sync.
+        """
+        needed = max_position + 1
         if self._cos.shape[0] < needed or self._cos.dtype != dtype or self._cos.device != positions.device:
             self._build(max(needed, self._initial_len, 2 * self._cos.shape[0]), dtype, positions.device)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)

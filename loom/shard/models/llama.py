@@ -78,7 +78,7 @@ class LlamaModel(nn.Module):
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
         """
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(meta.positions, x.dtype)
+        rope = self.rotary.lookup(meta.positions, meta.max_position, x.dtype)
         for layer, kv_layer in zip(self.layers, kv_cache):
             x = layer(x, rope, kv_layer, meta)
         return x
