@@ -273,6 +273,7 @@ class ModelRunner:
 
     # ---- snapshots: KV bytes of one sequence, to and from host memory -------------------
 
+    @torch.inference_mode()  # the cache is an inference tensor (allocated by warmup)
     def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]:
         """A host copy of the first num_tokens tokens' KV in block_ids, as raw bytes."""
         kv = self._require_cache()
@@ -284,6 +285,7 @@ class ModelRunner:
         layout = KVLayout(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim, _dtype_name(self.dtype))
         return layout, memoryview(host.view(torch.uint8).numpy()).cast("B")
 
+    @torch.inference_mode()  # the cache is an inference tensor (allocated by warmup)
     def write_kv(self, block_ids: list[int], block_indices: list[int], layout: KVLayout, kv: memoryview) -> None:
         """Write full blocks of a sequence's KV (laid out as `read_kv` returns it) into
         block_ids: block_ids[i] gets tokens [b * block_size, (b + 1) * block_size), b = block_indices[i]."""

@@ -204,7 +204,8 @@ def test_manifest_damage_and_version(tmp_path: Path) -> None:
 def make_runner(llama_pair, block_size: int) -> ModelRunner:
     config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=block_size)
     runner = ModelRunner(config, model=llama_pair.loom)
-    runner.allocate_kv_cache(num_blocks=16, num_host_blocks=0)
+    with torch.inference_mode():  # as warmup allocates it
+        runner.allocate_kv_cache(num_blocks=16, num_host_blocks=0)
     return runner
 
 
@@ -212,7 +213,8 @@ def test_runner_kv_round_trip_across_block_sizes(llama_pair, tmp_path: Path) -> 
     """Save from a block-size-4 cache, restore the full blocks into a block-size-8 cache."""
     source = make_runner(llama_pair, block_size=4)
     torch.manual_seed(0)
-    source.kv_cache.device_blocks.normal_()
+    with torch.inference_mode():
+        source.kv_cache.device_blocks.normal_()
     num_tokens = 19
     layout, kv = source.read_kv([3, 9, 1, 0, 5], num_tokens)
     store = snap.PartStore(tmp_path, rank=0, world_size=1)
