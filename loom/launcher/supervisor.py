@@ -6,6 +6,7 @@ and `serve` returns the launcher's exit status.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 NUM_LAST_LINES = 20
 POLL_INTERVAL_S = 0.1
 PROGRESS_INTERVAL_S = 5.0
@@ -89,6 +91,20 @@ def install_signal_handlers(stop: threading.Event, log: Log = log_to_stderr) -> 
     signal.signal(signal.SIGTERM, on_signal)
 
 
+def parent_death_signal() -> Callable[[], None] | None:
+    """On Linux, a hook that makes a child get SIGTERM when the launcher dies without
+    cleaning up (SIGKILL): its children live in sessions of their own, out of reach of a
+    process-group kill. Resolved here, before any fork, so the hook only calls into libc."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def set_parent_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return set_parent_death_signal
+
+
 class Supervisor:
     """Owns the child processes; every wait watches for a dead child and for a stop request."""
 
@@ -96,6 +112,7 @@ class Supervisor:
         self.stop = stop
         self.log = log
         self.children: list[Child] = []
+        self._before_exec = parent_death_signal()
 
     def spawn(self, spec: ProcessSpec) -> Child:
         # A new session keeps a terminal's Ctrl-C away from the children: the launcher
@@ -103,7 +120,7 @@ class Supervisor:
         process = subprocess.Popen(
             spec.argv, env=dict(spec.env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
-            start_new_session=True)
+            start_new_session=True, preexec_fn=self._before_exec)
         child = Child(spec, process)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True,
                                       name=f"pump {spec.name}")

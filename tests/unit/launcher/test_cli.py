@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -266,8 +268,9 @@ sys.exit(serve([ProcessSpec(**spec) for spec in shards], ProcessSpec(**router), 
 """
 
 
-def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) -> None:
-    notes, port = tmp_path / "notes", free_port()
+def start_driver(tmp_path: Path, notes: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """A launcher process supervising fake children; returns once it serves."""
+    port = free_port()
     specs = [fake("shard 0", notes, "shard"), fake("router", notes, "router", str(port))]
     as_json = [{"name": s.name, "argv": s.argv, "env": dict(s.env), "ready_marker": s.ready_marker}
                for s in specs]
@@ -277,11 +280,19 @@ def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) ->
             [sys.executable, "-c", DRIVER,
              json.dumps([[as_json[0]], as_json[1], f"http://127.0.0.1:{port}/health"])],
             stderr=log_file, stdout=log_file)
+    deadline = time.monotonic() + 20
+    while "Loom is serving" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if "Loom is serving" not in log_path.read_text():
+        launcher.kill()
+        raise AssertionError(f"driver did not serve:\n{log_path.read_text()}")
+    return launcher, log_path
+
+
+def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) -> None:
+    notes = tmp_path / "notes"
+    launcher, log_path = start_driver(tmp_path, notes)
     try:
-        deadline = time.monotonic() + 20
-        while "Loom is serving" not in log_path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "Loom is serving" in log_path.read_text()
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=20) == 0
     finally:
@@ -315,3 +326,20 @@ def test_router_parses_back_the_exact_config() -> None:
     router_args = router_parser().parse_args(list(router_spec(config, {}, 5.0).argv[3:]))
     assert config_from_args(router_args) == config
     assert router_args.shutdown_timeout == 5.0
+
+
+def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    notes = tmp_path / "notes"
+    launcher, log_path = start_driver(tmp_path, notes)
+    launcher.kill()  # SIGKILL: no chance to clean up
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while len([e for e in notes_of(notes) if e.endswith("stopped")]) < 2 \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = {"shard 0 stopped", "router stopped"} <= set(notes_of(notes))
+    if not stopped:  # do not leave the orphans behind
+        for pid in re.findall(r"\(pid (\d+)\)", log_path.read_text()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    assert stopped
