@@ -90,7 +90,7 @@ def test_200_random_requests_with_cancellations_leak_nothing(start_launcher: Sta
 def test_shared_1000_token_system_prompt_is_computed_once(start_launcher: StartLauncher) -> None:
     server = start_launcher("--max-total-tokens", "1400", "--max-input-tokens", "1300",
                             "--max-batch-total-tokens", "8192", "--max-batch-prefill-tokens", "2048")
-    system = " ".join(f"Rule {i}: be kind to the user and answer in English." for i in range(90))
+    system = " ".join(f"Rule {i}: be kind to the user and answer in English." for i in range(68))
     url = server.base_url
 
     def ask(question: str) -> dict:
