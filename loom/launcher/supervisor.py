@@ -215,7 +215,6 @@ def serve(shards: Sequence[ProcessSpec], router: ProcessSpec, health_url: str,
     supervisor = Supervisor(stop, log)
     deadline = time.monotonic() + startup_timeout
     router_children: list[Child] = []
-    shard_children: list[Child] = []
     status = ExitStatus.OK
     try:
         shard_children = [supervisor.spawn(spec) for spec in shards]
@@ -235,5 +234,6 @@ def serve(shards: Sequence[ProcessSpec], router: ProcessSpec, health_url: str,
         status = ExitStatus.STARTUP_TIMEOUT
     finally:  # also on an unexpected error: never leave children behind
         supervisor.terminate(router_children, shutdown_timeout)
-        supervisor.terminate(shard_children, SHARD_STOP_TIMEOUT_S)
+        supervisor.terminate([child for child in supervisor.children
+                              if child not in router_children], SHARD_STOP_TIMEOUT_S)
     return int(status)

@@ -244,6 +244,18 @@ def test_router_dying_while_serving_stops_the_shards(tmp_path: Path) -> None:
     assert "shard 0 stopped" in notes_of(notes)
 
 
+def test_a_shard_that_cannot_be_spawned_leaves_no_child_behind(tmp_path: Path) -> None:
+    notes, logs = tmp_path / "notes", Logs()
+    missing = ProcessSpec("shard 1", (str(tmp_path / "no-such-python"),), env={})
+    with pytest.raises(FileNotFoundError):
+        serve([fake("shard 0", notes, "shard"), missing], fake("router", notes, "router", "1"),
+              health_url="http://127.0.0.1:1/health", startup_timeout=30, shutdown_timeout=5,
+              stop=threading.Event(), log=logs)
+    pid = int(re.findall(r"started shard 0 \(pid (\d+)\)", logs.text)[0])
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
+
+
 def test_readiness_timeout_is_a_clear_error(tmp_path: Path) -> None:
     notes, logs = tmp_path / "notes", Logs()
     started = time.monotonic()
