@@ -196,6 +196,7 @@ class ModelRunner:
         for running in plan.running_requests:
             state = self.requests[running.request_id]
             state.block_table.extend(running.new_block_ids)
+            state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
             scheduled.append(_Scheduled(state, running.num_compute))
         # Prefill chunks first, decodes last: the attention batches all decodes in one call.
         return sorted(scheduled, key=lambda s: s.num_compute == 1)
@@ -382,7 +383,11 @@ class _PlanCheck:
             if running.request_id in seen:
                 raise ValueError(f"request {running.request_id}: appears twice in the plan")
             seen.add(running.request_id)
-            self._running(running, self.requests[running.request_id])
+            state = self.requests[running.request_id]
+            self._running(running, state)
+            for fork in running.forks:
+                self._fresh_id(fork.request_id, kept, seen)
+                self._blocks(fork.request_id, fork.block_table, len(state.token_ids))
 
     @staticmethod
     def _fresh_id(request_id: int, kept: set[int], seen: set[int]) -> None:

@@ -75,6 +75,18 @@ def test_fork_shares_prompt_and_copies_partial_block(runner, llama_pair) -> None
     assert {o.request_id: o.token_id for o in out} == {1: expected, 2: expected}
 
 
+def test_fork_on_the_chunk_that_completes_a_running_prompt(runner, llama_pair) -> None:
+    prompt = random_tokens(10, 17)  # prefilled in two chunks; the fork rides on the second
+    runner.step(StepPlan(new_requests=[_new(1, prompt, [0, 1, 2], num_compute=4)]))
+    fork = Fork(request_id=2, sampling=SamplingParams(seed=1), block_table=[0, 1, 9])
+    out = runner.step(StepPlan(running_requests=[RunningRequest(1, 6, forks=[fork])])).outputs
+    assert [o.request_id for o in out] == [1, 2]
+    expected = _greedy_reference(llama_pair.hf, prompt, 2)
+    assert out[0].token_id == out[1].token_id == expected[0]
+    out = runner.step(StepPlan(running_requests=[RunningRequest(1, 1), RunningRequest(2, 1)])).outputs
+    assert {o.request_id: o.token_id for o in out} == {1: expected[1], 2: expected[1]}
+
+
 def test_swap_out_and_in_preserves_logits(runner) -> None:
     prompt = random_tokens(9, 15)
     first = runner.step(StepPlan(new_requests=[_new(1, prompt, [0, 1, 2])])).outputs[0]
