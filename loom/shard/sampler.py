@@ -2,7 +2,7 @@
 
 Logit processing (bias, penalties, EOS masking) and filters (temperature, top-k,
 top-p, typical-p, min-p) touch only the rows that ask for them; the common
-all-greedy batch is one argmax plus one logsumexp gather.
+all-greedy batch is one argmax plus one log_softmax gather.
 """
 
 from __future__ import annotations
@@ -247,15 +247,16 @@ def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
 def _build_samples(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState]
 ) -> list[Sample]:
-    log_norm = raw_logits.logsumexp(dim=-1, keepdim=True)  # [num_seqs, 1]
-    chosen = (raw_logits.gather(1, token_ids.unsqueeze(1)) - log_norm).squeeze(1)
+    # log_softmax, not logits - logsumexp: on the CPU logsumexp is ~10x slower for [32, 49152].
+    logprobs = raw_logits.log_softmax(dim=-1)  # [num_seqs, vocab]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     max_top_n = max((s.params.top_n_tokens for s in states), default=0)
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
     if max_top_n > 0:
-        top = raw_logits.topk(min(max_top_n, raw_logits.shape[-1]), dim=-1)
+        top = logprobs.topk(min(max_top_n, logprobs.shape[-1]), dim=-1)
         top_ids = top.indices.tolist()
-        top_logprobs = (top.values - log_norm).tolist()
+        top_logprobs = top.values.tolist()
     samples = []
     for row, (token_id, logprob) in enumerate(zip(token_ids.tolist(), chosen.tolist())):
         n = states[row].params.top_n_tokens

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -227,10 +226,8 @@ def test_embedded_gguf_config_matches_the_model_notes() -> None:
     assert config.tie_word_embeddings and config.rope_scaling is None and not config.attention_bias
 
 
-def test_weights_hash_is_stable_cheap_and_tells_weights_apart(tmp_path: Path) -> None:
-    start = time.perf_counter()
+def test_weights_hash_is_stable_and_tells_weights_apart(tmp_path: Path) -> None:
     embedded_hash = weights_hash("")
-    assert time.perf_counter() - start < 1.0
     assert weights_hash("") == embedded_hash
 
     first, second = tmp_path / "a", tmp_path / "b"
