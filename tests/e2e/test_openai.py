@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import Launcher, spawn_launcher, wait_healthy
+from conftest import Launcher
 from text_generation import Client
 
 pytestmark = pytest.mark.slow
@@ -18,13 +16,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(e2e_dir: Path) -> Iterator[Launcher]:
-    launcher = spawn_launcher(e2e_dir, "--dtype", "float32")
-    try:
-        wait_healthy(launcher)
-        yield launcher
-    finally:
-        launcher.stop()
+def server(fp32_launcher: Launcher) -> Launcher:
+    return fp32_launcher
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Launcher, spawn_launcher, wait_healthy
+from conftest import Launcher
 from text_generation import AsyncClient, Client
 
 pytestmark = pytest.mark.slow
@@ -21,13 +19,8 @@ PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer briefly." for i in r
 
 
 @pytest.fixture(scope="module")
-def server(e2e_dir: Path) -> Iterator[Launcher]:
-    launcher = spawn_launcher(e2e_dir, "--dtype", "float32")
-    try:
-        wait_healthy(launcher)
-        yield launcher
-    finally:
-        launcher.stop()
+def server(fp32_launcher: Launcher) -> Launcher:
+    return fp32_launcher
 
 
 def scrape(url: str, name: str) -> float:
