@@ -6,7 +6,7 @@ import random
 
 from fake_shard import Driver, FakeShard, fake_prompt_logprob, reference_tokens
 
-from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
+from loom.common.step import SamplingParams, StepPlan
 from loom.router.request import SequenceGroup, SeqStatus
 from loom.router.scheduler import Scheduler, SchedulerConfig
 
