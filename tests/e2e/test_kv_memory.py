@@ -101,14 +101,15 @@ def test_shared_1000_token_system_prompt_is_computed_once(start_launcher: StartL
         return response.json()["usage"]
 
     before = scrape(url)["loom_prompt_tokens_computed_total"]
-    first = ask("Question 0?")
-    assert first["prompt_tokens"] > 1000
 
-    async def rest() -> list[dict]:
-        return await asyncio.gather(*(asyncio.to_thread(ask, f"Question {i}?") for i in range(1, 8)))
+    async def all_at_once() -> list[dict]:
+        return await asyncio.gather(*(asyncio.to_thread(ask, f"Question {i}?") for i in range(8)))
 
-    usages = asyncio.run(rest())
+    usages = sorted(asyncio.run(all_at_once()), key=lambda u: u["prompt_tokens_details"]["cached_tokens"])
     computed = scrape(url)["loom_prompt_tokens_computed_total"] - before
-    shared = min(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    first, rest = usages[0], usages[1:]
+    assert first["prompt_tokens"] > 1000
+    shared = min(u["prompt_tokens_details"]["cached_tokens"] for u in rest)
     assert shared >= 1000 - 16  # the whole system prompt, up to its last partial block
+    assert computed == sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert computed < first["prompt_tokens"] + 7 * (first["prompt_tokens"] - shared) + 1
