@@ -214,3 +214,36 @@ def test_streams_keep_flowing_while_a_large_snapshot_is_restored_and_saved(
           f"({(end - start) * 1e3:.0f} ms), max {max(during) * 1e3:.1f} ms")
     assert len(during) >= 3, "the stream did not run while the snapshots were moved"
     assert max(during) < 10 * baseline
+
+
+def test_tensor_parallel_parts_restore_only_into_the_same_shard_count(e2e_dir: Path) -> None:
+    """--num-shard 2 writes one part per rank; a 1-shard server refuses the set (409), a
+    2-shard server restores it and answers as without the cache."""
+    model = save_tiny_llama(e2e_dir / "tiny-llama-tp")
+    folder = e2e_dir / "snapshots-tp"
+    common = ("--model-id", str(model), "--dtype", "float32", "--snapshot-dir", str(folder))
+    prefix_ids = list(range(3, 40))  # 37 tokens: 2 full blocks of 16
+    prompt_ids = prefix_ids + [50, 51, 52]
+    first = run_launcher(e2e_dir, *common, "--num-shard", "2")
+    try:
+        reference = complete(first, prompt_ids)
+        assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert reference["choices"][0]["text"].strip(), "the tiny model should say something"
+        assert post(first, "/snapshots/tp?action=save", {"token_ids": prefix_ids}).status_code == 200
+    finally:
+        first.stop()
+    assert sorted(p.name for p in (folder / "tp").iterdir()) == ["manifest.json", "rank-0.kv", "rank-1.kv"]
+    single = run_launcher(e2e_dir, *common, "--num-shard", "1")
+    try:
+        response = post(single, "/snapshots/tp?action=restore")
+        assert response.status_code == 409 and "shard count" in response.json()["error"], response.text
+    finally:
+        single.stop()
+    second = run_launcher(e2e_dir, *common, "--num-shard", "2")
+    try:
+        assert post(second, "/snapshots/tp?action=restore").status_code == 200
+        body = complete(second, prompt_ids)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK_SIZE
+        assert body["choices"][0]["text"] == reference["choices"][0]["text"]
+    finally:
+        second.stop()
