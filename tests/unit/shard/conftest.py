@@ -11,7 +11,8 @@ import transformers
 
 from loom.shard.attention import SeqSpan, build_metadata
 from loom.shard.kv_cache import KVCacheSpec, PagedKVCache
-from loom.shard.model_config import ModelConfig, RopeScaling
+from loom.shard.loader import config_from_hf
+from loom.shard.model_config import ModelConfig
 from loom.shard.models import build_model
 from loom.shard.models.llama import LlamaModel
 
@@ -45,28 +46,8 @@ class TinyPair:
 
 
 def model_config_from_hf(hf_config: transformers.PretrainedConfig) -> ModelConfig:
-    scaling = getattr(hf_config, "rope_scaling", None)
-    return ModelConfig(
-        architecture=hf_config.architectures[0],
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=hf_config.rope_theta,
-        rope_scaling=None if not scaling else RopeScaling(
-            factor=scaling["factor"],
-            low_freq_factor=scaling["low_freq_factor"],
-            high_freq_factor=scaling["high_freq_factor"],
-            original_max_position_embeddings=scaling["original_max_position_embeddings"],
-        ),
-        tie_word_embeddings=hf_config.tie_word_embeddings,
-        attention_bias=getattr(hf_config, "attention_bias", False),
-    )
+    """The loader's own conversion, so the parity tests also cover config.json reading."""
+    return config_from_hf(hf_config.to_dict())
 
 
 def make_pair(kind: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0) -> TinyPair:
