@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import httpx
-
 from common import launcher, machine
 
 VOCAB_LOW, VOCAB_HIGH = 300, 40_000  # ordinary token ids of the embedded model's vocabulary

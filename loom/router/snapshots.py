@@ -11,6 +11,7 @@ runs in the engine loop between steps, and the shards do the copies and the file
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 import unicodedata
@@ -29,10 +30,13 @@ from loom.common.step import SamplingParams
 from loom.router.block_manager import CachedFill
 from loom.router.http_common import AppState, encode, get_state
 from loom.router.scheduler import Scheduler
+from loom.router.shard_client import ShardError
 from loom.router.types import GenerationParams
 from loom.router.validation import ChatMessage
 from loom.shard import snapshot as snap
 from loom.shard.snapshot import Manifest, SnapshotError, SnapshotReply, SnapshotStatus
+
+log = logging.getLogger("loom.snapshots")
 
 MAX_NAME_BYTES = 255
 FORBIDDEN_CHARS = frozenset('/\\:*?"<>|')
@@ -309,8 +313,8 @@ async def _forget(client: Any, load_id: str) -> None:
     """Drop a load the shards may still hold (a no-op after a fill)."""
     try:
         await client.fill_snapshot(load_id, [], [])
-    except Exception:
-        pass  # the shard bounds what it keeps; nothing else to undo
+    except Exception as error:  # noqa: BLE001 (the shard bounds what it keeps; nothing to undo)
+        log.warning("could not drop snapshot load %s: %s", load_id, error)
 
 
 def _answer(name: str, num_tokens: int, num_bytes: int, start: float) -> dict[str, Any]:
@@ -357,7 +361,10 @@ async def _prompt_ids(state: AppState, body: SaveRequest) -> list[int]:
     return await encode(state, body.inputs or "")
 
 
-def _error(error: SnapshotHTTPError) -> JSONResponse:
+def _error(error: SnapshotHTTPError | ShardError) -> JSONResponse:
+    """The JSON error; a shard that failed the RPC itself (crashed, unreachable) is a 500."""
+    if isinstance(error, ShardError):
+        error = SnapshotHTTPError(500, f"the shards failed: {error}", "failed")
     return JSONResponse({"error": error.message, "error_type": error.error_type}, status_code=error.status)
 
 
@@ -390,19 +397,19 @@ async def snapshot_action(name: str, action: Literal["save", "restore"], request
         if body is None:
             raise SnapshotHTTPError(422, "save needs a body with `inputs`, `messages` or `token_ids`", "validation")
         return await service.save(valid_name, await _prompt_ids(get_state(request), body))
-    except SnapshotHTTPError as error:
+    except (SnapshotHTTPError, ShardError) as error:
         return _error(error)
 
 
 async def delete_snapshot(name: str, request: Request) -> Any:
     try:
         return await _service(request).delete(validate_name(name_from_request(request)))
-    except SnapshotHTTPError as error:
+    except (SnapshotHTTPError, ShardError) as error:
         return _error(error)
 
 
 async def list_snapshots(request: Request) -> Any:
     try:
         return {"snapshots": await _service(request).list_all()}
-    except SnapshotHTTPError as error:
+    except (SnapshotHTTPError, ShardError) as error:
         return _error(error)

@@ -11,8 +11,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar

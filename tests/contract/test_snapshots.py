@@ -63,7 +63,7 @@ class SnapshotFakeClient(FakeShardClient):
         return [SnapshotReply(SnapshotStatus.OK)]
 
 
-async def _reply(call) -> SnapshotReply:  # noqa: ANN001 (an awaitable of a count or a LoadedPart)
+async def _reply(call) -> SnapshotReply:  # call: an awaitable of a byte count or a LoadedPart
     try:
         result = await call
     except SnapshotError as error:
@@ -121,7 +121,7 @@ async def test_off_without_snapshot_dir(tokenizer: Tokenizer) -> None:
 
 
 async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root: Path, served) -> None:
-    engine, client, backend = served
+    engine, client, _ = served
     response = await client.post("/snapshots/sys prompt?action=save", json={"token_ids": PROMPT})
     assert response.status_code == 200, response.text
     saved = response.json()
@@ -151,7 +151,7 @@ async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root:
 
 
 async def test_save_from_text_and_messages(served, tokenizer: Tokenizer) -> None:
-    engine, client, _ = served
+    _, client, _ = served
     response = await client.post("/snapshots/text?action=save", json={"inputs": WORDS})
     assert response.json()["tokens"] == len(tokenizer.encode(WORDS))
     messages = [{"role": "user", "content": "hi"}]
@@ -241,3 +241,63 @@ async def test_symlink_out_of_the_directory_is_refused(served, root: Path, tmp_p
         response = await client.request(method, url, json={"token_ids": [1, 2, 3]})
         assert response.status_code == 400, (url, response.text)
     assert list(outside.iterdir()) == []
+
+
+# ---- the snapshot RPCs over gRPC: the real server and ShardClient around a real tiny runner ----
+
+
+@pytest.fixture
+async def grpc_shard(tmp_path: Path):
+    """A real ModelRunner (tiny random Llama, float32, block size 4) served over a unix socket."""
+    import torch
+
+    from loom.router.shard_client import ShardClient
+    from loom.shard.config import ShardConfig
+    from loom.shard.runner import ModelRunner
+    from loom.shard.server import start_server
+    from tests.unit.shard.conftest import make_pair
+
+    runner = ModelRunner(ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE),
+                         model=make_pair("llama").loom)
+    with torch.inference_mode():
+        runner.allocate_kv_cache(num_blocks=16, num_host_blocks=0)
+        runner.kv_cache.device_blocks.normal_()
+    (tmp_path / "snaps").mkdir()
+    server, servicer = await start_server(runner, str(tmp_path / "shard.sock"), str(tmp_path / "snaps"))
+    client = ShardClient([str(tmp_path / "shard.sock")])
+    await client.wait_ready(timeout_s=5.0)
+    yield runner, client, tmp_path / "snaps"
+    await client.close()
+    await server.stop(None)
+    servicer.close()
+
+
+async def test_snapshot_rpcs_copy_exact_kv_and_report_statuses(grpc_shard) -> None:
+    import torch
+
+    runner, client, root = grpc_shard
+    (root / "s").mkdir()
+    tokens = list(range(10, 20))  # 10 tokens: 2 full blocks of 4
+    [saved] = await client.save_snapshot("s", [5, 1, 7], tokens, "tok")
+    assert saved.status is SnapshotStatus.OK and saved.num_bytes == (root / "s" / "rank-0.kv").stat().st_size
+    [loaded] = await client.load_snapshot("s", "L1", "tok")
+    assert loaded.status is SnapshotStatus.OK and loaded.token_ids == tokens
+    [filled] = await client.fill_snapshot("L1", [12, 3], [1, 0])
+    assert filled.status is SnapshotStatus.OK
+    cache = runner.kv_cache
+    assert torch.equal(cache.read_blocks([3, 12], 8), cache.read_blocks([5, 1], 8))
+
+    statuses = [
+        (await client.save_snapshot("missing-folder", [0], [1], "tok"))[0].status,
+        (await client.save_snapshot("../escape", [0], [1], "tok"))[0].status,
+        (await client.save_snapshot("s", [99], [1], "tok"))[0].status,
+        (await client.load_snapshot("nothing", "L2", "tok"))[0].status,
+        (await client.load_snapshot("s", "L3", "another tokenizer"))[0].status,
+        (await client.fill_snapshot("never-loaded", [2], [0]))[0].status,
+    ]
+    assert statuses == [SnapshotStatus.NOT_FOUND, SnapshotStatus.INVALID, SnapshotStatus.INVALID,
+                        SnapshotStatus.NOT_FOUND, SnapshotStatus.MISMATCH, SnapshotStatus.NOT_FOUND]
+    part = root / "s" / "rank-0.kv"
+    part.write_bytes(part.read_bytes()[:-3])
+    assert (await client.load_snapshot("s", "L4", "tok"))[0].status is SnapshotStatus.DAMAGED
+    assert await client.health()

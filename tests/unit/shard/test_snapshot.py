@@ -26,7 +26,8 @@ def kv_bytes(layout: KVLayout = LAYOUT) -> bytes:
 
 
 def header(**overrides: object) -> PartHeader:
-    fields: dict = dict(fingerprint=dict(FINGERPRINT), token_ids=[5, 6, 7, 8, 9], layout=LAYOUT, rank=0, world_size=1)
+    fields: dict = {"fingerprint": dict(FINGERPRINT), "token_ids": [5, 6, 7, 8, 9], "layout": LAYOUT,
+                    "rank": 0, "world_size": 1}
     return PartHeader(**{**fields, **overrides})
 
 
