@@ -226,9 +226,7 @@ class BlockManager:
             block_id = self._free_ids.popleft()
         else:
             block_id, _ = self._cached_ids.popitem(last=False)
-            block = self.blocks[block_id]
-            del self._hash_to_id[block.block_hash]
-            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+            self._unhash(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id
 
@@ -425,6 +423,21 @@ class BlockManager:
             self._register(self.blocks[block_id], fill.hashes[index], parent_hash, tokens)
             self._release_block(block_id)
         fill.block_ids, fill.block_indices = [], []
+
+    def drop_cached(self, token_ids: Seq[int]) -> int:
+        """Forget the cached blocks holding token_ids' full blocks that no sequence uses
+        (a deleted snapshot); blocks in use stay. Returns how many were dropped."""
+        hit_ids, _ = self._find_prefix(token_ids, len(token_ids) // self.block_size)
+        dropped = [block_id for block_id in hit_ids if self.blocks[block_id].ref_count == 0]
+        for block_id in dropped:
+            del self._cached_ids[block_id]
+            self._unhash(self.blocks[block_id])
+            self._free_ids.append(block_id)
+        return len(dropped)
+
+    def _unhash(self, block: Block) -> None:
+        del self._hash_to_id[block.block_hash]
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def cancel_cached(self, fill: CachedFill) -> None:
         """The fill failed: give the reserved blocks back unhashed."""

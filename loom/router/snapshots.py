@@ -159,7 +159,8 @@ class Snapshots:
                 replies = await self._compute_and_write(staging, token_ids)
                 manifest = Manifest(num_shards=len(replies), num_tokens=len(token_ids),
                                     fingerprint=await self.fingerprint(),
-                                    parts={snap.part_name(rank): r.num_bytes for rank, r in enumerate(replies)})
+                                    parts={snap.part_name(rank): r.num_bytes for rank, r in enumerate(replies)},
+                                    token_ids=list(token_ids))
                 await asyncio.to_thread(_commit, staging, final, manifest)
             except BaseException:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
@@ -246,8 +247,14 @@ class Snapshots:
     async def delete(self, name: str) -> dict[str, Any]:
         path = snapshot_path(self.root, name, replacing=True)
         async with self._locks[name]:
+            try:
+                token_ids = (await _off_loop(snap.read_manifest, path)).token_ids
+            except SnapshotError:
+                token_ids = []  # a damaged snapshot can still be deleted
             await _off_loop(snap.remove_dir, path)
-        return {"name": name, "deleted": True}
+        # Its prefix-cache entries go too, unless a running request still uses them.
+        num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids))
+        return {"name": name, "deleted": True, "cached_blocks_dropped": num_dropped}
 
     async def list_all(self) -> list[dict[str, Any]]:
         fingerprint = await self.fingerprint()

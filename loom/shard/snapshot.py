@@ -252,6 +252,7 @@ class Manifest:
     fingerprint: dict[str, Any]
     parts: dict[str, int]  # part file name -> bytes
     created: float = field(default_factory=time.time)
+    token_ids: list[int] = field(default_factory=list)  # lets DELETE find the cached blocks
     format_version: int = FORMAT_VERSION
 
     @property

@@ -147,6 +147,11 @@ async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root:
         # Restoring again finds every block cached: nothing to fill.
         assert (await client2.post("/snapshots/sys%20prompt?action=restore")).status_code == 200
         assert len(fresh.fill_calls) == 1
+        # Deleting it also forgets its cached blocks (no request uses them now).
+        before = cached_blocks(engine2)
+        deleted = await client2.delete("/snapshots/sys%20prompt")
+        assert deleted.json()["cached_blocks_dropped"] == full_blocks
+        assert cached_blocks(engine2) == before - full_blocks
     await engine2.stop(drain_timeout_s=1.0)
 
 

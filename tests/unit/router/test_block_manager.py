@@ -228,6 +228,18 @@ def test_cancel_cached_returns_blocks_unhashed():
     assert bm.allocate(make_seq(list(range(9)))) == 0
 
 
+def test_drop_cached_forgets_unused_blocks_and_keeps_used_ones():
+    bm = BlockManager(block_size=4, num_blocks=8)
+    tokens = list(range(12))
+    bm.commit_cached(bm.allocate_cached(tokens))  # blocks 0, 1, 2 cached
+    user = make_seq(list(range(4)) + [50, 51])  # still uses block 0
+    assert bm.allocate(user) == 4 and user.block_table[0] == 0
+    assert bm.drop_cached(tokens + [7]) == 2
+    assert refs(bm)[:3] == [1, 0, 0] and bm.num_cached_blocks == 0
+    assert bm.allocate(make_seq(tokens + [7])) == 4  # only block 0 still hits
+    assert bm.drop_cached([99] * 8) == 0
+
+
 def test_pending_prefix_from_allocation_until_computed():
     bm = BlockManager(block_size=4, num_blocks=16)
     a = make_seq(list(range(14)))  # 3 full prompt blocks
