@@ -33,6 +33,7 @@ from loom.shard.kv_cache import (
     blocks_for_bytes,
     blocks_for_tokens,
 )
+from loom.shard.layers.packed_linear import pack_linears
 from loom.shard.models import build_model
 from loom.shard.models.llama import LlamaModel
 from loom.shard.sampler import Sample, SeqSamplingState, sample
@@ -77,6 +78,8 @@ class ModelRunner:
         else:
             self.weights_hash = "unhashed"
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu":
+            pack_linears(self.model)  # oneDNN-packed bfloat16 weights; float32 keeps F.linear
         mc = self.model.config
         self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
         self.kv_cache: PagedKVCache | None = None
