@@ -6,6 +6,7 @@ running requests, run one forward over the mixed batch, sample, fork.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.device.type == "cpu":
             pack_linears(self.model)  # oneDNN-packed bfloat16 weights; float32 keeps F.linear
+            keep_freed_memory_mapped()
         mc = self.model.config
         self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
         self.kv_cache: PagedKVCache | None = None
@@ -433,6 +435,24 @@ class _PlanCheck:
         for src, dst in pairs:
             if not (0 <= src < num_src and 0 <= dst < num_dst):
                 raise ValueError(f"{name}: block pair ({src}, {dst}) out of range ({num_src}, {num_dst})")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Have glibc keep freed buffers of up to 32 MB for reuse instead of unmapping them.
+
+    A CPU step frees and reallocates the same multi-MB temporaries in every layer (K/V
+    gathers, logits); each one unmapped and mapped again page-faults on first write:
+    7-10 ms of system time per batch-32 decode step (bench/BENCHMARKS.md, Engine).
+    Process-wide; returns False where there is no glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20))
 
 
 def default_dtype(device: str) -> torch.dtype:
