@@ -225,7 +225,7 @@ class ModelRunner:
         meta = build_metadata([s.span for s in scheduled], self.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
         rows, sample_rows, logprob_rows = _logit_rows(scheduled)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])  # rows may be empty
+        logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
         samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing])
@@ -246,7 +246,7 @@ class ModelRunner:
         if not rows:
             return []
         sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
-        return sample(logits[torch.tensor(rows, device=logits.device)], sampling_states)
+        return sample(_select_rows(logits, rows), sampling_states)
 
     def _fork_all(
         self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None]
@@ -307,6 +307,14 @@ class ModelRunner:
         tokens = torch.frombuffer(kv, dtype=self.dtype).view(layout.shape)
         positions = (torch.tensor(block_indices, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
         cache.write_blocks(block_ids, tokens[:, :, positions])
+
+
+def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows]; x itself when rows are all of its rows in order (an all-decode step),
+    which saves a copy of up to [batch, vocab] float32 per use."""
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        return x
+    return x[torch.tensor(rows, dtype=torch.long, device=x.device)]
 
 
 def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:
