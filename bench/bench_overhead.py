@@ -2,11 +2,13 @@
 
     python bench/bench_overhead.py [--batch 1 32] [--steps 48]
 
-In-process: `ModelRunner.step` on a plan of `batch` decoding sequences, timed per step.
-Full stack: `batch` concurrent streaming OpenAI completions (ignore_eos, greedy) through
-`loom-launcher`; the median time between tokens is the full stack's decode step.
-Both run the embedded model with the same dtype, threads and prompt length, one after
-the other, so the ratio is measured in one run.
+- engine: `ModelRunner.step` in this process on a plan of `batch` decoding sequences.
+- router + gRPC: the router's `Engine` (scheduler, block manager, detokenizer, streams) in
+  this process driving a real `loom-shard` subprocess over its unix socket; no HTTP.
+- full stack: `batch` concurrent streaming OpenAI completions (ignore_eos, greedy) through
+  `loom-launcher`, read by an HTTP client on the same machine.
+Each is the median time between one sequence's tokens with all `batch` decoding. All run
+the embedded model with the same dtype, threads and prompt length, one after the other.
 """
 
 from __future__ import annotations
@@ -17,12 +19,22 @@ import json
 import statistics
 import time
 
+import os
+import subprocess
+import sys
+import tempfile
+
 import httpx
 import torch
 
-from common import launcher, machine
+from common import REPO, launcher, machine
 
 from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom.router.config import RouterConfig
+from loom.router.engine import Engine
+from loom.router.shard_client import ShardClient
+from loom.router.tokenizer import load_tokenizer
+from loom.router.types import GenerationParams
 from loom.shard.config import ShardConfig
 from loom.shard.runner import ModelRunner
 
@@ -71,6 +83,43 @@ async def full_stack_step_ms(url: str, batch: int, steps: int, vocab: int) -> fl
     return statistics.median(g for gs in gaps for g in gs) * 1000
 
 
+async def router_step_ms(uds: str, batches: list[int], steps: int, vocab: int) -> dict[int, float]:
+    """Median time between tokens with the router's engine driving a real shard over gRPC."""
+    config = RouterConfig(model_id="", shard_uds_paths=(uds,), max_batch_prefill_tokens=512,
+                          max_batch_total_tokens=16384)
+    client = ShardClient([uds])
+    await client.wait_ready(300)
+    engine = Engine(config, client, load_tokenizer(""))
+    await engine.start()
+
+    async def one(i: int, max_new: int) -> list[float]:
+        params = GenerationParams([SamplingParams(seed=i)], max_new_tokens=max_new, ignore_eos=True)
+        stamps = [time.perf_counter() async for _ in engine.submit(prompt_ids(i, vocab), params)]
+        return [b - a for a, b in zip(stamps, stamps[1:])][3:-3]
+
+    await one(0, 8)  # warm up
+    result = {}
+    for batch in batches:
+        gaps = await asyncio.gather(*(one(i, steps) for i in range(batch)))
+        result[batch] = statistics.median(g for gs in gaps for g in gs) * 1000
+    await engine.stop(1.0)
+    await client.close()
+    return result
+
+
+def with_shard(dtype: str, threads: int, fn) -> dict[int, float]:  # noqa: ANN001
+    """Run fn(uds) against a `loom-shard` subprocess."""
+    uds = tempfile.mktemp(prefix="loom-bench-")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "loom.shard.server", "--model-id", "", "--uds-path", uds, "--dtype", dtype]
+    shard = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return fn(uds)
+    finally:
+        shard.terminate()
+        shard.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -87,17 +136,21 @@ def main() -> None:
     local = {b: in_process_step_ms(runner, b, args.steps) for b in args.batch}
     del runner
 
+    routed = with_shard(dtype, args.threads,
+                        lambda uds: asyncio.run(router_step_ms(uds, args.batch, args.steps, vocab)))
+
     flags = ["--num-threads", str(args.threads), "--max-batch-total-tokens", "16384", "--dtype", dtype]
     with launcher(*flags) as url:
         asyncio.run(full_stack_step_ms(url, 1, 8, vocab))  # warm up
         stack = {b: asyncio.run(full_stack_step_ms(url, b, args.steps, vocab)) for b in args.batch}
 
     print(f"machine: {machine()}; dtype {dtype}; {args.threads} threads; prompt {PROMPT_TOKENS} tokens")
-    print("| batch | engine step ms | full stack step ms | overhead ms | overhead % |")
-    print("|---|---|---|---|---|")
+    print("| batch | engine ms | router + gRPC ms | overhead ms (%) | full stack ms | overhead ms (%) |")
+    print("|---|---|---|---|---|---|")
     for b in args.batch:
-        extra = stack[b] - local[b]
-        print(f"| {b} | {local[b]:.2f} | {stack[b]:.2f} | {extra:.2f} | {100 * extra / local[b]:.1f} |")
+        hop, full = routed[b] - local[b], stack[b] - local[b]
+        print(f"| {b} | {local[b]:.2f} | {routed[b]:.2f} | {hop:.2f} ({100 * hop / local[b]:.1f}) "
+              f"| {stack[b]:.2f} | {full:.2f} ({100 * full / local[b]:.1f}) |")
 
 
 if __name__ == "__main__":

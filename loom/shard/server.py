@@ -64,9 +64,10 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     reads, writes and checksums run on an I/O thread, so steps continue meanwhile.
     """
 
-    def __init__(self, runner: Runner, snapshot_dir: str | None = None) -> None:
+    def __init__(self, runner: Runner, snapshot_dir: str | None = None,
+                 worker: ThreadPoolExecutor | None = None) -> None:
         self._runner = runner
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-forward")
+        self._worker = worker or new_worker()
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
         info = runner.info()
         self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
@@ -184,12 +185,22 @@ async def _snapshot_call(name: str, call: Awaitable[SnapshotReply]) -> SnapshotR
         return SnapshotReply(SnapshotStatus.FAILED, describe(error))
 
 
+def new_worker() -> ThreadPoolExecutor:
+    """The one thread that runs every forward.
+
+    The model should be built on it too: each thread that runs torch ops gets its own
+    OpenMP team, and two teams on one machine's cores slowed a CPU decode step by half
+    (25 -> 38 ms at batch 1, bench/BENCHMARKS.md); CUDA's current device is per thread too.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-forward")
+
+
 async def start_server(
-    runner: Runner, uds_path: str, snapshot_dir: str | None = None
+    runner: Runner, uds_path: str, snapshot_dir: str | None = None, worker: ThreadPoolExecutor | None = None
 ) -> tuple[grpc.aio.Server, ShardServicer]:
     """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    servicer = ShardServicer(runner, snapshot_dir)
+    servicer = ShardServicer(runner, snapshot_dir, worker)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     try:
         server.add_insecure_port(f"unix://{uds_path}")
@@ -199,7 +210,7 @@ async def start_server(
     return server, servicer
 
 
-async def serve(runner: Runner, config: ShardConfig) -> None:
+async def serve(runner: Runner, config: ShardConfig, worker: ThreadPoolExecutor | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then stop cleanly."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -207,7 +218,7 @@ async def serve(runner: Runner, config: ShardConfig) -> None:
         loop.add_signal_handler(signum, stop.set)
     if config.snapshot_dir:
         Path(config.snapshot_dir).mkdir(parents=True, exist_ok=True)
-    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir)
+    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker)
     print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
     await stop.wait()
     log.info("stopping rank %d", config.rank)
@@ -285,11 +296,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from loom.shard.loader import ModelLoadError
 
-    try:
+    worker = new_worker()
+
+    def load() -> Runner:
         if config.world_size > 1:
             init_distributed(config)
-        runner = build_runner(config)
-        asyncio.run(serve(runner, config))
+        return build_runner(config)
+
+    try:
+        runner = worker.submit(load).result()
+        asyncio.run(serve(runner, config, worker))
     except KeyboardInterrupt:
         return 0
     except ModelLoadError as error:
@@ -297,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         return fail(str(error), EXIT_SERVE_ERROR)
     finally:
+        # An interrupted load runs to its end on the worker (threads cannot be killed) before exit.
+        worker.shutdown(wait=False, cancel_futures=True)
         close_distributed(config)
     return 0
 
