@@ -1,4 +1,4 @@
-"""HTTP load generator: streaming greedy requests at several concurrencies against a real launcher.
+"""HTTP load generator: streaming greedy completions at several concurrencies against a real launcher.
 
     python bench/bench_serving.py                     # starts loom-launcher on the embedded model
     python bench/bench_serving.py --url http://...    # or measures a running server
@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from common import StreamTiming, launcher, machine, percentile, stream_generate
+from common import StreamTiming, launcher, machine, percentile, stream_completion
 
 # A ~150-token prompt, varied per request so the prefix cache doesn't make prefill free.
 BASE_PROMPT = ("Write a detailed story about a lighthouse keeper who finds a message in a bottle. "
@@ -26,7 +26,8 @@ BASE_PROMPT = ("Write a detailed story about a lighthouse keeper who finds a mes
 
 
 async def run_level(url: str, concurrency: int, num_requests: int, new_tokens: int) -> list[StreamTiming]:
-    params = {"max_new_tokens": new_tokens, "details": False}
+    # ignore_eos: every request streams exactly new_tokens, as in MODEL-NOTES' measurements.
+    params = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(i)
@@ -35,7 +36,7 @@ async def run_level(url: str, concurrency: int, num_requests: int, new_tokens: i
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            results.append(await stream_generate(client, f"Request {i}. {BASE_PROMPT}", params))
+            results.append(await stream_completion(client, {"prompt": f"Request {i}. {BASE_PROMPT}", **params}))
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))

@@ -1,4 +1,4 @@
-"""Shared pieces of the HTTP benchmarks: start a launcher, stream a request, read /metrics."""
+"""Shared pieces of the HTTP benchmarks: start a launcher, stream a completion, read /metrics."""
 
 from __future__ import annotations
 
@@ -82,17 +82,15 @@ class StreamTiming:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
-async def stream_generate(client: httpx.AsyncClient, inputs: str | list[int], parameters: dict) -> StreamTiming:
-    """POST /generate_stream and time every token event."""
+async def stream_completion(client: httpx.AsyncClient, body: dict) -> StreamTiming:
+    """POST a streaming /v1/completions and time every chunk that carries a choice."""
     start = time.perf_counter()
     times: list[float] = []
-    async with client.stream("POST", "/generate_stream", json={"inputs": inputs, "parameters": parameters}) as resp:
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                event = json.loads(line[5:])
-                if "token" in event:
-                    times.append(time.perf_counter() - start)
+            if line.startswith("data:") and "[DONE]" not in line and json.loads(line[5:])["choices"]:
+                times.append(time.perf_counter() - start)
     total = time.perf_counter() - start
     return StreamTiming(times[0] if times else total, total, len(times), times)
 
