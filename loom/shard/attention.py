@@ -183,12 +183,15 @@ def _decode(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torc
     group = num_heads // num_kv_heads
     # One query token per sequence: each kv head's query group becomes its query rows,
     # so grouped-query attention needs no K/V repeat. Batched over [kv_heads, decodes].
-    query = (q * head_dim**-0.5).view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
+    query = q.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
     # Gathering from a head-major view copies K/V once, straight into the layout the
     # matmuls want (faster on CPU than advanced indexing + SDPA; bench/BENCHMARKS.md).
     kv = kv_layer.permute(0, 3, 1, 2, 4).index_select(2, batch.block_ids.view(-1))
     kv = kv.view(2, num_kv_heads, num_decodes, -1, head_dim)  # [2, kv_heads, decodes, context, head_dim]
-    scores = torch.matmul(query, kv[0].transpose(-1, -2)).float() + batch.mask  # [kv_heads, decodes, group, context]
+    scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, decodes, group, context]
+    # One op scales, adds the float32 padding mask and so promotes to float32 (each tiny op
+    # costs a few microseconds per layer at batch 1).
+    scores = torch.add(batch.mask, scores, alpha=head_dim**-0.5)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, kv[1])  # [kv_heads, decodes, group, head_dim]
     return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
