@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(slots=True)
@@ -135,7 +137,21 @@ def _prefill(
         kv = kv_layer.permute(0, 3, 1, 2, 4).index_select(2, chunk.block_ids)  # [2, kv_heads, blocks, block, hd]
         kv = kv.flatten(2, 3)[:, :, :context]
         key, value = kv[0], kv[1]
-    return blocked_causal_attention(q[chunk.start : chunk.end], key, value, chunk.num_cached)
+    query = q[chunk.start : chunk.end]
+    if query.is_cuda:
+        return sdpa_causal_attention(query, key, value)
+    return blocked_causal_attention(query, key, value, chunk.num_cached)
+
+
+def sdpa_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The same contract as `blocked_causal_attention`, through SDPA's fused kernels (CUDA):
+    a lower-right causal bias aligns the diagonal with the chunk's end after cached keys."""
+    chunk_len, context = query.shape[0], key.shape[1]
+    bias = causal_lower_right(chunk_len, context) if context != chunk_len else None
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key, value, attn_mask=bias, is_causal=bias is None, enable_gqa=True
+    )
+    return out.transpose(0, 1)  # [chunk_len, num_heads, head_dim]
 
 
 # Query rows per tile: big enough for the matmuls to run near peak, small enough that the

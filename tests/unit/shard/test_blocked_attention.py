@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom.shard.attention import blocked_causal_attention
+from loom.shard.attention import blocked_causal_attention, sdpa_causal_attention
 
 
 def _reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_cached: int) -> torch.Tensor:
@@ -34,3 +34,13 @@ def test_bfloat16_stays_near_the_float32_result() -> None:
     out = blocked_causal_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), 10, tile_rows=24)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _reference(query, key, value, 10), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("chunk_len, num_cached", [(9, 0), (5, 7), (1, 12)])
+def test_cuda_sdpa_path_agrees_with_the_blocked_one(chunk_len: int, num_cached: int) -> None:
+    # The CUDA prefill path, run here on CPU tensors: same contract, same numbers.
+    torch.manual_seed(1)
+    query = torch.randn(chunk_len, 4, 16)
+    key, value = torch.randn(2, 2, num_cached + chunk_len, 16)
+    torch.testing.assert_close(sdpa_causal_attention(query, key, value),
+                               blocked_causal_attention(query, key, value, num_cached), rtol=1e-5, atol=1e-6)
