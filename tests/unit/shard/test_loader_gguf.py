@@ -15,18 +15,8 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from loom.shard.gguf_reader import read_gguf
 from loom.shard.loader import ModelLoadError, config_from_hf, load_model_config, load_model_weights, resolve_model_path
+from tests.unit.shard.test_loader import TINY
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rope_theta=50000.0,
-    rms_norm_eps=1e-6,
-)
 GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
