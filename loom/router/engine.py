@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -23,6 +23,7 @@ from loom.common.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupR
 from loom.router.config import RouterConfig
 from loom.router.request import Sequence, SequenceGroup
 from loom.router.scheduler import Scheduler, SchedulerConfig
+from loom.router.stream import DONE, GenerationStream
 from loom.router.text import IncrementalDetokenizer, StopMatcher
 from loom.router.tokenizer import Tokenizer
 from loom.router.types import (
@@ -33,7 +34,6 @@ from loom.router.types import (
     GenerationError,
     GenerationParams,
     OverloadedError,
-    PromptInfo,
     ValidationError,
 )
 
@@ -49,41 +49,6 @@ class ShardBackend(Protocol):
     async def health(self) -> bool: ...
     async def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult: ...
     async def step(self, plan: StepPlan) -> StepResult: ...
-
-
-_DONE = object()
-
-
-class GenerationStream:
-    """The events of one request's n choices, interleaved, as the engine produces them."""
-
-    def __init__(self, engine: Engine, group_id: int, num_prompt_tokens: int) -> None:
-        self._engine = engine
-        self.group_id = group_id
-        self.prompt = PromptInfo(num_prompt_tokens=num_prompt_tokens)
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self.closed = False
-        # With hold_blocks: the finished sequence, still holding its blocks until
-        # `Engine.release_held` (its KV stays valid for a snapshot to copy).
-        self.held: Sequence | None = None
-
-    def put(self, item: object) -> None:
-        self._queue.put_nowait(item)
-
-    async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:
-        while True:
-            item = await self._queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, Exception):
-                raise item
-            assert isinstance(item, ChoiceEvent)
-            yield item
-
-    def cancel(self) -> None:
-        """The client went away: free its blocks before the next step."""
-        if not self.closed:
-            self._engine.cancel(self.group_id)
 
 
 @dataclass(slots=True)
@@ -226,7 +191,7 @@ class Engine:
             first_seq_id=group_id * self.config.max_n,
             prompt_logprobs=params.prompt_logprobs,
         )
-        stream = GenerationStream(self, group_id, len(prompt_ids))
+        stream = GenerationStream(self.cancel, group_id, len(prompt_ids))
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
         self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
                                          hold_blocks)
@@ -298,7 +263,7 @@ class Engine:
             else:
                 self.scheduler.abort(group_id)
             active.stream.closed = True
-            active.stream.put(_DONE)
+            active.stream.put(DONE)
             self._count_finish("cancelled")
         self._pending_aborts.clear()
         for group in self._pending_adds:
@@ -401,7 +366,7 @@ class Engine:
         if active.num_open == 0:
             self._active.pop(active.group.group_id, None)
             active.stream.closed = True
-            active.stream.put(_DONE)
+            active.stream.put(DONE)
 
     def _fail_all(self, err: Exception) -> None:
         for active in self._active.values():
