@@ -8,6 +8,7 @@ Snapshot replies carry a status enum, mapped by name (`SNAPSHOT_<NAME>` <-> `Sna
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import fields
 from functools import singledispatch
 from typing import Any
 
@@ -41,6 +42,22 @@ _OPTIONAL_SAMPLING = ("top_k", "top_p", "typical_p", "min_p", "repetition_penalt
 def to_pb(obj: Any) -> Any:
     """The protobuf message for a step dataclass."""
     raise TypeError(f"no protobuf message for {type(obj).__name__}")
+
+
+# Dataclasses whose message has exactly their scalar fields: copied field by field.
+_FLAT_MESSAGES: dict[type, Any] = {TokenLogprob: pb.TokenLogprob, ModelInfo: pb.ModelInfo, WarmupResult: pb.WarmupResult}
+
+
+def _flat_to_pb(obj: Any) -> Any:
+    return _FLAT_MESSAGES[type(obj)](**{f.name: getattr(obj, f.name) for f in fields(obj)})
+
+
+def _flat_from_pb(cls: type) -> Callable[[Any], Any]:
+    return lambda msg: cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+for _cls in _FLAT_MESSAGES:
+    to_pb.register(_cls, _flat_to_pb)
 
 
 @to_pb.register
@@ -110,18 +127,13 @@ def _plan_to_pb(plan: StepPlan) -> pb.StepPlan:
 
 
 @to_pb.register
-def _token_logprob_to_pb(t: TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob)
-
-
-@to_pb.register
 def _seq_output_to_pb(o: SeqOutput) -> pb.SeqOutput:
     # proto3 `optional`: passing None to the constructor leaves the field unset.
     return pb.SeqOutput(
         request_id=o.request_id,
         token_id=o.token_id,
         logprob=o.logprob,
-        top_tokens=[_token_logprob_to_pb(t) for t in o.top_tokens],
+        top_tokens=[_flat_to_pb(t) for t in o.top_tokens],
         prompt_logprobs=o.prompt_logprobs,
     )
 
@@ -131,31 +143,6 @@ def _step_result_to_pb(r: StepResult) -> pb.StepResult:
     return pb.StepResult(
         outputs=[_seq_output_to_pb(o) for o in r.outputs], forward_ms=r.forward_ms, total_ms=r.total_ms
     )
-
-
-@to_pb.register
-def _model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        architecture=i.architecture,
-        num_layers=i.num_layers,
-        num_heads=i.num_heads,
-        num_kv_heads=i.num_kv_heads,
-        head_dim=i.head_dim,
-        hidden_size=i.hidden_size,
-        vocab_size=i.vocab_size,
-        max_position_embeddings=i.max_position_embeddings,
-        dtype=i.dtype,
-        weights_hash=i.weights_hash,
-        device=i.device,
-        block_size=i.block_size,
-        rank=i.rank,
-        world_size=i.world_size,
-    )
-
-
-@to_pb.register
-def _warmup_result_to_pb(w: WarmupResult) -> pb.WarmupResult:
-    return pb.WarmupResult(num_blocks=w.num_blocks, num_host_blocks=w.num_host_blocks, block_size=w.block_size)
 
 
 def _optional(msg: Any, name: str) -> Any:
@@ -223,16 +210,12 @@ def _plan_from_pb(m: pb.StepPlan) -> StepPlan:
     )
 
 
-def _token_logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(token_id=m.token_id, logprob=m.logprob)
-
-
 def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
     return SeqOutput(
         request_id=m.request_id,
         token_id=_optional(m, "token_id"),
         logprob=_optional(m, "logprob"),
-        top_tokens=[_token_logprob_from_pb(t) for t in m.top_tokens],
+        top_tokens=[from_pb(t) for t in m.top_tokens],
         prompt_logprobs=list(m.prompt_logprobs),
     )
 
@@ -243,40 +226,17 @@ def _step_result_from_pb(m: pb.StepResult) -> StepResult:
     )
 
 
-def _model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(
-        architecture=m.architecture,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        hidden_size=m.hidden_size,
-        vocab_size=m.vocab_size,
-        max_position_embeddings=m.max_position_embeddings,
-        dtype=m.dtype,
-        weights_hash=m.weights_hash,
-        device=m.device,
-        block_size=m.block_size,
-        rank=m.rank,
-        world_size=m.world_size,
-    )
-
-
-def _warmup_result_from_pb(m: pb.WarmupResult) -> WarmupResult:
-    return WarmupResult(num_blocks=m.num_blocks, num_host_blocks=m.num_host_blocks, block_size=m.block_size)
-
-
 _FROM_PB: dict[type, Callable[[Any], Any]] = {
     pb.SamplingParams: _sampling_from_pb,
     pb.Fork: _fork_from_pb,
     pb.NewRequest: _new_request_from_pb,
     pb.RunningRequest: _running_request_from_pb,
     pb.StepPlan: _plan_from_pb,
-    pb.TokenLogprob: _token_logprob_from_pb,
+    pb.TokenLogprob: _flat_from_pb(TokenLogprob),
     pb.SeqOutput: _seq_output_from_pb,
     pb.StepResult: _step_result_from_pb,
-    pb.ModelInfo: _model_info_from_pb,
-    pb.WarmupResult: _warmup_result_from_pb,
+    pb.ModelInfo: _flat_from_pb(ModelInfo),
+    pb.WarmupResult: _flat_from_pb(WarmupResult),
 }
 
 
