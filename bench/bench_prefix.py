@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-
 from common import launcher, machine, metrics
 
 VOCAB_LOW, VOCAB_HIGH = 300, 40_000  # ordinary token ids of the embedded model's vocabulary

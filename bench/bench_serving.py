@@ -15,7 +15,6 @@ import statistics
 import time
 
 import httpx
-
 from common import StreamTiming, launcher, machine, percentile, stream_completion
 
 # A ~150-token prompt, varied per request so the prefix cache doesn't make prefill free.

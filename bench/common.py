@@ -45,7 +45,7 @@ def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[str]:
     port = free_port()
     uds = tempfile.mktemp(prefix="loom-bench-")
     log_path = Path(tempfile.mktemp(prefix="loom-bench-", suffix=".log"))
-    cmd = [sys.executable, "-m", "loom.launcher.cli", "--port", str(port), "--hostname", "127.0.0.1",
+    cmd = [sys.executable, "-m", "loom_launcher.cli", "--port", str(port), "--hostname", "127.0.0.1",
            "--shard-uds-path", uds, *flags]
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -1,6 +1,6 @@
-"""Generate the Python stubs for proto/shard.proto into loom/proto/ (git-ignored).
+"""Generate the Python stubs for proto/shard.proto into proto/loom_proto/ (git-ignored).
 
-Usage: `python proto/generate.py` (the Makefile runs it after `pip install -e .`).
+Run by the install (proto/setup.py's build step) and by hand: `python proto/generate.py`.
 Idempotent: every run rewrites the same files from the .proto.
 """
 
@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-OUT_DIR = PROTO_DIR.parent / "loom" / "proto"
+OUT_DIR = PROTO_DIR / "loom_proto"
 PROTO_FILE = "shard.proto"
 
-# protoc writes a top-level import that only works with loom/proto on sys.path.
+# protoc writes a top-level import that only works with proto/loom_proto on sys.path.
 GENERATED_IMPORT = "import shard_pb2 as shard__pb2"
-PACKAGE_IMPORT = "from loom.proto import shard_pb2 as shard__pb2"
-
-INIT_TEXT = '"""Generated gRPC stubs for proto/shard.proto; run `python proto/generate.py` to rebuild."""\n'
+PACKAGE_IMPORT = "from loom_proto import shard_pb2 as shard__pb2"
 
 
 def run_protoc() -> None:
@@ -50,7 +48,6 @@ def main() -> int:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     run_protoc()
     fix_grpc_import()
-    (OUT_DIR / "__init__.py").write_text(INIT_TEXT)
     print(f"generated stubs in {OUT_DIR}")
     return 0
 

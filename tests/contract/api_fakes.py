@@ -11,7 +11,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from loom.common.step import ModelInfo, StepPlan, StepResult, TokenLogprob, WarmupResult
+from loom_proto.step import ModelInfo, StepPlan, StepResult, TokenLogprob, WarmupResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))
 from fake_shard import FakeShard, fake_sample  # noqa: E402

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from loom.common.step import ModelInfo, SeqOutput, StepPlan, StepResult, TokenLogprob, WarmupResult
+from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, TokenLogprob, WarmupResult
 
 BLOCK_SIZE = 4
 

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
 
-from loom.router.api import create_app
-from loom.router.config import RouterConfig
-from loom.router.engine import Engine
-from loom.router.tokenizer import Tokenizer, load_tokenizer
+from loom_proto.config import RouterConfig
+from loom_router.api import create_app
+from loom_router.engine import Engine
+from loom_router.tokenizer import Tokenizer, load_tokenizer
 
 MAX_TOTAL_TOKENS = 64
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from grpc_fakes import BLOCK_SIZE, FakeRunner
 
-from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom.router.shard_client import ShardClient, ShardError
-from loom.shard.server import start_server
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_router.shard_client import ShardClient, ShardError
+from loom_shard.server import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,7 +184,7 @@ async def test_wait_ready_notices_a_shard_that_starts_late(tmp_path):
 
 def run_shard_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "loom.shard.server", *args],
+        [sys.executable, "-m", "loom_shard.server", *args],
         capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT,
     )
 
@@ -213,7 +213,7 @@ FAKE_SHARD_MAIN = """
 import sys
 import torch.distributed as dist
 from grpc_fakes import FakeRunner
-import loom.shard.server as server
+import loom_shard.server as server
 
 def build_runner(config):
     world_size = dist.get_world_size() if dist.is_initialized() else 1

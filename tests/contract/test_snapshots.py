@@ -14,11 +14,12 @@ import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
 
-from loom.router.api import create_app
-from loom.router.config import RouterConfig
-from loom.router.engine import Engine
-from loom.router.tokenizer import Tokenizer, load_tokenizer
-from loom.shard.snapshot import KVLayout, PartStore, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+from loom_proto.config import RouterConfig
+from loom_proto.snapshot import KVLayout, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+from loom_router.api import create_app
+from loom_router.engine import Engine
+from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_shard.snapshot import PartStore
 
 BLOCK_SIZE = 4
 
@@ -256,10 +257,10 @@ async def grpc_shard(tmp_path: Path):
     """A real ModelRunner (tiny random Llama, float32, block size 4) served over a unix socket."""
     import torch
 
-    from loom.router.shard_client import ShardClient
-    from loom.shard.config import ShardConfig
-    from loom.shard.runner import ModelRunner
-    from loom.shard.server import start_server
+    from loom_proto.config import ShardConfig
+    from loom_router.shard_client import ShardClient
+    from loom_shard.runner import ModelRunner
+    from loom_shard.server import start_server
     from tests.unit.shard.conftest import make_pair
 
     runner = ModelRunner(ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE),

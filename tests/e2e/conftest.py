@@ -65,9 +65,9 @@ class Launcher:
         pids: dict[str, int] = {}
         for pid in map(int, children.read_text().split()):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"loom.router.main" in cmdline:
+            if b"loom_router.main" in cmdline:
                 pids["router"] = pid
-            elif b"loom.shard.server" in cmdline:
+            elif b"loom_shard.server" in cmdline:
                 pids[f"shard {cmdline[cmdline.index(b'--rank') + 1].decode()}"] = pid
         return pids
 
@@ -138,7 +138,7 @@ def spawn_launcher(folder: Path, *extra_args: str) -> Launcher:
     port = free_port()
     name = f"l{port}"
     log_path = folder / f"{name}.log"
-    argv = [sys.executable, "-m", "loom.launcher.cli", "--hostname", "127.0.0.1",
+    argv = [sys.executable, "-m", "loom_launcher.cli", "--hostname", "127.0.0.1",
             "--port", str(port), "--master-port", str(free_port()), "--device", "cpu",
             "--shard-uds-path", str(folder / name), "--startup-timeout", str(STARTUP_TIMEOUT_S),
             *limits_for(extra_args), *extra_args]

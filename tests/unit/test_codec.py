@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loom.common.codec import from_pb, pb, to_pb
-from loom.common.step import (
+from loom_proto.codec import from_pb, pb, to_pb
+from loom_proto.step import (
     Fork,
     ModelInfo,
     NewRequest,
@@ -142,7 +142,7 @@ def test_every_step_dataclass_has_a_message_with_the_same_fields():
     # A field added to loom/common/step.py without the proto and codec fails here.
     import dataclasses
 
-    from loom.common import step
+    from loom_proto import step
 
     classes = [c for c in vars(step).values() if dataclasses.is_dataclass(c) and c.__module__ == step.__name__]
     assert len(classes) == 10
@@ -156,8 +156,8 @@ def test_missing_stubs_say_how_to_generate_them():
     import sys
     from pathlib import Path
 
-    # A None entry in sys.modules makes `from loom.proto import shard_pb2` fail as if never generated.
-    code = "import sys; sys.modules['loom.proto.shard_pb2'] = None; import loom.common.codec"
+    # A None entry in sys.modules makes `from loom_proto import shard_pb2` fail as if never generated.
+    code = "import sys; sys.modules['loom_proto.shard_pb2'] = None; import loom_proto.codec"
     repo_root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, timeout=60)
     assert done.returncode != 0

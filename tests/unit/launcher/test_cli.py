@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from loom.launcher.cli import (FLAGS, build_config, build_parser, child_env, health_url,
-                               router_spec, shard_spec)
-from loom.launcher.supervisor import ExitStatus, ProcessSpec, serve
-from loom.router.config import RouterConfig
+from loom_launcher.cli import child_env, health_url, load_settings, router_spec, shard_spec, threads_per_shard
+from loom_launcher.supervisor import ExitStatus, ProcessSpec, serve
+from loom_proto.config import LauncherSettings, RouterConfig, ShardConfig, build_parser, env_var, option, parse_config
 
 # One fake child for every role. argv: name notes_path mode [port].
 # It notes what happens to it in notes_path, so a test can check the order of events.
@@ -95,8 +94,19 @@ class Logs:
 
 # ---- flags, environment, configs -------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def no_loom_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("LOOM_"):
+            monkeypatch.delenv(name)
+
+
+def settings(*argv: str) -> LauncherSettings:
+    return load_settings(list(argv))
+
+
 def test_defaults_match_tgi_names() -> None:
-    args = build_parser({}).parse_args([])
+    args = settings()
     assert (args.model_id, args.num_shard, args.hostname, args.port) == ("", 1, "0.0.0.0", 3000)
     assert args.max_concurrent_requests == 128
     assert args.max_stop_sequences == 4 and args.max_n == 16
@@ -104,45 +114,60 @@ def test_defaults_match_tgi_names() -> None:
     assert args.shard_uds_path == "/tmp/loom-server"
 
 
-def test_environment_fills_flags_and_command_line_wins() -> None:
+def test_environment_fills_flags_and_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     environ = {"LOOM_PORT": "8080", "LOOM_MAX_TOTAL_TOKENS": "512", "LOOM_MODEL_ID": "m.gguf",
                "LOOM_STARTUP_TIMEOUT": "2.5", "PORT": "1"}
-    args = build_parser(environ).parse_args([])
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    args = settings()
     assert (args.port, args.max_total_tokens, args.model_id) == (8080, 512, "m.gguf")
     assert args.startup_timeout == 2.5
-    assert build_parser(environ).parse_args(["--port", "9000"]).port == 9000
+    assert settings("--port", "9000").port == 9000
 
 
-def test_bad_environment_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_environment_value_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LOOM_PORT", "http")
     with pytest.raises(SystemExit) as exit_info:
-        build_parser({"LOOM_PORT": "http"}).parse_args([])
+        settings()
     assert exit_info.value.code == 2
     assert "--port" in capsys.readouterr().err
 
 
-def test_every_flag_has_its_variable() -> None:
-    for flag in FLAGS:
-        assert flag.env_var == "LOOM_" + flag.option[2:].replace("-", "_").upper()
+def test_every_flag_has_its_variable_and_help() -> None:
+    parser_help = build_parser(LauncherSettings, "loom-launcher", "").format_help()
+    for name, field in LauncherSettings.model_fields.items():
+        assert env_var(name) == "LOOM_" + option(name)[2:].replace("-", "_").upper()
+        assert option(name) in parser_help and env_var(name) in parser_help
+        assert field.description, f"{name} has no help"
+
+
+def test_each_flag_is_defined_once() -> None:
+    """The shard's and router's configs take their flags from the launcher's one model."""
+    for config in (ShardConfig, RouterConfig):
+        for name, field in config.model_fields.items():
+            if name in LauncherSettings.model_fields:
+                assert LauncherSettings.model_fields[name].default == field.default
+                assert LauncherSettings.model_fields[name].description == field.description
 
 
 def test_config_gives_each_rank_its_socket_and_splits_threads() -> None:
-    args = build_parser({}).parse_args(["--num-shard", "2", "--shard-uds-path", "/tmp/s",
-                                        "--device", "cpu", "--max-batch-total-tokens", "4096"])
-    config = build_config(args, num_cpus=8)
-    assert [shard.uds_path for shard in config.shards] == ["/tmp/s-0", "/tmp/s-1"]
-    assert [(shard.rank, shard.world_size) for shard in config.shards] == [(0, 2), (1, 2)]
-    assert config.router.shard_uds_paths == ("/tmp/s-0", "/tmp/s-1")
-    assert all(shard.max_batch_total_tokens == 4096 for shard in config.shards)
-    assert config.router.max_batch_total_tokens == 4096
-    assert config.num_threads == 4
-    assert build_config(args, num_cpus=1).num_threads == 1
-    explicit = build_parser({}).parse_args(["--device", "cpu", "--num-threads", "3"])
-    assert build_config(explicit, num_cpus=8).num_threads == 3
+    args = settings("--num-shard", "2", "--shard-uds-path", "/tmp/s", "--device", "cpu",
+                    "--max-batch-total-tokens", "4096")
+    shards = [args.shard_config(rank) for rank in range(2)]
+    assert [shard.uds_path for shard in shards] == ["/tmp/s-0", "/tmp/s-1"]
+    assert [(shard.rank, shard.world_size) for shard in shards] == [(0, 2), (1, 2)]
+    assert args.router_config().shard_uds_paths == ("/tmp/s-0", "/tmp/s-1")
+    assert all(shard.max_batch_total_tokens == 4096 for shard in shards)
+    assert args.router_config().max_batch_total_tokens == 4096
+    assert threads_per_shard(args, num_cpus=8) == 4
+    assert threads_per_shard(args, num_cpus=1) == 1
+    assert threads_per_shard(settings("--device", "cpu", "--num-threads", "3"), num_cpus=8) == 3
 
 
 def test_default_prefill_budget_shrinks_to_a_small_kv_cache() -> None:
     def router_for(*argv: str) -> RouterConfig:
-        return build_config(build_parser({}).parse_args([*argv, "--device", "cpu"]), 2).router
+        return settings(*argv, "--device", "cpu").router_config()
 
     assert router_for().max_batch_prefill_tokens == 2048
     assert router_for("--max-batch-total-tokens", "320").max_batch_prefill_tokens == 320
@@ -151,15 +176,10 @@ def test_default_prefill_budget_shrinks_to_a_small_kv_cache() -> None:
                       "--max-batch-total-tokens", "320").max_batch_prefill_tokens == 100
 
 
-def test_device_auto_asks_the_probe_only_when_auto() -> None:
-    auto = build_parser({}).parse_args([])
-    assert build_config(auto, 2, detect=lambda: "cuda").shards[0].device == "cuda"
-
-    def must_not_probe() -> str:
-        raise AssertionError("probed although --device was given")
-
-    cpu = build_parser({}).parse_args(["--device", "cpu"])
-    assert build_config(cpu, 2, detect=must_not_probe).shards[0].device == "cpu"
+def test_device_auto_is_resolved_by_the_shard_not_the_launcher() -> None:
+    """The launcher never imports torch: `auto` travels to the shard, which probes."""
+    assert settings().shard_config(0).device == "auto"
+    assert settings("--device", "cpu").shard_config(0).device == "cpu"
 
 
 @pytest.mark.parametrize("argv", [["--num-shard", "0"],
@@ -167,30 +187,29 @@ def test_device_auto_asks_the_probe_only_when_auto() -> None:
                                   ["--num-threads", "0", "--num-shard", "1"],
                                   ["--max-batch-total-tokens", "320",
                                    "--max-batch-prefill-tokens", "512"]])
-def test_invalid_combinations_are_rejected(argv: list[str]) -> None:
-    args = build_parser({}).parse_args([*argv, "--device", "cpu"])
-    with pytest.raises(ValueError):
-        build_config(args, num_cpus=2)
+def test_invalid_combinations_are_rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        settings(*argv, "--device", "cpu")
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
 
 
-def test_children_command_lines() -> None:
-    args = build_parser({}).parse_args(["--num-shard", "2", "--device", "cpu", "--port", "3100",
-                                        "--max-total-tokens", "512", "--master-port", "29600"])
-    config = build_config(args, num_cpus=2)
-    shard = shard_spec(config.shards[1], {}).argv
-    assert shard[1:3] == ("-m", "loom.shard.server")
-    flags = dict(zip(shard[3::2], shard[4::2]))
-    assert flags["--rank"] == "1" and flags["--world-size"] == "2"
-    assert flags["--master-port"] == "29600" and flags["--uds-path"] == "/tmp/loom-server-1"
-    assert flags["--model-id"] == "" and "--dtype" not in flags  # None is left out
-    router = router_spec(config.router, {}, shutdown_timeout=7.0).argv
-    assert router[1:3] == ("-m", "loom.router.main")
-    pairs = list(zip(router[3::2], router[4::2]))
-    assert [v for k, v in pairs if k == "--shard-uds-path"] == ["/tmp/loom-server-0",
-                                                                "/tmp/loom-server-1"]
-    assert ("--port", "3100") in pairs and ("--max-total-tokens", "512") in pairs
-    assert "--max-input-tokens" not in router
-    assert ("--shutdown-timeout", "7.0") in pairs
+def test_children_get_their_config_as_json() -> None:
+    args = settings("--num-shard", "2", "--device", "cpu", "--port", "3100",
+                    "--max-total-tokens", "512", "--master-port", "29600", "--shutdown-timeout", "7")
+    shard = shard_spec(args.shard_config(1), {}).argv
+    assert shard[1:4] == ("-m", "loom_shard.server", "--config-json")
+    sent = json.loads(shard[4])
+    assert sent["rank"] == 1 and sent["world_size"] == 2
+    assert sent["master_port"] == 29600 and sent["uds_path"] == "/tmp/loom-server-1"
+    assert sent["model_id"] == "" and sent["dtype"] is None
+    router = router_spec(args.router_config(), {}).argv
+    assert router[1:4] == ("-m", "loom_router.main", "--config-json")
+    sent = json.loads(router[4])
+    assert sent["shard_uds_paths"] == ["/tmp/loom-server-0", "/tmp/loom-server-1"]
+    assert sent["port"] == 3100 and sent["max_total_tokens"] == 512
+    assert sent["max_input_tokens"] is None
+    assert sent["shutdown_timeout"] == 7.0
 
 
 def test_child_env_sets_threads_and_keeps_the_rest() -> None:
@@ -200,10 +219,10 @@ def test_child_env_sets_threads_and_keeps_the_rest() -> None:
 
 
 def test_health_url_reaches_a_wildcard_bind_on_loopback() -> None:
-    args = build_parser({}).parse_args(["--device", "cpu", "--port", "3005"])
-    assert health_url(build_config(args, 2).router) == "http://127.0.0.1:3005/health"
-    args = build_parser({}).parse_args(["--device", "cpu", "--hostname", "10.0.0.2"])
-    assert health_url(build_config(args, 2).router) == "http://10.0.0.2:3000/health"
+    assert health_url(settings("--device", "cpu", "--port", "3005").router_config()) \
+        == "http://127.0.0.1:3005/health"
+    assert health_url(settings("--device", "cpu", "--hostname", "10.0.0.2").router_config()) \
+        == "http://10.0.0.2:3000/health"
 
 
 # ---- supervision with fake children ------------------------------------------------------------
@@ -271,7 +290,7 @@ def test_readiness_timeout_is_a_clear_error(tmp_path: Path) -> None:
 
 DRIVER = r"""
 import json, sys, threading
-from loom.launcher.supervisor import ProcessSpec, install_signal_handlers, serve
+from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, serve
 shards, router, url = json.loads(sys.argv[1])
 stop = threading.Event()
 install_signal_handlers(stop)
@@ -317,27 +336,26 @@ def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) ->
 
 
 def test_shard_server_parses_back_the_exact_config() -> None:
-    from loom.shard.server import parse_config
+    from loom_shard.server import parse_config
 
-    args = build_parser({}).parse_args(["--num-shard", "2", "--device", "cpu", "--dtype",
-                                        "float32", "--max-batch-total-tokens", "4096",
-                                        "--snapshot-dir", "/tmp/snaps", "--block-size", "8"])
-    for shard in build_config(args, num_cpus=2).shards:
+    args = settings("--num-shard", "2", "--device", "cpu", "--dtype", "float32",
+                    "--max-batch-total-tokens", "4096", "--snapshot-dir", "/tmp/snaps", "--block-size", "8")
+    for rank in range(2):
+        shard = args.shard_config(rank)
         assert (shard.dtype, shard.snapshot_dir, shard.block_size) == ("float32", "/tmp/snaps", 8)
         assert parse_config(list(shard_spec(shard, {}).argv[3:])) == shard
 
 
 def test_router_parses_back_the_exact_config() -> None:
-    from loom.router.main import build_parser as router_parser
-    from loom.router.main import config_from_args
+    from loom_router.main import DESCRIPTION
 
-    args = build_parser({}).parse_args(["--num-shard", "2", "--device", "cpu", "--port", "3100",
-                                        "--max-total-tokens", "512", "--max-input-tokens", "300",
-                                        "--served-model-name", "smol", "--snapshot-dir", "/tmp/s"])
-    config = build_config(args, num_cpus=2).router
-    router_args = router_parser().parse_args(list(router_spec(config, {}, 5.0).argv[3:]))
-    assert config_from_args(router_args) == config
-    assert router_args.shutdown_timeout == 5.0
+    args = settings("--num-shard", "2", "--device", "cpu", "--port", "3100", "--max-total-tokens", "512",
+                    "--max-input-tokens", "300", "--served-model-name", "smol", "--snapshot-dir", "/tmp/s",
+                    "--shutdown-timeout", "5")
+    config = args.router_config()
+    parsed = parse_config(RouterConfig, list(router_spec(config, {}).argv[3:]), "loom-router", DESCRIPTION)
+    assert parsed == config
+    assert parsed.shutdown_timeout == 5.0
 
 
 def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from loom.launcher.cli import FLAGS
+from loom_proto.config import LauncherSettings, env_var, option
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
@@ -46,7 +46,7 @@ def test_compose_runs_loom_prometheus_and_grafana() -> None:
             source = volume.split(":")[0]
             assert (DEPLOY / source).exists(), f"{service} mounts missing {source}"
     assert all(key.startswith("LOOM_") for key in services["loom"]["environment"])
-    env_vars = {flag.env_var for flag in FLAGS}
+    env_vars = {env_var(name) for name in LauncherSettings.model_fields}
     assert set(services["loom"]["environment"]) <= env_vars
 
 
@@ -74,8 +74,8 @@ def test_dashboard_covers_exactly_the_documented_metrics() -> None:
 
 
 def test_dashboard_metrics_are_what_the_router_exports() -> None:
-    from loom.router.metrics import RouterMetrics
-    from loom.router.types import EngineStats
+    from loom_router.metrics import RouterMetrics
+    from loom_router.types import EngineStats
 
     metrics = RouterMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}))
     metrics.requests.labels(route="/generate", status="200").inc()
@@ -92,16 +92,21 @@ def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
         text = (DEPLOY / name).read_text()
         assert f"ARG TORCH_VERSION={pin.group(1)}" in text
         assert 'ENTRYPOINT ["loom-launcher"]' in text and "EXPOSE 3000" in text
+        for component in ("proto", "router", "shard", "launcher"):
+            assert f"COPY {component} ./{component}" in text and f"./{component}" in text.split("pip install", 2)[2]
+    router_only = (DEPLOY / "Dockerfile.router").read_text()
+    assert "torch" not in router_only.split("FROM", 1)[1].replace("without torch", "")
+    assert 'ENTRYPOINT ["loom-router"]' in router_only
 
 
 def test_readme_documents_every_flag_and_the_ci_command() -> None:
     readme = (ROOT / "README.md").read_text()
     rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines()
             if line.startswith("| `--")}
-    assert set(rows) == {flag.option for flag in FLAGS}
-    for flag in FLAGS:
-        assert f"`{flag.env_var}`" in rows[flag.option]
-        if flag.default not in (None, ""):
-            assert f"`{flag.default}`" in rows[flag.option]
+    assert set(rows) == {option(name) for name in LauncherSettings.model_fields}
+    for name, field in LauncherSettings.model_fields.items():
+        assert f"`{env_var(name)}`" in rows[option(name)]
+        if field.default not in (None, ""):
+            assert f"`{field.default}`" in rows[option(name)]
     ci = (ROOT / ".ci/run").read_text()
     assert "make test" in ci and "make test" in readme and "make serve" in readme

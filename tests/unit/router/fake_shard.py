@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from loom.common.step import (Fork, NewRequest, SamplingParams, SeqOutput, StepPlan, StepResult)
-from loom.router.request import Sequence
-from loom.router.scheduler import Scheduler
+from loom_proto.step import Fork, NewRequest, SamplingParams, SeqOutput, StepPlan, StepResult
+from loom_router.request import Sequence
+from loom_router.scheduler import Scheduler
 
 VOCAB_SIZE = 1000
 

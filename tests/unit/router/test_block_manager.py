@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from loom.common.step import SamplingParams
-from loom.router.block_manager import BlockManager
-from loom.router.request import Sequence, SequenceGroup
+from loom_proto.step import SamplingParams
+from loom_router.block_manager import BlockManager
+from loom_router.request import Sequence, SequenceGroup
 
 _ids = itertools.count()
 

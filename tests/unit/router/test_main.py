@@ -1,28 +1,41 @@
-"""loom-router's command line: every RouterConfig field round-trips through the launcher's flags."""
+"""loom-router's command line: every RouterConfig field round-trips through its flags and JSON."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from loom.launcher.cli import config_flags
-from loom.router.config import RouterConfig
-from loom.router.main import build_parser, config_from_args
+from loom_proto.config import RouterConfig, option, parse_config
+from loom_router.main import DESCRIPTION
 
 
 def parse(argv: list[str]) -> RouterConfig:
-    return config_from_args(build_parser().parse_args(argv))
+    return parse_config(RouterConfig, argv, "loom-router", DESCRIPTION)
 
 
-def test_launcher_flags_round_trip() -> None:
-    config = RouterConfig(model_id="/models/x.gguf", shard_uds_paths=("/tmp/a.sock", "/tmp/b.sock"),
-                          hostname="127.0.0.1", port=8080, max_concurrent_requests=7, max_input_tokens=100,
-                          max_total_tokens=200, max_batch_prefill_tokens=512, max_batch_total_tokens=4096,
-                          max_stop_sequences=3, max_n=2, max_top_n_tokens=4, snapshot_dir="/snaps",
-                          served_model_name="smol")
-    argv = config_flags(config, [f.name for f in dataclasses.fields(RouterConfig)])
-    assert parse(argv) == config
+def as_flags(config: RouterConfig) -> list[str]:
+    """`--kebab-case value` per field, None left out, a tuple as a repeated singular flag."""
+    flags: list[str] = []
+    for name in RouterConfig.model_fields:
+        value = getattr(config, name)
+        for item in value if isinstance(value, tuple) else () if value is None else (value,):
+            flags += [option(name.removesuffix("s")) if isinstance(value, tuple) else option(name), str(item)]
+    return flags
+
+
+CONFIG = RouterConfig(model_id="/models/x.gguf", shard_uds_paths=("/tmp/a.sock", "/tmp/b.sock"),
+                      hostname="127.0.0.1", port=8080, max_concurrent_requests=7, max_input_tokens=100,
+                      max_total_tokens=200, max_batch_prefill_tokens=512, max_batch_total_tokens=4096,
+                      max_stop_sequences=3, max_n=2, max_top_n_tokens=4, snapshot_dir="/snaps",
+                      served_model_name="smol", shard_ready_timeout=9.0, shutdown_timeout=4.0,
+                      log_level="debug")
+
+
+def test_flags_round_trip() -> None:
+    assert parse(as_flags(CONFIG)) == CONFIG
+
+
+def test_config_json_round_trips() -> None:
+    assert parse(["--config-json", CONFIG.model_dump_json()]) == CONFIG
 
 
 def test_defaults_are_the_config_defaults() -> None:
@@ -30,10 +43,11 @@ def test_defaults_are_the_config_defaults() -> None:
     assert config == RouterConfig(model_id="", shard_uds_paths=("/tmp/s.sock",))
 
 
-def test_invalid_values_are_rejected() -> None:
+def test_invalid_values_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--shard-uds-path", "s", "--port", "eighty"])
+        parse(["--shard-uds-path", "s", "--port", "eighty"])
     with pytest.raises(SystemExit):
-        build_parser().parse_args([])  # no shard socket
-    with pytest.raises(ValueError, match="max_input_tokens"):
+        parse([])  # no shard socket
+    with pytest.raises(SystemExit):
         parse(["--shard-uds-path", "s", "--max-input-tokens", "10", "--max-total-tokens", "10"])
+    assert "max_input_tokens" in capsys.readouterr().err

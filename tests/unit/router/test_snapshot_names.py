@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.router.snapshots import SnapshotHTTPError, snapshot_path, validate_name
+from loom_router.snapshots import SnapshotHTTPError, snapshot_path, validate_name
 
 GOOD = ["a", "my-prompt_v2", "système", "日本語のプロンプト", "a b", "x.kv", "a.b.c", "emoji 🚀", "é" * 127]
 BAD = {

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from loom.router.text import IncrementalDetokenizer, StopMatcher
-from loom.router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.text import IncrementalDetokenizer, StopMatcher
+from loom_router.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "The capital of France is Paris.\n\nIt has 2,148,271 inhabitants (2020).",

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from loom.router.text import IncrementalDetokenizer
-from loom.router.tokenizer import ChatTemplateError, Tokenizer, TokenizerLoadError, load_tokenizer
+from loom_router.text import IncrementalDetokenizer
+from loom_router.tokenizer import ChatTemplateError, Tokenizer, TokenizerLoadError, load_tokenizer
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 VARIED_TEXTS = [
@@ -95,7 +95,7 @@ def test_vocabulary_hash_is_stable_and_discriminating(smollm: Tokenizer, tiny_hf
 @pytest.mark.slow
 def test_embedded_ids_match_transformers(smollm: Tokenizer):
     transformers = pytest.importorskip("transformers")
-    from loom.router.tokenizer import _embedded_gguf_path
+    from loom_router.tokenizer import _embedded_gguf_path
 
     path = _embedded_gguf_path()
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from loom.router.types import ValidationError
-from loom.router.validation import (
+from loom_router.types import ValidationError
+from loom_router.validation import (
     SEED_LIMIT,
     ChatCompletionRequest,
     CompletionRequest,

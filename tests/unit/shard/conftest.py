@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from loom.shard.attention import SeqSpan, build_metadata
-from loom.shard.kv_cache import KVCacheSpec, PagedKVCache
-from loom.shard.loader import config_from_hf
-from loom.shard.model_config import ModelConfig
-from loom.shard.models import build_model
-from loom.shard.models.llama import LlamaModel
+from loom_shard.attention import SeqSpan, build_metadata
+from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
+from loom_shard.loader import config_from_hf
+from loom_shard.model_config import ModelConfig
+from loom_shard.models import build_model
+from loom_shard.models.llama import LlamaModel
 
 TINY = dict(
     vocab_size=160,

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from loom.shard import embedded
-from loom.shard.loader import (
+from loom_shard import embedded
+from loom_shard.loader import (
     ModelLoadError,
     config_from_hf,
     load_model_config,

@@ -82,6 +82,6 @@ def test_load_weights_rejects_missing_tensors(llama_pair) -> None:
 
 
 def make_pair_model(pair):
-    from loom.shard.models import build_model
+    from loom_shard.models import build_model
 
     return build_model(pair.config)

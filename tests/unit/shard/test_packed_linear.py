@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.shard.layers.packed_linear import PackedLinear, pack_linears
+from loom_shard.layers.packed_linear import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 

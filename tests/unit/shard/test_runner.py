@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.common.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom.shard.config import ShardConfig
-from loom.shard.runner import ModelRunner
+from loom_proto.config import ShardConfig
+from loom_proto.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.runner import ModelRunner
 from tests.unit.shard.conftest import hf_logits, random_tokens
 
 BLOCK_SIZE = 4

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom.shard.config import ShardConfig
-from loom.shard.runner import ModelRunner
+from loom_proto.config import ShardConfig
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.runner import ModelRunner
 from tests.unit.shard.conftest import random_tokens
 
 

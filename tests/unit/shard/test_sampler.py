@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from loom.common.step import SamplingParams
-from loom.shard.sampler import SeqSamplingState, filtered_probs, process_row, sample
+from loom_proto.step import SamplingParams
+from loom_shard.sampler import SeqSamplingState, filtered_probs, process_row, sample
 
 VOCAB = 16
 

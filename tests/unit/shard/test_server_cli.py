@@ -1,34 +1,35 @@
-"""loom-shard's flags cover every ShardConfig field, spelled the way the launcher passes them."""
+"""loom-shard's flags cover every ShardConfig field, and the launcher's JSON round-trips."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from loom.shard.config import ShardConfig
-from loom.shard.server import parse_config
+from loom_proto.config import ShardConfig, option
+from loom_shard.server import parse_config
 
 
 def as_flags(config: ShardConfig) -> list[str]:
-    """`--kebab-case value` per field, None left out (what the launcher builds)."""
+    """`--kebab-case value` per field, None left out."""
     flags: list[str] = []
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
+    for name in ShardConfig.model_fields:
+        value = getattr(config, name)
         if value is not None:
-            flags += ["--" + field.name.replace("_", "-"), str(value)]
+            flags += [option(name), str(value)]
     return flags
 
 
+CONFIG = ShardConfig(
+    model_id="/models/x.gguf", uds_path="/tmp/s-1", dtype="bfloat16", device="cuda", rank=1, world_size=2,
+    master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
+    memory_fraction=0.5, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
+)
+
+
 def test_every_field_round_trips_through_the_flags():
-    config = ShardConfig(
-        model_id="/models/x.gguf", uds_path="/tmp/s-1", dtype="bfloat16", device="cuda", rank=1, world_size=2,
-        master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
-        memory_fraction=0.5, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
-    )
-    changed = [f.name for f in dataclasses.fields(ShardConfig) if getattr(config, f.name) != f.default]
-    assert len(changed) == len(dataclasses.fields(ShardConfig)), "give every field a non-default value"
-    assert parse_config(as_flags(config)) == config
+    changed = [name for name, field in ShardConfig.model_fields.items() if getattr(CONFIG, name) != field.default]
+    assert len(changed) == len(ShardConfig.model_fields), "give every field a non-default value"
+    assert parse_config(as_flags(CONFIG)) == CONFIG
+    assert parse_config(["--config-json", CONFIG.model_dump_json()]) == CONFIG
 
 
 def test_defaults_match_the_config():
@@ -43,4 +44,4 @@ def test_invalid_config_exits_with_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         parse_config(["--uds-path", "/tmp/s", "--block-size", "0"])
     assert exited.value.code == 2
-    assert "block_size must be positive" in capsys.readouterr().err
+    assert "--block-size" in capsys.readouterr().err

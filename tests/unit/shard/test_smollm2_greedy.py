@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from loom.common.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom.shard.config import ShardConfig
-from loom.shard.loader import resolve_model_path
-from loom.shard.runner import ModelRunner
+from loom_proto.config import ShardConfig
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.loader import resolve_model_path
+from loom_shard.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 

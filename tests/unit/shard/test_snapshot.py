@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.shard import snapshot as snap
-from loom.shard.config import ShardConfig
-from loom.shard.runner import ModelRunner
-from loom.shard.snapshot import KVLayout, PartHeader, SnapshotError, SnapshotStatus
+from loom_proto import snapshot as snap
+from loom_proto.config import ShardConfig
+from loom_proto.snapshot import KVLayout, PartHeader, SnapshotError, SnapshotStatus
+from loom_shard.runner import ModelRunner
+from loom_shard.snapshot import PartStore
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "dtype": "float32", "weights_hash": "w1",
                "tokenizer_hash": "t1"}
@@ -218,7 +219,7 @@ def test_runner_kv_round_trip_across_block_sizes(llama_pair, tmp_path: Path) -> 
         source.kv_cache.device_blocks.normal_()
     num_tokens = 19
     layout, kv = source.read_kv([3, 9, 1, 0, 5], num_tokens)
-    store = snap.PartStore(tmp_path, rank=0, world_size=1)
+    store = PartStore(tmp_path, rank=0, world_size=1)
     (tmp_path / "s").mkdir()
     store.save("s", dict(FINGERPRINT), list(range(num_tokens)), layout, kv)
     loaded = store.load("s", "load-1", dict(FINGERPRINT))
@@ -245,5 +246,5 @@ def test_runner_write_kv_refuses_partial_blocks_and_bad_ids(llama_pair) -> None:
 
 def test_store_without_directory_is_disabled() -> None:
     with pytest.raises(SnapshotError) as info:
-        snap.PartStore(None, 0, 1).load("s", "x", {})
+        PartStore(None, 0, 1).load("s", "x", {})
     assert info.value.status is SnapshotStatus.DISABLED

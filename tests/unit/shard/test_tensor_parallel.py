@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loom.shard.tensor_parallel import apply_tensor_parallel
+from loom_shard.tensor_parallel import apply_tensor_parallel
 from tests.unit.shard.conftest import SeqChunk, make_cache, make_pair, random_tokens, run_chunks
 
 WORLD_SIZE = 2

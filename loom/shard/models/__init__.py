@@ -1,5 +1,0 @@
-"""Model implementations and the registry that picks one per architecture."""
-
-from loom.shard.models.registry import build_model, supported_architectures
-
-__all__ = ["build_model", "supported_architectures"]

@@ -1,0 +1,202 @@
+"""Loom's one configuration model: every flag defined once (name, type, default, help), its
+environment variable `LOOM_<NAME>` read by pydantic-settings in the launcher only, validated
+once, and handed to each process as JSON (`--config-json`), never re-parsed from a rebuilt argv.
+
+    ModelFlags              what shards and router both need (model, KV budget, snapshots)
+    ├── ShardFlags          -> ShardConfig  (+ socket, rank, world size: set per rank)
+    └── RouterFlags         -> RouterConfig (+ the shards' sockets)
+    LauncherSettings = ShardFlags + RouterFlags + the launcher's own flags, from argv and env
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LOOM_"
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+Positive = Annotated[int, Field(gt=0)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelFlags(Frozen):
+    model_id: str = Field("", description="GGUF file or Hugging Face folder; empty: the embedded SmolLM2-135M")
+    max_batch_total_tokens: Positive | None = Field(
+        None, description="KV cache size in tokens, shared by all requests; default: sized from free memory at warmup")
+    snapshot_dir: str | None = Field(None, description="folder for KV snapshots; unset: snapshots off")
+
+
+class ShardFlags(ModelFlags):
+    dtype: Dtype | None = Field(None, description="weights and activations dtype; default: fastest that passes "
+                                "parity on the device")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    block_size: Positive = Field(16, description="tokens per KV cache block")
+    memory_fraction: float = Field(0.9, gt=0, le=1, description="share of free GPU memory the KV cache may take")
+    cpu_kv_cache_bytes: Positive | None = Field(
+        None, description="KV cache size on CPU when max-batch-total-tokens is unset; default: a share of free RAM")
+    host_kv_cache_bytes: int | None = Field(
+        None, ge=0, description="host-RAM pool for preempted requests' KV; default: a share of free RAM")
+    master_addr: str = Field("127.0.0.1", description="torch.distributed rendezvous address")
+    master_port: int = Field(29500, gt=0, lt=65536, description="torch.distributed rendezvous port")
+
+
+class ShardConfig(ShardFlags):
+    """One shard process (one tensor-parallel rank)."""
+
+    uds_path: str = Field(description="unix socket this shard serves on")
+    rank: int = Field(0, ge=0, description="tensor-parallel rank (shard i uses GPU i)")
+    world_size: Positive = Field(1, description="tensor-parallel ranks in all")
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> ShardConfig:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        return self
+
+
+class RouterFlags(ModelFlags):
+    hostname: str = Field("0.0.0.0", description="address the HTTP server binds")
+    port: int = Field(3000, ge=0, lt=65536, description="HTTP port")
+    max_concurrent_requests: Positive = Field(128, description="requests in flight before 429")
+    max_input_tokens: Positive | None = Field(None, description="longest prompt; default: max-total-tokens - 1")
+    max_total_tokens: Positive | None = Field(
+        None, description="prompt + generated tokens per request; default: the model's context length")
+    max_batch_prefill_tokens: Positive | None = Field(
+        None, description=f"prompt tokens computed in one step; default: {DEFAULT_MAX_BATCH_PREFILL_TOKENS}, "
+        "or max-batch-total-tokens when smaller")
+    max_stop_sequences: int = Field(4, ge=0, description="stop sequences per request")
+    max_n: Positive = Field(16, description="completions per request (n / best_of)")
+    max_top_n_tokens: int = Field(5, ge=0, description="alternatives per token (top_n_tokens / top_logprobs)")
+    served_model_name: str | None = Field(None, description="model name in OpenAI responses; "
+                                          "default: derived from model-id")
+    shard_ready_timeout: Seconds = Field(600.0, description="seconds the router waits for every shard's Health")
+    shutdown_timeout: Seconds = Field(30.0, description="seconds the router may take to drain on SIGTERM")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="router log level")
+
+    @model_validator(mode="after")
+    def _token_limits(self) -> RouterFlags:
+        total = self.max_batch_total_tokens
+        if self.max_batch_prefill_tokens is None:
+            # A prefill step's tokens must all fit in the KV cache at once (as in TGI).
+            value = min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, total or DEFAULT_MAX_BATCH_PREFILL_TOKENS)
+            object.__setattr__(self, "max_batch_prefill_tokens", value)
+        elif total is not None and self.max_batch_prefill_tokens > total:
+            raise ValueError(f"max_batch_prefill_tokens ({self.max_batch_prefill_tokens}) must not exceed "
+                             f"max_batch_total_tokens ({total})")
+        if (self.max_input_tokens is not None and self.max_total_tokens is not None
+                and self.max_input_tokens >= self.max_total_tokens):
+            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be below "
+                             f"max_total_tokens ({self.max_total_tokens})")
+        return self
+
+
+class RouterConfig(RouterFlags):
+    """The router process."""
+
+    shard_uds_paths: tuple[str, ...] = Field(min_length=1, description="unix socket of a shard rank, "
+                                             "once per rank in rank order")
+
+
+class LauncherSettings(BaseSettings, ShardFlags, RouterFlags):
+    """Every flag of `loom-launcher`; the values not given on the command line come from
+    LOOM_* environment variables (this is the one place Loom reads os.environ)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
+
+    num_shard: Positive = Field(1, description="tensor-parallel shards (processes)")
+    shard_uds_path: str = Field("/tmp/loom-server", description="unix socket prefix; rank r serves on <path>-<r>")
+    num_threads: Positive | None = Field(None, description="torch threads per shard; default: cores / num-shard")
+    startup_timeout: Seconds = Field(600.0, description="seconds to wait for shards and router to be ready")
+
+    def socket_paths(self) -> tuple[str, ...]:
+        return tuple(f"{self.shard_uds_path}-{rank}" for rank in range(self.num_shard))
+
+    def shard_config(self, rank: int) -> ShardConfig:
+        return ShardConfig(**_values(self, ShardFlags), uds_path=self.socket_paths()[rank], rank=rank,
+                           world_size=self.num_shard)
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(**_values(self, RouterFlags), shard_uds_paths=self.socket_paths())
+
+
+def _values(model: BaseModel, fields_of: type[BaseModel]) -> dict[str, Any]:
+    return {name: getattr(model, name) for name in fields_of.model_fields}
+
+
+# ---- the command line: argparse flags generated from the fields --------------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _choices(annotation: Any) -> tuple[str, ...] | None:
+    """The values of a Literal (or Optional Literal) annotation, for --help and argparse."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in get_args(annotation):
+            if get_origin(arg) is Literal:
+                return get_args(arg)
+    return None
+
+
+def build_parser(model: type[BaseModel], prog: str, description: str) -> argparse.ArgumentParser:
+    """One `--kebab-case` flag per field (a tuple field repeats a singular flag), plus
+    `--config-json` for a whole config handed over by the launcher. Values stay strings:
+    the model converts and validates them."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config-json", help="the whole configuration as JSON (how the launcher hands it over)")
+    settings = issubclass(model, BaseSettings)
+    for name, field in model.model_fields.items():
+        default = "required" if field.is_required() else repr(field.default)
+        env = f"env {env_var(name)}; " if settings else ""
+        help_text = f"{field.description} [{env}default {default}]"
+        if get_origin(field.annotation) is tuple:
+            parser.add_argument(option(name.removesuffix("s")), dest=name, action="append",
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS,
+                                choices=_choices(field.annotation), help=help_text)
+    return parser
+
+
+def parse_config(model: type[M], argv: Sequence[str] | None, prog: str, description: str) -> M:
+    """The model from flags (or --config-json); exits with status 2 and one line on bad input."""
+    parser = build_parser(model, prog, description)
+    args = vars(parser.parse_args(argv))
+    config_json = args.pop("config_json", None)
+    try:
+        if config_json is not None:
+            return model.model_validate_json(config_json)
+        return model(**args)
+    except ValidationError as error:
+        parser.error(validation_message(error))
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def validation_message(error: ValidationError) -> str:
+    """One line per invalid field: `--flag: reason`."""
+    lines = []
+    for item in error.errors():
+        where = option(str(item["loc"][0])) if item["loc"] else "config"
+        lines.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)

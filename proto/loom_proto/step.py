@@ -1,0 +1,152 @@
+"""The step contract between router and shard, as plain dataclasses.
+
+The router's scheduler builds a `StepPlan`; every shard executes it and answers
+a `StepResult`. `loom_proto.codec` converts these to and from protobuf at the
+gRPC edges, so both sides (and the fake shard in tests) program against this.
+
+A sequence's tokens, and what one step computes of them:
+
+    token_ids:  [ t0 t1 t2 t3 t4 t5 t6 t7 t8 ]
+                  <- num_cached -> <- compute ->
+                  (KV in blocks)   (this step)
+
+The shard samples a token for a sequence only when the step computes up to the
+end of its known tokens (`num_cached + num_compute == len(token_ids)`); a
+prefill chunk that stops earlier just fills the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one sequence picks its next token. `None` means the filter is off.
+
+    Greedy when `do_sample` is False (penalties and logit bias still apply).
+    Token i of the sequence's generated tokens is drawn from a generator
+    seeded by (seed, i), so a seed gives the same tokens whatever else shares
+    the batch and across preemption.
+    """
+
+    seed: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None  # HF-style: over prompt and generated tokens
+    frequency_penalty: float = 0.0  # OpenAI-style: over generated tokens only
+    presence_penalty: float = 0.0  # OpenAI-style: over generated tokens only
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_n_tokens: int = 0  # alternatives to return with each sampled token
+    min_new_tokens: int = 0  # EOS ids are masked until this many tokens were generated
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Fork:
+    """A sibling created from a request's prompt once its prefill completes (`n` > 1).
+
+    It shares the parent's full prompt blocks; the shard copies the parent's
+    partly filled last block into the sibling's own last block, then samples the
+    sibling's first token from the same final prompt logits with its own params.
+    """
+
+    request_id: int
+    sampling: SamplingParams
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the shard has no state for: sent in full, once."""
+
+    request_id: int
+    token_ids: list[int]  # every known token: the prompt, plus generated ones on resume
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt
+    num_cached: int  # tokens whose KV is already in the blocks (prefix cache, swap-in)
+    num_compute: int  # tokens to compute this step, from num_cached on
+    block_table: list[int]  # covers at least num_cached + num_compute tokens
+    sampling: SamplingParams
+    prompt_logprobs: bool = False  # return the logprob of every computed prompt token
+    forks: list[Fork] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RunningRequest:
+    """A request the shard already holds: only what changed."""
+
+    request_id: int
+    num_compute: int  # next prefill chunk, or 1 to decode the last sampled token
+    new_block_ids: list[int] = field(default_factory=list)  # appended to its block table
+    forks: list[Fork] = field(default_factory=list)  # when this chunk completes a prompt sent earlier
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step. Block operations run first, in this order, then the forward."""
+
+    new_requests: list[NewRequest] = field(default_factory=list)
+    running_requests: list[RunningRequest] = field(default_factory=list)
+    released_ids: list[int] = field(default_factory=list)  # drop their shard state first
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.new_requests) + len(self.running_requests)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What a step produced for one sequence."""
+
+    request_id: int
+    token_id: int | None  # None: a prefill chunk that did not reach the end
+    logprob: float | None
+    top_tokens: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # for computed prompt positions >= 1
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[SeqOutput]
+    forward_ms: float
+    total_ms: float
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """The shard's model fingerprint: what a snapshot or a router must agree with."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    weights_hash: str
+    device: str
+    block_size: int
+    rank: int
+    world_size: int
+
+
+@dataclass(slots=True, frozen=True)
+class WarmupResult:
+    num_blocks: int  # device KV blocks available to the router's block manager
+    num_host_blocks: int  # host-RAM swap pool size in blocks
+    block_size: int

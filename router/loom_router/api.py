@@ -1,0 +1,348 @@
+"""The router's HTTP app: error handling, the text-generation-inference routes, and the
+OpenAI routes (loom_router.openai_api) mounted beside them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from loom_proto.config import RouterConfig
+from loom_router import openai_api, snapshots
+from loom_router.http_common import (
+    AppState,
+    ChoiceResult,
+    ClientDisconnected,
+    EventStreamResponse,
+    Generation,
+    encode,
+    generate,
+    get_state,
+    served_model_name,
+    sse,
+    tracked,
+)
+from loom_router.metrics import MetricsMiddleware, RouterMetrics
+from loom_router.tokenizer import ChatTemplateError
+from loom_router.types import (
+    ChoiceEvent,
+    GeneratedToken,
+    GenerationError,
+    GenerationParams,
+    OverloadedError,
+    ValidationError,
+)
+from loom_router.validation import (
+    TGIParameters,
+    TGIRequest,
+    TokenizeRequest,
+    check_tgi,
+    tgi_generation_params,
+)
+
+
+def _version() -> str:
+    try:
+        return version("loom-router")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "0+unknown"
+
+
+VERSION = _version()
+CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but the access log should say so
+
+
+def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None = None,
+               manage_engine: bool = False) -> FastAPI:
+    """The router's FastAPI app around an engine.
+
+    Args:
+        manage_engine: start the engine when the app starts and drain it when the app
+            stops (the server's lifespan); tests that start the engine themselves leave it off.
+    """
+    metrics = metrics or RouterMetrics(engine.stats)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.stop()
+
+    app = FastAPI(title="Loom", version=VERSION, lifespan=lifespan,
+                  description="LLM serving: text-generation-inference and OpenAI compatible APIs")
+    app.state.loom = AppState(config, engine, metrics, served_model_name(config))
+    _add_error_handlers(app)
+    _add_tgi_routes(app)
+    app.include_router(openai_api.router)
+    app.include_router(snapshots.build_router())
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+def error_response(request: Request, status: int, message: str, error_type: str) -> JSONResponse:
+    """TGI's `{"error", "error_type"}`, or OpenAI's `{"error": {...}}` on the /v1 routes."""
+    if openai_api.is_openai_path(request.url.path):
+        return openai_api.error_response(status, message)
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
+
+
+def describe_validation_errors(errors: Any) -> tuple[str, str | None]:
+    """Pydantic's errors as one readable line, and the first offending field."""
+    parts, first_param = [], None
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if error.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}")
+            continue
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        parts.append(f"`{param}`: {error.get('msg')}" if param else str(error.get("msg")))
+    return "; ".join(parts) or "invalid request", first_param
+
+
+def _validation_message(message: str) -> str:
+    prefix = "Input validation error: "
+    return message if message.startswith(prefix) else prefix + message
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(exc.errors())
+        if openai_api.is_openai_path(request.url.path):
+            return openai_api.error_response(422, message, param)
+        return error_response(request, 422, _validation_message(message), "validation")
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(request, 422, _validation_message(str(exc)), "validation")
+
+    @app.exception_handler(ChatTemplateError)
+    async def _template(request: Request, exc: ChatTemplateError) -> JSONResponse:
+        return error_response(request, 422, str(exc), "validation")
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+        return error_response(request, 429, str(exc), "overloaded")
+
+    @app.exception_handler(GenerationError)
+    async def _failed(request: Request, exc: GenerationError) -> JSONResponse:
+        return error_response(request, 424, str(exc), "generation")
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+# ---- TGI --------------------------------------------------------------------------------
+
+
+def _add_tgi_routes(app: FastAPI) -> None:
+    @app.post("/generate", tags=["TGI"], summary="Generate tokens")
+    async def generate_route(body: TGIRequest, request: Request) -> dict[str, Any]:
+        return await _generate(get_state(request), request, body)
+
+    @app.post("/generate_stream", tags=["TGI"], summary="Generate a stream of tokens (SSE)")
+    async def generate_stream_route(body: TGIRequest, request: Request) -> Response:
+        return await _generate_stream(get_state(request), body)
+
+    @app.post("/", tags=["TGI"], summary="TGI's compatibility route: generate, or stream with `stream: true`")
+    async def compat_route(body: TGIRequest, request: Request) -> Any:
+        state = get_state(request)
+        if body.stream:
+            return await _generate_stream(state, body)
+        return [await _generate(state, request, body)]
+
+    @app.get("/info", tags=["TGI"], summary="Model and server limits")
+    async def info_route(request: Request) -> dict[str, Any]:
+        return _info(get_state(request))
+
+    @app.get("/health", tags=["TGI"], summary="200 when the engine and every shard are healthy, else 503")
+    async def health_route(request: Request) -> Response:
+        if await get_state(request).engine.health():
+            return Response(status_code=200)
+        return error_response(request, 503, "unhealthy: the engine or a shard is down", "unhealthy")
+
+    @app.post("/tokenize", tags=["TGI"], summary="Tokenize a text")
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> list[dict[str, Any]]:
+        state = get_state(request)
+        if not body.inputs:
+            raise ValidationError("`inputs` cannot be empty")
+        ids = await encode(state, body.inputs)
+        if body.parameters.truncate is not None:
+            ids = ids[-body.parameters.truncate:]
+        return _token_offsets(state, body.inputs, ids)
+
+    @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
+    async def metrics_route(request: Request) -> Response:
+        content, content_type = get_state(request).metrics.render()
+        return Response(content, media_type=content_type)
+
+
+async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[list[int], GenerationParams]:
+    params = body.parameters
+    limits = state.limits()
+    check_tgi(params, body.inputs, stream, limits)
+    ids = await encode(state, body.inputs)
+    if params.truncate is not None:
+        ids = ids[-params.truncate:]  # TGI keeps the end of the input
+    max_new_tokens = state.engine.validate_lengths(len(ids), params.max_new_tokens, params.best_of or 1)
+    return ids, tgi_generation_params(params, max_new_tokens, limits)
+
+
+async def _generate(state: AppState, request: Request, body: TGIRequest) -> dict[str, Any]:
+    ids, gen_params = await _prepare(state, body, stream=False)
+    generation = await generate(state, request, ids, gen_params)
+    return _tgi_response(state, body, ids, gen_params, generation)
+
+
+def _tgi_response(state: AppState, body: TGIRequest, ids: list[int], gen_params: GenerationParams,
+                  generation: Generation) -> dict[str, Any]:
+    params = body.parameters
+    # best_of: the sequence with the highest total logprob wins, as in TGI
+    ranked = sorted(generation.choices, key=lambda c: c.logprob_sum, reverse=True)
+    best = ranked[0]
+    out: dict[str, Any] = {"generated_text": _full_text(params, body.inputs, best.text)}
+    if not params.details:
+        return out
+    prefill = _prefill(state, ids, generation.prompt.prompt_logprobs) if params.decoder_input_details else []
+    details = _sequence(state, params, gen_params, best, prefill)
+    del details["generated_text"]
+    if len(ranked) > 1:
+        details["best_of_sequences"] = [_sequence(state, params, gen_params, c, prefill) for c in ranked[1:]]
+    out["details"] = details
+    return out
+
+
+def _sequence(state: AppState, params: TGIParameters, gen_params: GenerationParams, choice: ChoiceResult,
+              prefill: list[dict[str, Any]]) -> dict[str, Any]:
+    """TGI's BestOfSequence (Details plus the text)."""
+    return {
+        "generated_text": choice.text,
+        "finish_reason": choice.finish_reason.value if choice.finish_reason else None,
+        "generated_tokens": len(choice.tokens),
+        "seed": _reported_seed(params, gen_params, choice.index),
+        "prefill": prefill,
+        "tokens": [_token(t) for t in choice.tokens],
+        "top_tokens": [_top_tokens(state, t) for t in choice.tokens] if params.top_n_tokens else [],
+    }
+
+
+async def _generate_stream(state: AppState, body: TGIRequest) -> Response:
+    ids, gen_params = await _prepare(state, body, stream=True)
+    stream = state.engine.submit(ids, gen_params)
+    timer = state.metrics.start_request(len(ids))
+    return EventStreamResponse(_tgi_events(state, body, ids, gen_params, tracked(stream, timer)), stream.cancel)
+
+
+async def _tgi_events(state: AppState, body: TGIRequest, ids: list[int], gen_params: GenerationParams,
+                      events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
+    params = body.parameters
+    parts: list[str] = []
+    try:
+        async for event in events:
+            parts.append(event.text)
+            payload: dict[str, Any] = {
+                "index": event.num_generated,
+                "token": _token(event.token),
+                "top_tokens": _top_tokens(state, event.token) if params.top_n_tokens else [],
+                "generated_text": None,
+                "details": None,
+            }
+            if event.finish_reason is not None:
+                payload["generated_text"] = _full_text(params, body.inputs, "".join(parts))
+                if params.details:
+                    payload["details"] = {
+                        "finish_reason": event.finish_reason.value,
+                        "generated_tokens": event.num_generated,
+                        "seed": _reported_seed(params, gen_params, 0),
+                        "input_length": len(ids),
+                    }
+            yield sse(payload)
+    except GenerationError as e:
+        yield sse({"error": str(e), "error_type": "generation"})
+
+
+def _full_text(params: TGIParameters, inputs: str, text: str) -> str:
+    return inputs + text if params.return_full_text else text
+
+
+def _reported_seed(params: TGIParameters, gen_params: GenerationParams, index: int) -> int | None:
+    """TGI reports the seed only when the tokens were sampled."""
+    return gen_params.choices[index].seed if params.sampling else None
+
+
+def _token(token: GeneratedToken) -> dict[str, Any]:
+    return {"id": token.token_id, "text": token.text, "logprob": token.logprob, "special": token.special}
+
+
+def _top_tokens(state: AppState, token: GeneratedToken) -> list[dict[str, Any]]:
+    tok = state.tokenizer
+    return [{"id": t.token_id, "text": tok.decode([t.token_id]), "logprob": t.logprob,
+             "special": tok.is_special(t.token_id)} for t in token.top_tokens]
+
+
+def _prefill(state: AppState, ids: list[int], logprobs: list[float | None]) -> list[dict[str, Any]]:
+    decode = state.tokenizer.decode
+    padded = list(logprobs) + [None] * (len(ids) - len(logprobs))
+    return [{"id": i, "text": decode([i]), "logprob": lp} for i, lp in zip(ids, padded)]
+
+
+def _token_offsets(state: AppState, inputs: str, ids: list[int]) -> list[dict[str, Any]]:
+    """TGI's /tokenize answer: each token with its character span in the input.
+
+    Spans come from decoding growing prefixes; a token that ends inside a multi-byte
+    character gets an empty span and the character goes to the token that completes it.
+    """
+    decode = state.tokenizer.decode
+    out, start = [], 0
+    for i, token_id in enumerate(ids):
+        prefix = decode(ids[: i + 1])
+        stop = start if prefix.endswith("\ufffd") else max(len(prefix), start)
+        text = inputs[start:stop] if inputs.startswith(prefix[:stop]) else decode([token_id])
+        out.append({"id": token_id, "text": text, "start": start, "stop": stop})
+        start = stop
+    return out
+
+
+def _info(state: AppState) -> dict[str, Any]:
+    engine, config = state.engine, state.config
+    model = engine.model_info
+    return {
+        "model_id": config.model_id,
+        "model_sha": model.weights_hash if model else None,
+        "model_dtype": model.dtype if model else None,
+        "model_device_type": model.device if model else None,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": config.max_concurrent_requests,
+        "max_best_of": config.max_n,
+        "max_stop_sequences": config.max_stop_sequences,
+        "max_input_tokens": engine.max_input_tokens,
+        "max_input_length": engine.max_input_tokens,  # TGI 1.x name
+        "max_total_tokens": engine.max_total_tokens,
+        "max_batch_total_tokens": engine.max_batch_total_tokens,
+        "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
+        "max_top_n_tokens": config.max_top_n_tokens,
+        "max_n": config.max_n,
+        "max_client_batch_size": 1,
+        "validation_workers": 1,
+        "block_size": model.block_size if model else None,
+        "world_size": model.world_size if model else None,
+        "served_model_name": state.model_name,
+        "router": "loom-router",
+        "version": VERSION,
+        "sha": None,
+        "docker_label": None,
+    }

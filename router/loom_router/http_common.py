@@ -1,0 +1,170 @@
+"""Plumbing shared by the TGI and OpenAI routes: the app's state, prompt tokenization,
+running a generation to its end (cancelled when the client goes away), and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from loom_proto.config import RouterConfig
+from loom_router.metrics import RequestTimer, RouterMetrics
+from loom_router.types import ChoiceEvent, FinishReason, GeneratedToken, GenerationParams, PromptInfo
+from loom_router.validation import Limits
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+@dataclass(slots=True)
+class AppState:
+    """Everything a route needs, stored on `app.state.loom`."""
+
+    config: RouterConfig
+    engine: Any  # loom_router.engine.Engine (typed loosely: tests may pass their own)
+    metrics: RouterMetrics
+    model_name: str
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_stop_sequences=self.config.max_stop_sequences,
+            max_top_n_tokens=self.config.max_top_n_tokens,
+            max_n=self.config.max_n,
+            vocab_size=self.engine.model_info.vocab_size,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
+
+
+def served_model_name(config: RouterConfig) -> str:
+    """OpenAI's `model`: the configured name, else the model file or folder name."""
+    if config.served_model_name:
+        return config.served_model_name
+    name = Path(config.model_id).name or "default"
+    return name.removesuffix(".gguf")
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.loom
+
+
+async def encode(state: AppState, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenizes off the event loop: a long prompt must not stall other requests' streams."""
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """One choice, assembled from its events."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, event: ChoiceEvent) -> None:
+        self.text_parts.append(event.text)
+        self.tokens.append(event.token)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(token.logprob for token in self.tokens)
+
+
+@dataclass(slots=True)
+class Generation:
+    choices: list[ChoiceResult]
+    prompt: PromptInfo
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(choice.tokens) for choice in self.choices)
+
+
+async def generate(state: AppState, request: Request, prompt_ids: list[int],
+                   params: GenerationParams) -> Generation:
+    """Runs a request to its end; cancels it if the client disconnects first.
+
+    Raises the engine's errors (ValidationError, OverloadedError, GenerationError)
+    and ClientDisconnected.
+    """
+    stream = state.engine.submit(prompt_ids, params)
+    timer = state.metrics.start_request(len(prompt_ids))
+    choices = [ChoiceResult(i) for i in range(params.n)]
+
+    async def consume() -> None:
+        async for event in stream:
+            timer.on_event(event)
+            choices[event.index].add(event)
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not consumer.done():
+            raise ClientDisconnected()
+        consumer.result()  # re-raises a GenerationError
+        return Generation(choices, stream.prompt)
+    finally:
+        timer.finish()
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        stream.cancel()  # a no-op once the request finished
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away. The body was read already, so the next ASGI
+    message is the disconnect (servers hold `receive` until then or the response ends)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def tracked(stream: Any, timer: RequestTimer) -> AsyncIterator[ChoiceEvent]:
+    """A stream's events, timed for the metrics."""
+    try:
+        async for event in stream:
+            timer.on_event(event)
+            yield event
+    finally:
+        timer.finish()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generation is cancelled however the response ends:
+    finished, client gone (even before the first byte), or the server shutting down."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(payload: Any) -> str:
+    """One SSE event carrying a JSON payload (or a bare string like OpenAI's [DONE])."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"

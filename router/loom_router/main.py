@@ -1,0 +1,57 @@
+"""`loom-router`: parse a RouterConfig from flags, connect to the shards, serve the HTTP API.
+
+SIGINT/SIGTERM stop it gracefully: uvicorn stops accepting connections and lets the
+in-flight requests finish (within --shutdown-timeout), then the engine drains and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from loom_proto.config import RouterConfig, parse_config
+from loom_router.api import create_app
+from loom_router.engine import Engine
+from loom_router.shard_client import ShardClient
+from loom_router.tokenizer import load_tokenizer
+
+log = logging.getLogger("loom_router")
+
+DESCRIPTION = ("Loom's router: HTTP API, scheduler, KV block manager; drives the shards over gRPC. "
+               "Started by loom-launcher, which hands it its config as JSON.")
+
+
+async def serve(config: RouterConfig) -> int:
+    """Runs the router until a signal stops it; returns the exit status."""
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.model_id)
+    client = ShardClient(config.shard_uds_paths)
+    try:
+        await client.wait_ready(config.shard_ready_timeout)
+        engine = Engine(config, client, tokenizer)
+        app = create_app(engine, config, manage_engine=True)  # the engine starts before the port opens
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.hostname, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=int(config.shutdown_timeout), access_log=config.log_level == "debug",
+        ))
+        await server.serve()
+        return 0 if server.started else 1
+    finally:
+        await client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(RouterConfig, argv, "loom-router", DESCRIPTION)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(config))
+    except Exception as error:  # startup failures: one clear line, not a traceback
+        log.error("router failed: %s", error, exc_info=log.isEnabledFor(logging.DEBUG))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

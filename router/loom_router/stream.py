@@ -1,0 +1,43 @@
+"""What `Engine.submit` returns: one request's events, as an async iterator with a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from loom_router.request import Sequence
+from loom_router.types import ChoiceEvent, PromptInfo
+
+DONE = object()  # the stream's end marker
+
+
+class GenerationStream:
+    """The events of one request's n choices, interleaved, as the engine produces them."""
+
+    def __init__(self, on_cancel: Callable[[int], None], group_id: int, num_prompt_tokens: int) -> None:
+        self._on_cancel = on_cancel
+        self.group_id = group_id
+        self.prompt = PromptInfo(num_prompt_tokens=num_prompt_tokens)
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self.closed = False
+        # With hold_blocks: the finished sequence, still holding its blocks until
+        # `Engine.release_held` (its KV stays valid for a snapshot to copy).
+        self.held: Sequence | None = None
+
+    def put(self, item: object) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:
+        while True:
+            item = await self._queue.get()
+            if item is DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            assert isinstance(item, ChoiceEvent)
+            yield item
+
+    def cancel(self) -> None:
+        """The client went away: free its blocks before the next step."""
+        if not self.closed:
+            self._on_cancel(self.group_id)

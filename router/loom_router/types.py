@@ -1,0 +1,103 @@
+"""What the HTTP layer hands the engine, and what the engine streams back.
+
+The API modules (TGI and OpenAI) validate a request into `GenerationParams`,
+call `Engine.submit(prompt_ids, params)` and read `ChoiceEvent`s from the
+returned stream; the engine never sees HTTP and the API never sees blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from loom_proto.step import SamplingParams, TokenLogprob
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+
+    @property
+    def openai(self) -> str:
+        return "length" if self is FinishReason.LENGTH else "stop"
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    """A validated request. `choices[i]` is how choice i samples (len == n)."""
+
+    choices: list[SamplingParams]
+    max_new_tokens: int
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
+
+    @property
+    def n(self) -> int:
+        return len(self.choices)
+
+
+@dataclass(slots=True)
+class GeneratedToken:
+    token_id: int
+    text: str  # this token's own text (may be "" or partial for multi-byte pieces)
+    logprob: float
+    special: bool
+    top_tokens: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """One step's news for one choice.
+
+    `text` is the output text that became final with this token: the
+    incremental detokenizer holds back incomplete UTF-8 and any tail that could
+    still grow into a stop sequence, and a matched stop sequence is cut.
+    """
+
+    index: int  # which choice (0..n-1)
+    token: GeneratedToken
+    text: str
+    finish_reason: FinishReason | None = None
+    num_generated: int = 0  # tokens generated so far by this choice
+
+
+@dataclass(slots=True)
+class PromptInfo:
+    """Known once the prompt was prefilled; read by the API for usage/details."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first token
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's counters and gauges, read by the metrics collector at scrape time."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_blocks_cached: int = 0  # free but holding a reusable prefix
+    prompt_tokens_computed: int = 0  # counters from here on
+    prompt_tokens_cached: int = 0
+    generated_tokens: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    swapped_bytes: int = 0
+    steps: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason / "cancelled" / "error"
+
+
+class ValidationError(ValueError):
+    """The request cannot be served as asked (HTTP 422)."""
+
+
+class OverloadedError(RuntimeError):
+    """Too many requests in flight (HTTP 429)."""
+
+
+class GenerationError(RuntimeError):
+    """The shards failed while generating (HTTP 424)."""

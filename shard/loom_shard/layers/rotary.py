@@ -1,0 +1,73 @@
+"""Rotary position embedding (half-split layout), with optional Llama-3 frequency scaling.
+
+cos/sin are looked up once per step for the step's positions and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from loom_shard.model_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2], float64 for an exact cache."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    return _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds a cos/sin table that grows on demand; `lookup` gives per-token rows."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, initial_len: int = 4096) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling).float(), persistent=False)
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+        self._initial_len = initial_len
+
+    def _build(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        positions = torch.arange(length, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, self.inv_freq.to(device))  # [length, head_dim // 2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self._cos = emb.cos().to(dtype)
+        # sin with the first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin
+        sin = emb.sin()
+        half = self.head_dim // 2
+        self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
+
+    def lookup(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for each position: two [num_tokens, 1, head_dim] tensors.
+
+        max_position (known on the host) sizes the table without a device sync.
+        """
+        needed = max_position + 1
+        if self._cos.shape[0] < needed or self._cos.dtype != dtype or self._cos.device != positions.device:
+            self._build(max(needed, self._initial_len, 2 * self._cos.shape[0]), dtype, positions.device)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim] -> same shape, rotated."""
+    rotated = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, rotated, signed_sin)

@@ -1,0 +1,96 @@
+"""What every weight loader shares: the error type, the supported architectures,
+and the list of Hugging Face tensor names (and shapes) a config needs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from loom_shard.model_config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+ProgressFn = Callable[[str], None]
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; str() is one line naming the path and the reason."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        self.path = str(path)
+        self.reason = " ".join(str(reason).split())  # one line, whatever the cause said
+        super().__init__(f"cannot load model {self.path}: {self.reason}")
+
+
+def stderr_progress(message: str) -> None:
+    """The default progress sink: one line on stderr, which the launcher shows."""
+    print(f"[loom_shard.loader] {message}", file=sys.stderr, flush=True)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face state-dict names and shapes the model needs, in load order."""
+    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
+    kv_dim, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_dim, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, hidden)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def check_names(path: Path, config: ModelConfig, available: Iterable[str]) -> None:
+    """Raises ModelLoadError naming the first missing tensors, before any is read."""
+    present = set(available)
+    missing = [name for name in expected_shapes(config) if name not in present]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(path, f"missing tensor(s) {shown}")
+
+
+def check_shape(path: Path, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ModelLoadError(path, f"tensor {name} has shape {list(shape)}, the config needs {list(expected)}")
+
+
+class LoadProgress:
+    """Reports a long load about every quarter of its tensors, then the total time."""
+
+    def __init__(self, path: Path, num_tensors: int, progress: ProgressFn | None) -> None:
+        self._progress = progress
+        self._num_tensors = num_tensors
+        self._next_quarter = 1
+        self._start = time.perf_counter()
+        self._say(f"loading {num_tensors} tensors from {path}")
+
+    def tensor_done(self, num_done: int) -> None:
+        while self._next_quarter < 4 and num_done * 4 >= self._next_quarter * self._num_tensors:
+            self._say(f"  {25 * self._next_quarter}% ({num_done}/{self._num_tensors} tensors)")
+            self._next_quarter += 1
+
+    def finish(self, tensors: dict[str, torch.Tensor]) -> None:
+        num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        seconds = time.perf_counter() - self._start
+        self._say(f"loaded {len(tensors)} tensors ({num_bytes / 2**20:.0f} MiB) in {seconds:.1f} s")
+
+    def _say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress(message)

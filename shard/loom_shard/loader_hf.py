@@ -1,0 +1,179 @@
+"""Loads a Hugging Face model folder: config.json into a ModelConfig, and
+*.safetensors (single file or sharded with an index) into a state dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from loom_shard.loader_common import (
+    SUPPORTED_ARCHITECTURES,
+    LoadProgress,
+    ModelLoadError,
+    ProgressFn,
+    check_names,
+    check_shape,
+    expected_shapes,
+)
+from loom_shard.model_config import ModelConfig, RopeScaling
+
+INDEX_FILE_NAME = "model.safetensors.index.json"
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """A ModelConfig from a parsed config.json; raises ModelLoadError naming `source`."""
+    architecture = _architecture(config, source)
+    _reject_unsupported_features(config, architecture, source)
+    try:
+        num_heads = int(config["num_attention_heads"])
+        hidden_size = int(config["hidden_size"])
+        head_dim = config.get("head_dim") or hidden_size // num_heads  # null in some configs
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(config.get("rope_scaling"), source),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases
+        )
+    except KeyError as error:
+        raise ModelLoadError(source, f"config is missing the key {error.args[0]!r}") from None
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(source, f"invalid config: {error}") from None
+
+
+def _architecture(config: dict[str, Any], source: str) -> str:
+    architectures = config.get("architectures") or []
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    if not architectures and config.get("model_type") in _ARCHITECTURE_BY_MODEL_TYPE:
+        return _ARCHITECTURE_BY_MODEL_TYPE[config["model_type"]]
+    found = ", ".join(architectures) or f"model_type {config.get('model_type')!r}"
+    raise ModelLoadError(
+        source, f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _reject_unsupported_features(config: dict[str, Any], architecture: str, source: str) -> None:
+    # Llama's attention_bias also adds an o_proj bias, and mlp_bias biases the MLP: the model has neither.
+    if architecture != "Qwen2ForCausalLM" and config.get("attention_bias"):
+        raise ModelLoadError(source, f"unsupported: attention_bias=true for {architecture}")
+    if config.get("mlp_bias"):
+        raise ModelLoadError(source, "unsupported: mlp_bias=true")
+
+
+def _rope_scaling(scaling: dict[str, Any] | None, source: str) -> RopeScaling | None:
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ModelLoadError(source, f"unsupported rope_scaling type {rope_type!r} (only 'llama3')")
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def load_hf_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(folder, "no config.json in this folder (expected a Hugging Face model folder)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(path, f"unreadable config.json: {error}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(path, "config.json is not a JSON object")
+    return config_from_hf(raw, str(path))
+
+
+def load_hf_weights(
+    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None
+) -> dict[str, torch.Tensor]:
+    """The tensors the config needs, read file by file and converted to `dtype` one at a time."""
+    names_by_file = _tensor_files(folder)
+    shapes = expected_shapes(config)
+    check_names(folder, config, names_by_file)
+    files: dict[Path, list[str]] = {}
+    for name in shapes:
+        files.setdefault(names_by_file[name], []).append(name)
+    report = LoadProgress(folder, len(shapes), progress)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in files.items():
+        with _open_safetensors(file) as handle:
+            for name in names:
+                tensor = _read_tensor(handle, file, name)
+                check_shape(file, name, tuple(tensor.shape), shapes[name])
+                tensors[name] = tensor.to(dtype)
+                report.tensor_done(len(tensors))
+    report.finish(tensors)
+    return {name: tensors[name] for name in shapes}
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a folder: those its index names, else every *.safetensors."""
+    return sorted(set(_tensor_files(folder).values()))
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Maps every tensor name available in the folder to the file holding it."""
+    index = folder / INDEX_FILE_NAME
+    if index.is_file():
+        return _files_from_index(index)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        hint = " (only PyTorch .bin files; convert them to safetensors)" if any(folder.glob("*.bin")) else ""
+        raise ModelLoadError(folder, f"no *.safetensors weight files{hint}")
+    names: dict[str, Path] = {}
+    for file in files:
+        with _open_safetensors(file) as handle:
+            names.update(dict.fromkeys(handle.keys(), file))
+    return names
+
+
+def _files_from_index(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = {str(name): index.parent / str(file) for name, file in weight_map.items()}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ModelLoadError(index, f"unreadable safetensors index: {error!r}") from None
+    for file in sorted(set(names.values())):
+        if not file.is_file():
+            raise ModelLoadError(file, "weight file named in the safetensors index is missing")
+    return names
+
+
+def _open_safetensors(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError and OSError
+        raise ModelLoadError(file, f"damaged safetensors file: {error}") from None
+
+
+def _read_tensor(handle: Any, file: Path, name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except Exception as error:
+        raise ModelLoadError(file, f"cannot read tensor {name}: {error}") from None

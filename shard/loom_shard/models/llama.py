@@ -1,0 +1,130 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+It knows nothing of tensor parallelism: `loom_shard.tensor_parallel` reshapes the
+projections afterwards and the attention reads its head counts from the module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom_shard.attention import AttentionMetadata, paged_attention
+from loom_shard.layers.mlp import GatedMLP
+from loom_shard.layers.norm import RMSNorm
+from loom_shard.layers.rotary import RotaryEmbedding, apply_rotary
+from loom_shard.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        qkv_size = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :num_qk_heads], *rope)  # [num_tokens, heads + kv_heads, head_dim]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, num_qk_heads:]
+        return self.o_proj(paged_attention(q, k, v, kv_layer, meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this process holds (fewer than the config's under tensor parallelism)."""
+        return self.layers[0].self_attn.num_kv_heads
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden] (before the norm).
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        """
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(meta.positions, meta.max_position, x.dtype)
+        for layer, kv_layer in zip(self.layers, kv_cache):
+            x = layer(x, rope, kv_layer, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face named tensors, fusing q/k/v and gate/up. Raises on missing or unknown names."""
+        own = fuse_hf_weights(weights)
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+_FUSED = {  # our fused parameter -> the Hugging Face parts, concatenated in this order
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def fuse_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face tensors to this model's names, concatenating the fused projections."""
+    own: dict[str, torch.Tensor] = {}
+    parts: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config
+        local = name.removeprefix("model.")
+        if local.startswith("layers.") and local.split(".", 2)[2] in _PART_NAMES:
+            parts[local] = tensor
+        else:
+            own[local] = tensor
+    for name in {".".join(n.split(".")[:2]) for n in parts}:  # "layers.<i>"
+        for fused, sources in _FUSED.items():
+            found = [parts.pop(f"{name}.{s}", None) for s in sources]
+            if all(t is not None for t in found):
+                own[f"{name}.{fused}"] = torch.cat(found)
+            elif any(t is not None for t in found):
+                raise ValueError(f"{name}: only some of {sources} are present")
+    if parts:
+        raise ValueError(f"unexpected projection weights: {sorted(parts)}")
+    return own
+
+
+_PART_NAMES = frozenset(s for sources in _FUSED.values() for s in sources)

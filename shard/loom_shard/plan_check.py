@@ -1,0 +1,87 @@
+"""Checks a step plan against the shard's state before the runner mutates anything,
+so a bad plan is a clear ValueError and leaves every request and block as it was."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from loom_proto.step import NewRequest, RunningRequest, StepPlan
+from loom_shard.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from loom_shard.runner import RequestState
+
+
+class PlanCheck:
+    """Validates a plan against the shard's state before anything is mutated."""
+
+    def __init__(self, requests: dict[int, RequestState], kv: PagedKVCache, vocab_size: int) -> None:
+        self.requests = requests
+        self.kv = kv
+        self.vocab_size = vocab_size
+
+    def validate(self, plan: StepPlan) -> None:
+        kept = set(self.requests) - set(plan.released_ids)
+        self._pairs("swap_out", plan.swap_out, self.kv.num_blocks, self.kv.num_host_blocks)
+        self._pairs("swap_in", plan.swap_in, self.kv.num_host_blocks, self.kv.num_blocks)
+        self._pairs("copies", plan.copies, self.kv.num_blocks, self.kv.num_blocks)
+        seen: set[int] = set()
+        for new in plan.new_requests:
+            self._fresh_id(new.request_id, kept, seen)
+            self._new(new)
+            for fork in new.forks:
+                self._fresh_id(fork.request_id, kept, seen)
+                self._blocks(fork.request_id, fork.block_table, len(new.token_ids))
+        for running in plan.running_requests:
+            if running.request_id not in kept:
+                raise ValueError(f"request {running.request_id}: unknown to this shard (not running)")
+            if running.request_id in seen:
+                raise ValueError(f"request {running.request_id}: appears twice in the plan")
+            seen.add(running.request_id)
+            state = self.requests[running.request_id]
+            self._running(running, state)
+            for fork in running.forks:
+                self._fresh_id(fork.request_id, kept, seen)
+                self._blocks(fork.request_id, fork.block_table, len(state.token_ids))
+
+    @staticmethod
+    def _fresh_id(request_id: int, kept: set[int], seen: set[int]) -> None:
+        if request_id in kept or request_id in seen:
+            raise ValueError(f"request {request_id}: already exists")
+        seen.add(request_id)
+
+    def _new(self, new: NewRequest) -> None:
+        rid = new.request_id
+        if not new.token_ids:
+            raise ValueError(f"request {rid}: no tokens")
+        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            raise ValueError(f"request {rid}: num_prompt_tokens {new.num_prompt_tokens} outside 1..{len(new.token_ids)}")
+        if min(new.token_ids) < 0 or max(new.token_ids) >= self.vocab_size:
+            raise ValueError(f"request {rid}: token id outside the vocabulary of {self.vocab_size}")
+        self._compute(rid, new.num_cached, new.num_compute, len(new.token_ids))
+        self._blocks(rid, new.block_table, new.num_cached + new.num_compute)
+
+    def _running(self, running: RunningRequest, state: RequestState) -> None:
+        rid = running.request_id
+        self._compute(rid, state.num_computed, running.num_compute, len(state.token_ids))
+        self._blocks(rid, state.block_table + running.new_block_ids, state.num_computed + running.num_compute)
+
+    @staticmethod
+    def _compute(rid: int, num_cached: int, num_compute: int, num_tokens: int) -> None:
+        if num_cached < 0 or num_compute < 1 or num_cached + num_compute > num_tokens:
+            raise ValueError(
+                f"request {rid}: cannot compute {num_compute} tokens after {num_cached} of {num_tokens} known tokens"
+            )
+
+    def _blocks(self, rid: int, block_table: list[int], num_tokens: int) -> None:
+        if len(block_table) * self.kv.block_size < num_tokens:
+            raise ValueError(f"request {rid}: {len(block_table)} blocks cannot hold {num_tokens} tokens")
+        bad = [b for b in block_table if not 0 <= b < self.kv.num_blocks]
+        if bad:
+            raise ValueError(f"request {rid}: block ids {bad} outside 0..{self.kv.num_blocks - 1}")
+
+    @staticmethod
+    def _pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < num_src and 0 <= dst < num_dst):
+                raise ValueError(f"{name}: block pair ({src}, {dst}) out of range ({num_src}, {num_dst})")

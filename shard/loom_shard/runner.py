@@ -1,0 +1,419 @@
+"""Executes the router's step plans: holds the model, the paged KV cache and per-request state.
+
+A step reads like the plan: drop released requests, move blocks, admit new and
+running requests, run one forward over the mixed batch, sample, fork.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loom_proto.config import ShardConfig
+from loom_proto.snapshot import KVLayout
+from loom_proto.step import (
+    Fork,
+    ModelInfo,
+    NewRequest,
+    SamplingParams,
+    SeqOutput,
+    StepPlan,
+    StepResult,
+    WarmupResult,
+)
+from loom_shard.attention import SeqSpan, build_metadata
+from loom_shard.kv_cache import (
+    CPU_POOL_SHARE,
+    HOST_POOL_SHARE,
+    KVCacheSpec,
+    PagedKVCache,
+    available_ram_bytes,
+    blocks_for_bytes,
+    blocks_for_tokens,
+)
+from loom_shard.layers.packed_linear import pack_linears
+from loom_shard.models import build_model
+from loom_shard.models.llama import LlamaModel
+from loom_shard.plan_check import PlanCheck
+from loom_shard.sampler import Sample, SeqSamplingState, sample
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: int
+    token_ids: list[int]  # prompt, then every sampled token
+    num_prompt_tokens: int
+    num_computed: int  # tokens whose KV is in the blocks
+    block_table: list[int]
+    sampling: SamplingParams
+    prompt_logprobs: bool = False
+    pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    state: RequestState
+    num_compute: int
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.state.num_computed + self.num_compute == len(self.state.token_ids)
+
+    @property
+    def span(self) -> SeqSpan:
+        return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
+
+
+class ModelRunner:
+    """One shard's executor. Build with a ShardConfig; pass `model` to skip loading (tests, benches)."""
+
+    def __init__(self, config: ShardConfig, model: LlamaModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device, config.rank)
+        self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(self.device.type)
+        if model is None:
+            model, self.weights_hash = _load_model(config, self.dtype, self.device)
+        else:
+            self.weights_hash = "unhashed"
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu":
+            pack_linears(self.model)  # oneDNN-packed bfloat16 weights; float32 keeps F.linear
+            keep_freed_memory_mapped()
+        mc = self.model.config
+        self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
+        self.kv_cache: PagedKVCache | None = None
+        self.requests: dict[int, RequestState] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_spec.block_size
+
+    def info(self) -> ModelInfo:
+        c = self.model.config
+        return ModelInfo(
+            architecture=c.architecture,
+            num_layers=c.num_layers,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            max_position_embeddings=c.max_position_embeddings,
+            dtype=str(self.dtype).removeprefix("torch."),
+            weights_hash=self.weights_hash,
+            device=str(self.device),
+            block_size=self.block_size,
+            rank=self.config.rank,
+            world_size=self.config.world_size,
+        )
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
+        self.kv_cache = None  # free the old pool before allocating the new one
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device)
+        return self.kv_cache
+
+    @torch.inference_mode()
+    def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None = None) -> WarmupResult:
+        """Run the largest prefill once, then size and allocate the KV pools.
+
+        Device blocks: `max_batch_total_tokens` when given (else the config's), else
+        free memory (CUDA: free * memory_fraction less the warmup's peak; CPU:
+        cpu_kv_cache_bytes or a share of available RAM).
+        """
+        self.clear()
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        peak_bytes = self._dry_run(max_prefill_tokens)
+        total_tokens = max_batch_total_tokens or self.config.max_batch_total_tokens
+        if total_tokens is not None:
+            num_blocks = blocks_for_tokens(total_tokens, self.block_size)
+        else:
+            num_blocks = blocks_for_bytes(self._device_pool_bytes(peak_bytes), self.kv_spec)
+        host_bytes = self.config.host_kv_cache_bytes
+        if host_bytes is None:
+            host_bytes = int(available_ram_bytes() * HOST_POOL_SHARE)
+        num_host_blocks = blocks_for_bytes(host_bytes, self.kv_spec)
+        if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size):
+            raise ValueError(f"{num_blocks} KV blocks cannot hold a prefill of {max_prefill_tokens} tokens")
+        self.allocate_kv_cache(num_blocks, num_host_blocks)
+        return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
+
+    def _dry_run(self, num_tokens: int) -> int:
+        """One prefill of num_tokens into a throwaway cache; returns peak activation bytes (CUDA)."""
+        num_blocks = blocks_for_tokens(num_tokens, self.block_size)
+        scratch = PagedKVCache(self.kv_spec, num_blocks, 0, self.device)
+        meta = build_metadata([SeqSpan(0, num_tokens, list(range(num_blocks)))], self.block_size, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, scratch.device_blocks, meta)
+        self.model.compute_logits(hidden[-1:])
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _device_pool_bytes(self, peak_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.memory_fraction) - peak_bytes
+        if self.config.cpu_kv_cache_bytes is not None:
+            return self.config.cpu_kv_cache_bytes
+        return int(available_ram_bytes() * CPU_POOL_SHARE)
+
+    def release(self, request_ids: list[int]) -> None:
+        """Drop per-request state; unknown ids are ignored (the router may release twice)."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def clear(self) -> None:
+        self.requests.clear()
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run one plan. Raises ValueError (touching nothing) when the plan is inconsistent."""
+        start = time.perf_counter()
+        kv = self._require_cache()
+        PlanCheck(self.requests, kv, self.model.config.vocab_size).validate(plan)
+        self.release(plan.released_ids)
+        kv.swap_out(plan.swap_out)
+        kv.swap_in(plan.swap_in)
+        kv.copy(plan.copies)
+        scheduled = self._admit(plan)
+        forward_start = time.perf_counter()
+        outputs = self._execute(scheduled) if scheduled else []
+        end = time.perf_counter()
+        return StepResult(outputs, forward_ms=(end - forward_start) * 1e3, total_ms=(end - start) * 1e3)
+
+    def _require_cache(self) -> PagedKVCache:
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated: call warmup() or allocate_kv_cache() first")
+        return self.kv_cache
+
+    def _admit(self, plan: StepPlan) -> list[_Scheduled]:
+        scheduled = [_Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
+        for running in plan.running_requests:
+            state = self.requests[running.request_id]
+            state.block_table.extend(running.new_block_ids)
+            state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
+            scheduled.append(_Scheduled(state, running.num_compute))
+        # Prefill chunks first, decodes last: the attention batches all decodes in one call.
+        return sorted(scheduled, key=lambda s: s.num_compute == 1)
+
+    def _add(self, new: NewRequest) -> RequestState:
+        state = RequestState(
+            request_id=new.request_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_computed=new.num_cached,
+            block_table=list(new.block_table),
+            sampling=new.sampling,
+            prompt_logprobs=new.prompt_logprobs,
+            pending_forks=list(new.forks),
+        )
+        self.requests[new.request_id] = state
+        return state
+
+    def _execute(self, scheduled: list[_Scheduled]) -> list[SeqOutput]:
+        input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
+        meta = build_metadata([s.span for s in scheduled], self.block_size, self.device)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
+        rows, sample_rows, logprob_rows = _logit_rows(scheduled)
+        logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
+        prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
+        finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
+        samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing])
+        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
+        for (i, s), smp in zip(finishing, samples):
+            outputs[i] = _output(s.state.request_id, smp, prompt_logprobs[i])
+        for s in scheduled:
+            s.state.num_computed += s.num_compute
+        fork_outputs = self._fork_all(logits, finishing, sample_rows)
+        for (i, s), smp in zip(finishing, samples):
+            s.state.token_ids.append(smp.token_id)
+        return outputs + fork_outputs
+
+    def _cache(self) -> torch.Tensor:
+        return self._require_cache().device_blocks
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], states: list[RequestState]) -> list[Sample]:
+        if not rows:
+            return []
+        sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
+        return sample(_select_rows(logits, rows), sampling_states)
+
+    def _fork_all(
+        self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None]
+    ) -> list[SeqOutput]:
+        """Create the forks of every parent whose prompt completed; sample their first tokens."""
+        parents = [(i, s.state) for i, s in finishing if s.state.pending_forks]
+        forks = [(sample_rows[i], self._create_fork(parent, fork)) for i, parent in parents for fork in parent.pending_forks]
+        for _, parent in parents:
+            parent.pending_forks = []
+        samples = self._sample(logits, [row for row, _ in forks], [state for _, state in forks])
+        for (_, state), smp in zip(forks, samples):
+            state.token_ids.append(smp.token_id)
+        return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]
+
+    def _create_fork(self, parent: RequestState, fork: Fork) -> RequestState:
+        num_tokens = len(parent.token_ids)
+        last = (num_tokens - 1) // self.block_size
+        if num_tokens % self.block_size and parent.block_table[last] != fork.block_table[last]:
+            self._require_cache().copy([(parent.block_table[last], fork.block_table[last])])
+        state = RequestState(
+            request_id=fork.request_id,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            num_computed=parent.num_computed,
+            block_table=list(fork.block_table),
+            sampling=fork.sampling,
+        )
+        self.requests[fork.request_id] = state
+        return state
+
+    # ---- snapshots: KV bytes of one sequence, to and from host memory -------------------
+
+    @torch.inference_mode()  # the cache is an inference tensor (allocated by warmup)
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]:
+        """A host copy of the first num_tokens tokens' KV in block_ids, as raw bytes."""
+        kv = self._require_cache()
+        _check_block_ids(block_ids, kv.num_blocks)
+        if not 0 < num_tokens <= len(block_ids) * self.block_size:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
+        host = kv.read_blocks(block_ids, num_tokens).contiguous()  # [layers, 2, tokens, kv_heads, head_dim]
+        spec = self.kv_spec
+        layout = KVLayout(spec.num_layers, num_tokens, spec.num_kv_heads, spec.head_dim, _dtype_name(self.dtype))
+        return layout, memoryview(host.view(torch.uint8).numpy()).cast("B")
+
+    @torch.inference_mode()  # the cache is an inference tensor (allocated by warmup)
+    def write_kv(self, block_ids: list[int], block_indices: list[int], layout: KVLayout, kv: memoryview) -> None:
+        """Write full blocks of a sequence's KV (laid out as `read_kv` returns it) into
+        block_ids: block_ids[i] gets tokens [b * block_size, (b + 1) * block_size), b = block_indices[i]."""
+        cache = self._require_cache()
+        _check_block_ids(block_ids, cache.num_blocks)
+        spec, bs = self.kv_spec, self.block_size
+        if (layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim) != (
+                _dtype_name(self.dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"KV layout {layout} does not fit this shard's cache {spec}")
+        if len(block_ids) != len(block_indices) or any(not 0 <= b < layout.num_tokens // bs for b in block_indices):
+            raise ValueError(f"block indices {block_indices} do not match {len(block_ids)} full blocks "
+                             f"of {layout.num_tokens} tokens")
+        tokens = torch.frombuffer(kv, dtype=self.dtype).view(layout.shape)
+        positions = (torch.tensor(block_indices, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
+        cache.write_blocks(block_ids, tokens[:, :, positions])
+
+
+def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows]; x itself when rows are all of its rows in order (an all-decode step),
+    which saves a copy of up to [batch, vocab] float32 per use."""
+    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
+        return x
+    return x[torch.tensor(rows, dtype=torch.long, device=x.device)]
+
+
+def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad} outside 0..{num_blocks - 1}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _output(request_id: int, smp: Sample, prompt_logprobs: list[float]) -> SeqOutput:
+    return SeqOutput(request_id, smp.token_id, smp.logprob, list(smp.top_tokens), prompt_logprobs)
+
+
+def _logit_rows(scheduled: list[_Scheduled]) -> tuple[list[int], list[int | None], list[list[int]]]:
+    """Which flat-batch tokens need logits.
+
+    Returns the token indices to compute, and per sequence the logits row it samples
+    from (None when its chunk stops early) and the rows of its prompt logprobs.
+    """
+    rows: list[int] = []
+    sample_rows: list[int | None] = []
+    logprob_rows: list[list[int]] = []
+    offset = 0
+    for s in scheduled:
+        first = s.state.num_computed
+        # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
+        last_scored = min(first + s.num_compute, s.state.num_prompt_tokens - 1) if s.state.prompt_logprobs else first
+        scored = range(first, last_scored)
+        logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
+        rows.extend(offset + q - first for q in scored)
+        sample_row = None
+        if s.reaches_end:
+            sample_row = len(rows)
+            rows.append(offset + s.num_compute - 1)
+        sample_rows.append(sample_row)
+        offset += s.num_compute
+    return rows, sample_rows, logprob_rows
+
+
+def _prompt_logprobs(logits: torch.Tensor, scheduled: list[_Scheduled], logprob_rows: list[list[int]]) -> list[list[float]]:
+    result: list[list[float]] = []
+    for s, rows in zip(scheduled, logprob_rows):
+        if not rows:
+            result.append([])
+            continue
+        first = s.state.num_computed
+        targets = torch.tensor(s.state.token_ids[first + 1 : first + 1 + len(rows)], device=logits.device)
+        logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+        result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+    return result
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Have glibc keep freed buffers of up to 32 MB for reuse instead of unmapping them.
+
+    A CPU step frees and reallocates the same multi-MB temporaries in every layer (K/V
+    gathers, logits); each one unmapped and mapped again page-faults on first write:
+    7-10 ms of system time per batch-32 decode step (bench/BENCHMARKS.md, Engine).
+    Process-wide; returns False where there is no glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20))
+
+
+def resolve_device(device: str, rank: int) -> torch.device:
+    """"auto" is cuda when a GPU is visible, else cpu; rank r uses GPU r of the visible ones."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """The dtype a shard runs in when none is configured.
+
+    CPU: bfloat16, measured faster than float32 on AVX-512-bf16 (bench/BENCHMARKS.md, Engine).
+    CUDA: bfloat16 (same speed as float16 on tensor cores, no overflow risk).
+    """
+    return torch.bfloat16
+
+
+def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
+    from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
+
+    model_config, weights = load_model_weights(config.model_id, dtype)
+    model = build_model(model_config)
+    model.load_weights(weights)
+    del weights
+    model = model.to(device=device, dtype=dtype)
+    if config.world_size > 1:
+        from loom_shard.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, config.rank, config.world_size)
+    return model, weights_hash(config.model_id)

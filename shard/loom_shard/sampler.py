@@ -1,0 +1,265 @@
+"""Turns one step's last-position logits into sampled tokens, per request.
+
+Logit processing (bias, penalties, EOS masking) and filters (temperature, top-k,
+top-p, typical-p, min-p) touch only the rows that ask for them; the common
+all-greedy batch is one argmax plus one log_softmax gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loom_proto.step import SamplingParams, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+_TWO_POW_MINUS_53 = 2.0**-53
+_TOP_P_CANDIDATES = 256  # likeliest tokens searched for the top-p cut before a full sort
+
+
+@dataclass(slots=True)
+class SeqSamplingState:
+    params: SamplingParams
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class Sample:
+    token_id: int
+    logprob: float  # from the raw logits: the model's own probability
+    top_tokens: list[TokenLogprob]  # len == params.top_n_tokens, most likely first
+
+
+def hash64(seed: int, index: int) -> int:
+    """Mixes (seed, index) into a 64-bit generator seed (splitmix64 finalizer).
+
+    Token `index` of a sequence is drawn from a generator seeded with this, so it
+    depends on nothing but the request's seed and its position.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[Sample]:
+    """Samples one token per row.
+
+    Args:
+        logits: [num_seqs, vocab] float32, the raw model output at each sequence's last position.
+        states: one per row, in the same order.
+    Returns:
+        One `Sample` per row; `logprob` and `top_tokens` come from log_softmax of the raw logits.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(states)
+    logits = logits.float()
+    processed = process_logits(logits, states)
+    token_ids = _choose_tokens(processed, states)  # [num_seqs]
+    return _build_samples(logits, token_ids, states)
+
+
+def process_logits(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """Applies logit bias, repetition/frequency/presence penalties and min_new_tokens.
+
+    Returns `logits` itself when no row needs processing, else a processed copy.
+    """
+    rows = [i for i, s in enumerate(states) if _needs_processing(s)]
+    if not rows:
+        return logits
+    processed = logits.clone()
+    for i in rows:
+        _process_row_(processed[i], states[i])
+    return processed
+
+
+def _needs_processing(state: SeqSamplingState) -> bool:
+    p = state.params
+    return bool(
+        p.logit_bias
+        or (p.repetition_penalty is not None and p.repetition_penalty != 1.0)
+        or p.frequency_penalty
+        or p.presence_penalty
+        or (p.eos_token_ids and state.num_generated < p.min_new_tokens)
+    )
+
+
+def process_row(row: torch.Tensor, state: SeqSamplingState) -> torch.Tensor:
+    """Processes one row ([vocab]) in the documented order; returns a new tensor."""
+    row = row.clone()
+    _process_row_(row, state)
+    return row
+
+
+def _process_row_(row: torch.Tensor, state: SeqSamplingState) -> None:
+    p = state.params
+    vocab = row.shape[0]
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=row.device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        row.index_add_(0, ids, bias)
+    if p.repetition_penalty is not None and p.repetition_penalty != 1.0 and state.token_ids:
+        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    generated = state.token_ids[state.num_prompt_tokens :]
+    if (p.frequency_penalty or p.presence_penalty) and generated:
+        ids = torch.tensor(generated, dtype=torch.long, device=row.device)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)  # [vocab]
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.eos_token_ids and len(generated) < p.min_new_tokens:
+        row[list(p.eos_token_ids)] = float("-inf")
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    # temperature 0 is the usual spelling of greedy; sampling at it would divide by zero
+    return not params.do_sample or params.temperature <= 0.0
+
+
+def _choose_tokens(processed: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    token_ids = processed.argmax(dim=-1)  # [num_seqs]; the greedy answer for every row
+    rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
+    if rows:
+        index = torch.tensor(rows, dtype=torch.long, device=processed.device)
+        sub_states = [states[i] for i in rows]
+        probs = filtered_probs(processed.index_select(0, index), [s.params for s in sub_states])
+        token_ids[index] = _draw(probs, sub_states)
+    return token_ids
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p, typical-p and min-p; returns probabilities [rows, vocab].
+
+    Each filter runs only over the rows that set it, vectorized across them.
+    """
+    device = logits.device
+    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperatures.unsqueeze(1)
+    logits = _apply_filter(logits, params, "top_k", _top_k)
+    logits = _apply_filter(logits, params, "top_p", _top_p)
+    logits = _apply_filter(logits, params, "typical_p", _typical_p)
+    logits = _apply_filter(logits, params, "min_p", _min_p)
+    return torch.softmax(logits, dim=-1)
+
+
+FilterFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits [rows, vocab], values [rows])
+
+
+def _apply_filter(logits: torch.Tensor, params: list[SamplingParams], name: str, fn: FilterFn) -> torch.Tensor:
+    rows = [i for i, p in enumerate(params) if _filter_active(name, getattr(p, name))]
+    if not rows:
+        return logits
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    values = torch.tensor([getattr(params[i], name) for i in rows], device=logits.device)
+    logits = logits.clone()
+    logits[index] = fn(logits.index_select(0, index), values)
+    return logits
+
+
+def _filter_active(name: str, value: float | int | None) -> bool:
+    if value is None:
+        return False
+    if name == "top_k":
+        return value > 0
+    if name == "min_p":
+        return value > 0.0
+    return value < 1.0  # top_p, typical_p: 1.0 keeps everything
+
+
+def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's k largest logits (ties at the k-th value are kept too)."""
+    k = k.long().clamp(max=logits.shape[-1])
+    largest = logits.topk(int(k.max()), dim=-1).values  # [rows, max_k], descending
+    kth = largest.gather(1, (k - 1).unsqueeze(1))  # [rows, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest most-likely set whose probability mass reaches top_p (ties kept).
+
+    A full sort of the vocabulary is slow on CPU, so the cut is looked for among each
+    row's likeliest few tokens first; only rows whose mass is spread wider sort everything.
+    """
+    probs = logits.softmax(dim=-1)  # [rows, vocab]
+    top_p = top_p.to(probs.dtype).unsqueeze(1)  # [rows, 1]
+    thresholds = _top_p_thresholds(probs, top_p, min(_TOP_P_CANDIDATES, probs.shape[-1]))
+    wide = thresholds.isnan().squeeze(1)
+    if bool(wide.any()):
+        thresholds[wide] = _top_p_thresholds(probs[wide], top_p[wide], probs.shape[-1])
+    return logits.masked_fill(probs < thresholds, float("-inf"))
+
+
+def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
+    """The smallest kept probability per row [rows, 1]; NaN where the top k fall short of top_p."""
+    values = probs.topk(k, dim=-1).values  # [rows, k], descending
+    cumulative = values.cumsum(dim=-1)
+    num_keep = ((cumulative - values) < top_p).sum(dim=-1, keepdim=True)  # >= 1: top_p > 0
+    thresholds = values.gather(1, num_keep - 1)
+    if k == probs.shape[-1]:
+        return thresholds  # the whole vocabulary: reached, up to rounding
+    return thresholds.masked_fill(cumulative[:, -1:] < top_p, float("nan"))
+
+
+def _typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.), as in HF's TypicalLogitsWarper."""
+    log_probs = logits.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)  # [rows, 1]
+    surprise_gap = (-log_probs - entropy).abs()
+    sorted_gap, sorted_ids = surprise_gap.sort(dim=-1)
+    cumulative = probs.gather(1, sorted_ids).cumsum(dim=-1)
+    last = (cumulative < mass.to(logits.dtype).unsqueeze(1)).sum(dim=1, keepdim=True)
+    last = last.clamp(max=logits.shape[-1] - 1)
+    remove = sorted_gap > sorted_gap.gather(1, last)
+    remove[:, 0] = False
+    return logits.masked_fill(remove.scatter(1, sorted_ids, remove), float("-inf"))
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens less likely than min_p times the most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.to(logits.dtype).unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """One token per row by inverse transform sampling: the first token whose cumulative
+    probability (in id order) exceeds u * total.
+
+    u is a uniform in [0, 1) made from hash64(seed, tokens generated so far), so a draw
+    depends on nothing but the row's own probabilities, seed and position: not on the
+    batch around it, a preemption in between, or the device. It is what
+    torch.multinomial does with one uniform, without a generator per row.
+    """
+    uniforms = [(hash64(s.params.seed, s.num_generated) >> 11) * _TWO_POW_MINUS_53 for s in states]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device).unsqueeze(1)  # [rows, 1]
+    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]; float64 so rare tokens keep their width
+    token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return token_ids.clamp(max=probs.shape[-1] - 1)
+
+
+def _build_samples(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState]
+) -> list[Sample]:
+    # log_softmax, not logits - logsumexp: on the CPU logsumexp is ~10x slower for [32, 49152].
+    logprobs = raw_logits.log_softmax(dim=-1)  # [num_seqs, vocab]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    max_top_n = max((s.params.top_n_tokens for s in states), default=0)
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    if max_top_n > 0:
+        top = logprobs.topk(min(max_top_n, logprobs.shape[-1]), dim=-1)
+        top_ids = top.indices.tolist()
+        top_logprobs = top.values.tolist()
+    samples = []
+    for row, (token_id, logprob) in enumerate(zip(token_ids.tolist(), chosen.tolist())):
+        n = states[row].params.top_n_tokens
+        top_tokens = [TokenLogprob(t, lp) for t, lp in zip(top_ids[row][:n], top_logprobs[row][:n])] if n else []
+        samples.append(Sample(token_id=token_id, logprob=logprob, top_tokens=top_tokens))
+    return samples

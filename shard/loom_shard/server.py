@@ -1,0 +1,307 @@
+"""The shard's gRPC server: protobuf in, a runner call, protobuf out; no logic of its own.
+
+`loom-shard` (`main`) parses a ShardConfig, joins torch.distributed when tensor
+parallel, loads the model through the runner and serves on a unix socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from loom_proto import config as config_module
+from loom_proto import shard_pb2_grpc
+from loom_proto.codec import from_pb, pb, snapshot_status_to_pb, to_pb
+from loom_proto.config import ShardConfig
+from loom_proto.snapshot import KVLayout, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom_shard.snapshot import PartStore
+
+log = logging.getLogger("loom_shard.server")
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+STOP_GRACE_S = 2.0
+EXIT_MODEL_LOAD_ERROR = 2
+EXIT_SERVE_ERROR = 1
+
+T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """What the server needs of loom_shard.runner.ModelRunner."""
+
+    def info(self) -> ModelInfo: ...
+    def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult: ...
+    def step(self, plan: StepPlan) -> StepResult: ...
+    def release(self, request_ids: list[int]) -> None: ...
+    def clear(self) -> None: ...
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]: ...
+    def write_kv(self, block_ids: list[int], block_indices: list[int], layout: KVLayout, kv: memoryview) -> None: ...
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class ShardServicer(shard_pb2_grpc.ShardServicer):
+    """Maps each RPC onto the runner.
+
+    Everything that touches model or cache state (Warmup, Step, Release,
+    ClearCache) runs on one worker thread, so those run one at a time and in
+    arrival order, while Info and Health answer from the event loop at once.
+    Snapshot block copies run on that worker too (between two steps); their file
+    reads, writes and checksums run on an I/O thread, so steps continue meanwhile.
+    """
+
+    def __init__(self, runner: Runner, snapshot_dir: str | None = None,
+                 worker: ThreadPoolExecutor | None = None) -> None:
+        self._runner = runner
+        self._worker = worker or new_worker()
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
+        info = runner.info()
+        self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
+
+    def close(self) -> None:
+        # A forward already running finishes; queued ones are dropped.
+        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_worker(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on the worker thread; a failure becomes a gRPC error and the shard keeps serving."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        except ValueError as error:
+            log.warning("%s rejected: %s", fn.__name__, describe(error))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe(error))
+        except Exception as error:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, describe(error))
+        raise AssertionError("context.abort returned")  # abort always raises
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return to_pb(self._runner.info())
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(ok=True)
+
+    async def Warmup(self, request: pb.WarmupRequest, context: grpc.aio.ServicerContext) -> pb.WarmupResult:
+        max_batch_total_tokens = (
+            request.max_batch_total_tokens if request.HasField("max_batch_total_tokens") else None
+        )
+        result = await self._on_worker(
+            context, self._runner.warmup, request.max_prefill_tokens, max_batch_total_tokens
+        )
+        return to_pb(result)
+
+    async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
+        result = await self._on_worker(context, self._runner.step, from_pb(request))
+        return to_pb(result)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        await self._on_worker(context, self._runner.release, list(request.request_ids))
+        return pb.ReleaseResponse()
+
+    async def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        await self._on_worker(context, self._runner.clear)
+        return pb.ClearCacheResponse()
+
+    # ---- snapshots: a status in the reply, never a gRPC error, for what the router maps ----
+
+    async def SaveSnapshot(
+        self, request: pb.SaveSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveSnapshotResponse:
+        reply = await _snapshot_call("SaveSnapshot", self._save(request))
+        return pb.SaveSnapshotResponse(
+            status=snapshot_status_to_pb(reply.status), message=reply.message, num_bytes=reply.num_bytes
+        )
+
+    async def LoadSnapshot(
+        self, request: pb.LoadSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadSnapshotResponse:
+        reply = await _snapshot_call("LoadSnapshot", self._load(request))
+        return pb.LoadSnapshotResponse(
+            status=snapshot_status_to_pb(reply.status), message=reply.message,
+            token_ids=reply.token_ids, num_bytes=reply.num_bytes,
+        )
+
+    async def FillSnapshot(
+        self, request: pb.FillSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FillSnapshotResponse:
+        reply = await _snapshot_call("FillSnapshot", self._fill(request))
+        return pb.FillSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message)
+
+    async def _run(self, executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    async def _save(self, request: pb.SaveSnapshotRequest) -> SnapshotReply:
+        self._parts.folder(request.dir_name)  # fail before copying anything
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        token_ids = list(request.token_ids)
+        layout, kv = await self._run(self._worker, self._runner.read_kv, list(request.block_ids), len(token_ids))
+        num_bytes = await self._run(self._io, self._parts.save, request.dir_name, fingerprint, token_ids, layout, kv)
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=num_bytes)
+
+    async def _load(self, request: pb.LoadSnapshotRequest) -> SnapshotReply:
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        loaded = await self._run(self._io, self._parts.load, request.dir_name, request.load_id, fingerprint)
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=loaded.num_bytes, token_ids=loaded.header.token_ids)
+
+    async def _fill(self, request: pb.FillSnapshotRequest) -> SnapshotReply:
+        loaded = self._parts.take(request.load_id)
+        if not request.block_ids:
+            return SnapshotReply(SnapshotStatus.OK)  # only forget it
+        if loaded is None:
+            raise SnapshotError(SnapshotStatus.NOT_FOUND, f"no loaded snapshot {request.load_id!r}")
+        await self._run(self._worker, self._runner.write_kv, list(request.block_ids),
+                        list(request.block_indices), loaded.header.layout, loaded.kv)
+        return SnapshotReply(SnapshotStatus.OK)
+
+
+async def _snapshot_call(name: str, call: Awaitable[SnapshotReply]) -> SnapshotReply:
+    """Run a snapshot operation; its failure becomes a status and the shard keeps serving."""
+    try:
+        return await call
+    except SnapshotError as error:
+        log.warning("%s: %s: %s", name, error.status.value, error.message)
+        return SnapshotReply(error.status, error.message)
+    except ValueError as error:
+        log.warning("%s rejected: %s", name, describe(error))
+        return SnapshotReply(SnapshotStatus.INVALID, describe(error))
+    except Exception as error:
+        log.exception("%s failed", name)
+        return SnapshotReply(SnapshotStatus.FAILED, describe(error))
+
+
+def new_worker() -> ThreadPoolExecutor:
+    """The one thread that runs every forward.
+
+    The model should be built on it too: each thread that runs torch ops gets its own
+    OpenMP team, and two teams on one machine's cores slowed a CPU decode step by half
+    (25 -> 38 ms at batch 1, bench/BENCHMARKS.md); CUDA's current device is per thread too.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-forward")
+
+
+async def start_server(
+    runner: Runner, uds_path: str, snapshot_dir: str | None = None, worker: ThreadPoolExecutor | None = None
+) -> tuple[grpc.aio.Server, ShardServicer]:
+    """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced)."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    servicer = ShardServicer(runner, snapshot_dir, worker)
+    shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
+    try:
+        server.add_insecure_port(f"unix://{uds_path}")
+    except RuntimeError as error:  # grpc's way of saying bind() failed
+        raise OSError(f"cannot serve on unix://{uds_path}: {error}") from None
+    await server.start()
+    return server, servicer
+
+
+async def serve(runner: Runner, config: ShardConfig, worker: ThreadPoolExecutor | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if config.snapshot_dir:
+        Path(config.snapshot_dir).mkdir(parents=True, exist_ok=True)
+    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker)
+    print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
+    await stop.wait()
+    log.info("stopping rank %d", config.rank)
+    await server.stop(STOP_GRACE_S)
+    servicer.close()
+
+
+def parse_config(argv: Sequence[str] | None = None) -> ShardConfig:
+    return config_module.parse_config(ShardConfig, argv, "loom-shard", "Serve one Loom shard (one TP rank) "
+                                      "over gRPC. Started by loom-launcher, which hands it its config as JSON.")
+
+
+def init_distributed(config: ShardConfig) -> None:
+    """Join the tensor-parallel group: gloo on CPU, nccl on CUDA (one GPU per rank)."""
+    import torch  # only here: the server itself does not need torch
+    import torch.distributed as dist
+
+    from loom_shard.runner import resolve_device
+
+    backend = "gloo"
+    device = resolve_device(config.device, config.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        rank=config.rank,
+        world_size=config.world_size,
+    )
+
+
+def close_distributed(config: ShardConfig) -> None:
+    if config.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_runner(config: ShardConfig) -> Runner:
+    from loom_shard.runner import ModelRunner  # loads torch and the model code
+
+    return ModelRunner(config)
+
+
+def fail(message: str, status: int) -> int:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)  # one line
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Until serve() takes the signals over, SIGTERM stops a long model load like SIGINT does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    from loom_shard.loader import ModelLoadError
+
+    worker = new_worker()
+
+    def load() -> Runner:
+        if config.world_size > 1:
+            init_distributed(config)
+        return build_runner(config)
+
+    try:
+        runner = worker.submit(load).result()
+        asyncio.run(serve(runner, config, worker))
+    except KeyboardInterrupt:
+        return 0
+    except ModelLoadError as error:
+        return fail(str(error), EXIT_MODEL_LOAD_ERROR)
+    except OSError as error:
+        return fail(str(error), EXIT_SERVE_ERROR)
+    finally:
+        # An interrupted load runs to its end on the worker (threads cannot be killed) before exit.
+        worker.shutdown(wait=False, cancel_futures=True)
+        close_distributed(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Tensor parallelism applied to a loaded model (gpt-fast style): shard, then all-reduce.
+
+q/k/v and gate/up are split column-wise by heads (each rank keeps whole heads),
+o and down row-wise; o and down outputs are summed over ranks. Embeddings, norms
+and the LM head stay replicated, so every rank computes the same logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom_shard.layers.mlp import GatedMLP
+from loom_shard.models.llama import Attention, LlamaModel
+
+
+def apply_tensor_parallel(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
+    """Keep this rank's share of every layer in place; needs an initialised process group."""
+    if world_size == 1:
+        return model
+    config = model.config
+    if config.num_kv_heads % world_size or config.intermediate_size % world_size:
+        raise ValueError(
+            f"world size {world_size} must divide num_kv_heads {config.num_kv_heads} "
+            f"and intermediate_size {config.intermediate_size}"
+        )
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, rank, world_size)
+        _shard_mlp(layer.mlp, rank, world_size)
+    return model
+
+
+def _shard_attention(attn: Attention, rank: int, world_size: int) -> None:
+    d = attn.head_dim
+    sizes = [attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d]
+    attn.qkv_proj = _column_parallel(attn.qkv_proj, sizes, rank, world_size)
+    attn.o_proj = _row_parallel(attn.o_proj, rank, world_size)
+    attn.num_heads //= world_size
+    attn.num_kv_heads //= world_size
+
+
+def _shard_mlp(mlp: GatedMLP, rank: int, world_size: int) -> None:
+    size = mlp.intermediate_size
+    mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, [size, size], rank, world_size)
+    mlp.down_proj = _row_parallel(mlp.down_proj, rank, world_size)
+    mlp.intermediate_size //= world_size
+
+
+def _column_parallel(linear: nn.Linear, part_sizes: list[int], rank: int, world_size: int) -> nn.Linear:
+    """Keep this rank's slice of each fused part's output features (rows of the weight)."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.chunk(world_size)[rank] for p in t.split(part_sizes)]).contiguous()
+
+    out = nn.Linear(linear.in_features, sum(part_sizes) // world_size, bias=linear.bias is not None)
+    out = out.to(device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(take(linear.weight))
+        if linear.bias is not None:
+            out.bias.copy_(take(linear.bias))
+    return out
+
+
+class _RowParallelLinear(nn.Linear):
+    """A slice of the input features; the partial outputs are summed over ranks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        dist.all_reduce(out)
+        return out
+
+
+def _row_parallel(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
+    assert linear.bias is None, "a replicated bias would be summed world_size times"
+    out = _RowParallelLinear(linear.in_features // world_size, linear.out_features, bias=False)
+    out = out.to(device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(linear.weight.chunk(world_size, dim=1)[rank])
+    return out
