@@ -19,7 +19,7 @@ except ImportError as error:  # the stubs are generated, never committed
         f"Loom's protobuf stubs are missing or broken ({error}): run `python proto/generate.py` (make does it)"
     ) from error
 
-from loom_proto.snapshot import SnapshotReply, SnapshotStatus  # torch-free
+from loom_proto.snapshot import Manifest, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus
 from loom_proto.step import (
     Fork,
     ModelInfo,
@@ -259,9 +259,7 @@ def snapshot_status_from_pb(value: int) -> SnapshotStatus:
     return SnapshotStatus[pb.SnapshotStatus.Name(value).removeprefix("SNAPSHOT_")]
 
 
-def snapshot_reply_from_pb(
-    m: pb.SaveSnapshotResponse | pb.LoadSnapshotResponse | pb.FillSnapshotResponse,
-) -> SnapshotReply:
+def snapshot_reply_from_pb(m: Any) -> SnapshotReply:
     """Any snapshot RPC's answer (fields a message lacks keep their defaults)."""
     reply = SnapshotReply(snapshot_status_from_pb(m.status), m.message)
     if hasattr(m, "num_bytes"):
@@ -269,3 +267,14 @@ def snapshot_reply_from_pb(
     if hasattr(m, "token_ids"):
         reply.token_ids = list(m.token_ids)
     return reply
+
+
+def snapshot_entry_from_pb(m: pb.SnapshotEntry) -> SnapshotEntry:
+    """A listed snapshot: its manifest when readable, else the status and message saying why."""
+    status = snapshot_status_from_pb(m.status)
+    if status is not SnapshotStatus.OK:
+        return SnapshotEntry(m.name, None, SnapshotError(status, m.message))
+    try:
+        return SnapshotEntry(m.name, Manifest.from_json(m.manifest_json, m.name))
+    except SnapshotError as error:
+        return SnapshotEntry(m.name, None, error)

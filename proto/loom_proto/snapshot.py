@@ -1,15 +1,15 @@
-"""KV snapshot files: the part format (magic, version, header, KV bytes, checksum), atomic
-writes, verify-then-read, and the per-snapshot folder (one part per rank plus a manifest).
-
-Part of the contract: router and shards must agree on it. Torch-free.
+"""The KV snapshot format, part of the contract: the part file's bytes (magic, version,
+header, KV bytes, checksum), the manifest, the model fingerprint and the status codes.
+Pure data, no file I/O: the shards read and write the files (loom_shard.snapshot), the
+router decides what to save and reads manifests through the shards. Torch-free.
 
     <snapshot dir>/<name>/manifest.json   format version, shard count, tokens, fingerprint
     <snapshot dir>/<name>/rank-<r>.kv     MAGIC | u32 version | u32 header length |
                                           header JSON | KV bytes | sha256 of all before it
 
 The KV is laid out [num_layers, 2 (k, v), num_tokens, num_kv_heads, head_dim] (this rank's
-heads), independent of the block size. A folder is built as `.staging-*` and renamed into
-place, so a snapshot is complete or absent.
+heads), independent of the block size and of the shard's cache layout. A folder is built as
+`.staging-*` and renamed into place, so a snapshot is complete or absent.
 """
 
 from __future__ import annotations
@@ -17,14 +17,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import os
-import shutil
 import struct
 import time
-import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from loom_proto.step import ModelInfo
@@ -127,72 +123,34 @@ class PartHeader:
         return header
 
 
-# ---- files ---------------------------------------------------------------------------------
+def part_name(rank: int) -> str:
+    return f"rank-{rank}.kv"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
-    """Write chunks to path all at once or not at all: a temporary file in the same folder,
-    fsync, rename, fsync the folder. Returns the bytes written."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    size = 0
-    try:
-        with open(tmp, "xb") as f:
-            for chunk in chunks:
-                size += f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return size
-
-
-def _part_chunks(header: PartHeader, kv: memoryview) -> Iterable[bytes | memoryview]:
+def part_chunks(header: PartHeader, kv: memoryview) -> Iterator[bytes | memoryview]:
+    """A part file's bytes in order, the checksum last; kv is header.layout's bytes."""
+    if kv.nbytes != header.layout.num_bytes:
+        raise SnapshotError(SnapshotStatus.INVALID, f"{kv.nbytes} KV bytes for a layout of {header.layout.num_bytes}")
     digest = hashlib.sha256()
     header_bytes = header.to_json()
-    for chunk in (MAGIC, _PREFIX.pack(FORMAT_VERSION, len(header_bytes)), header_bytes, kv):
+    for chunk in (MAGIC, _PREFIX.pack(FORMAT_VERSION, len(header_bytes)), header_bytes, kv.cast("B")):
         digest.update(chunk)
         yield chunk
     yield digest.digest()
 
 
-def write_part(path: Path, header: PartHeader, kv: memoryview) -> int:
-    """Write one rank's part file atomically; kv is header.layout's bytes. Returns its size."""
-    if kv.nbytes != header.layout.num_bytes:
-        raise SnapshotError(SnapshotStatus.INVALID, f"{kv.nbytes} KV bytes for a layout of {header.layout.num_bytes}")
-    return atomic_write(path, _part_chunks(header, kv.cast("B")))
-
-
-def read_part(path: Path) -> tuple[PartHeader, memoryview]:
-    """Read and verify a part file: magic, checksum, version, header. Returns the header and
-    its KV bytes (a writable view). Raises SnapshotError (NOT_FOUND, DAMAGED, MISMATCH)."""
-    try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            num_read = f.readinto(data)
-    except FileNotFoundError:
-        raise SnapshotError(SnapshotStatus.NOT_FOUND, f"part file {path.name} is missing") from None
-    except OSError as error:
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is unreadable: {error}") from None
-    if num_read != len(data) or len(data) < _MIN_PART_BYTES:
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is damaged: truncated")
+def parse_part(data: bytearray, name: str) -> tuple[PartHeader, memoryview]:
+    """Verify a whole part file's bytes: magic, checksum, version, header. Returns the header
+    and its KV bytes (a writable view). Raises SnapshotError (DAMAGED, MISMATCH)."""
+    if len(data) < _MIN_PART_BYTES:
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {name} is damaged: truncated")
     view = memoryview(data)
     if view[:len(MAGIC)] != MAGIC:
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is damaged: not a Loom KV snapshot")
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {name} is damaged: not a Loom KV snapshot")
     # The checksum covers everything and sits at the end in every version: check it first,
     # so any altered byte (the version field included) reads as damage.
     if hashlib.sha256(view[:-_CHECKSUM_BYTES]).digest() != view[-_CHECKSUM_BYTES:]:
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is damaged: checksum mismatch")
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {name} is damaged: checksum mismatch")
     version, header_len = _PREFIX.unpack_from(view, len(MAGIC))
     if version != FORMAT_VERSION:
         raise SnapshotError(SnapshotStatus.MISMATCH,
@@ -201,11 +159,11 @@ def read_part(path: Path) -> tuple[PartHeader, memoryview]:
     try:
         header = PartHeader.from_json(bytes(view[start:start + header_len]))
     except (ValueError, KeyError, TypeError) as error:
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is damaged: bad header ({error})") from None
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {name} is damaged: bad header ({error})") from None
     kv = view[start + header_len:-_CHECKSUM_BYTES]
     if kv.nbytes != header.layout.num_bytes:
         raise SnapshotError(SnapshotStatus.DAMAGED,
-                            f"part file {path.name} is damaged: {kv.nbytes} KV bytes, expected {header.layout.num_bytes}")
+                            f"part file {name} is damaged: {kv.nbytes} KV bytes, expected {header.layout.num_bytes}")
     return header, kv
 
 
@@ -221,25 +179,7 @@ def check_part(header: PartHeader, fingerprint: Mapping[str, Any], rank: int, wo
         raise SnapshotError(SnapshotStatus.MISMATCH, mismatch)
 
 
-def part_name(rank: int) -> str:
-    return f"rank-{rank}.kv"
-
-
-# ---- folders -------------------------------------------------------------------------------
-
-
-def resolve_inside(root: Path, name: str) -> Path:
-    """root/name for a single path component that stays inside root, symlinks resolved.
-
-    The router validates user-given names strictly first; this is the shard's own guard.
-    """
-    if not name or name in (".", "..") or "/" in name or "\0" in name:
-        raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} is not a single folder name")
-    base = root.resolve()
-    path = base / name
-    if not path.resolve().is_relative_to(base) or path.resolve() == base:
-        raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} resolves outside the snapshot directory")
-    return path
+# ---- the manifest ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -256,60 +196,29 @@ class Manifest:
     def num_bytes(self) -> int:
         return sum(self.parts.values())
 
+    def to_json(self) -> bytes:
+        return json.dumps({"kind": MANIFEST_KIND, **asdict(self)}, indent=1).encode()
 
-def write_manifest(folder: Path, manifest: Manifest) -> None:
-    data = json.dumps({"kind": MANIFEST_KIND, **asdict(manifest)}, indent=1).encode()
-    atomic_write(folder / MANIFEST, [data])
-
-
-def read_manifest(folder: Path) -> Manifest:
-    """The manifest of a snapshot folder; SnapshotError NOT_FOUND, DAMAGED or MISMATCH."""
-    if not folder.is_dir():
-        raise SnapshotError(SnapshotStatus.NOT_FOUND, f"snapshot {folder.name!r} does not exist")
-    try:
-        raw = json.loads((folder / MANIFEST).read_bytes())
-        if raw.pop("kind") != MANIFEST_KIND:
-            raise ValueError("not a Loom KV snapshot manifest")
-        manifest = Manifest(**raw)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"snapshot {folder.name!r} is damaged: manifest: {error}") from None
-    if manifest.format_version != FORMAT_VERSION:
-        raise SnapshotError(SnapshotStatus.MISMATCH, f"format version: the snapshot has "
-                            f"{manifest.format_version}, the server reads {FORMAT_VERSION}")
-    return manifest
+    @classmethod
+    def from_json(cls, data: bytes | str, name: str) -> Manifest:
+        """The manifest of snapshot `name`; SnapshotError DAMAGED or MISMATCH."""
+        try:
+            raw = json.loads(data)
+            if raw.pop("kind") != MANIFEST_KIND:
+                raise ValueError("not a Loom KV snapshot manifest")
+            manifest = cls(**raw)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise SnapshotError(SnapshotStatus.DAMAGED, f"snapshot {name!r} is damaged: manifest: {error}") from None
+        if manifest.format_version != FORMAT_VERSION:
+            raise SnapshotError(SnapshotStatus.MISMATCH, f"format version: the snapshot has "
+                                f"{manifest.format_version}, the server reads {FORMAT_VERSION}")
+        return manifest
 
 
-def new_staging_dir(root: Path) -> Path:
-    path = root / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
-    path.mkdir()
-    return path
+@dataclass(slots=True)
+class SnapshotEntry:
+    """One snapshot folder as listed: its manifest, or the error that keeps it unreadable."""
 
-
-def _trash(path: Path) -> None:
-    """Take path out of sight in one rename, then delete it."""
-    trash = path.with_name(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
-    os.rename(path, trash)
-    fsync_dir(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def commit_dir(staging: Path, final: Path) -> None:
-    """Make a complete staging folder the snapshot `final` (replacing an older one)."""
-    fsync_dir(staging)
-    if final.exists():
-        _trash(final)
-    os.rename(staging, final)
-    fsync_dir(final.parent)
-
-
-def remove_dir(path: Path) -> None:
-    if not path.is_dir() or path.is_symlink():
-        raise SnapshotError(SnapshotStatus.NOT_FOUND, f"snapshot {path.name!r} does not exist")
-    _trash(path)
-
-
-def clean_leftovers(root: Path) -> None:
-    """Delete staging and trash folders a crash left behind."""
-    for path in root.iterdir():
-        if path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+    name: str
+    manifest: Manifest | None
+    error: SnapshotError | None = None

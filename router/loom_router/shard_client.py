@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import grpc
 
 from loom_proto import shard_pb2_grpc
-from loom_proto.codec import from_pb, pb, snapshot_reply_from_pb, to_pb
-from loom_proto.snapshot import SnapshotReply
+from loom_proto.codec import from_pb, pb, snapshot_entry_from_pb, snapshot_reply_from_pb, to_pb
+from loom_proto.snapshot import SnapshotEntry, SnapshotReply
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -118,12 +118,15 @@ class ShardClient:
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else "no answer"
                 raise ShardError(rank, "UNAVAILABLE", f"not ready after {timeout_s:g} s ({detail})") from None
 
-    async def info(self) -> ModelInfo:
-        """Rank 0's model fingerprint."""
+    async def _on_rank0(self, call: Callable[[_Rank], Awaitable[T]]) -> T:
         try:
-            return from_pb(await self._all_ranks()[0].stub.Info(pb.InfoRequest()))
+            return await call(self._all_ranks()[0])
         except grpc.aio.AioRpcError as error:
             raise _shard_error(0, error) from None
+
+    async def info(self) -> ModelInfo:
+        """Rank 0's model fingerprint."""
+        return from_pb(await self._on_rank0(lambda r: r.stub.Info(pb.InfoRequest())))
 
     async def health(self) -> bool:
         """True when every rank answers Health in time."""
@@ -162,7 +165,7 @@ class ShardClient:
 
     async def save_snapshot(self, dir_name: str, block_ids: Sequence[int], token_ids: Sequence[int],
                             tokenizer_hash: str) -> list[SnapshotReply]:
-        """Each rank copies the blocks' KV and writes its part into dir_name (which must exist)."""
+        """Each rank copies the blocks' KV and writes its part into the staging folder dir_name."""
         request = pb.SaveSnapshotRequest(dir_name=dir_name, block_ids=block_ids, token_ids=token_ids,
                                          tokenizer_hash=tokenizer_hash)
         return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.SaveSnapshot(request))]
@@ -177,6 +180,25 @@ class ShardClient:
         """Each rank writes the loaded KV into the blocks (none: forgets it)."""
         request = pb.FillSnapshotRequest(load_id=load_id, block_ids=block_ids, block_indices=block_indices)
         return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.FillSnapshot(request))]
+
+    # ---- the snapshot folders: rank 0 handles them (the ranks share the directory) ----
+
+    async def commit_snapshot(self, staging_name: str, name: str, token_ids: Sequence[int],
+                              tokenizer_hash: str) -> SnapshotReply:
+        """Rank 0 writes the manifest and renames the staging folder to `name`."""
+        request = pb.CommitSnapshotRequest(staging_name=staging_name, name=name, token_ids=token_ids,
+                                           tokenizer_hash=tokenizer_hash)
+        return snapshot_reply_from_pb(await self._on_rank0(lambda r: r.stub.CommitSnapshot(request)))
+
+    async def list_snapshots(self, name: str = "") -> tuple[SnapshotReply, list[SnapshotEntry]]:
+        """Every snapshot's manifest (or one, by name), each with its status."""
+        reply = await self._on_rank0(lambda r: r.stub.ListSnapshots(pb.ListSnapshotsRequest(name=name)))
+        return snapshot_reply_from_pb(reply), [snapshot_entry_from_pb(e) for e in reply.entries]
+
+    async def delete_snapshot(self, name: str) -> SnapshotReply:
+        """Rank 0 removes the folder; the reply carries the snapshot's token ids."""
+        request = pb.DeleteSnapshotRequest(name=name)
+        return snapshot_reply_from_pb(await self._on_rank0(lambda r: r.stub.DeleteSnapshot(request)))
 
     async def close(self) -> None:
         if self._ranks is not None:

@@ -1,6 +1,7 @@
 """KV snapshot routes: save a sequence's KV to `--snapshot-dir`, restore it into the prefix
 cache, list and delete snapshots. Names are validated strictly; every block manager change
-runs in the engine loop between steps, and the shards do the copies and the file I/O.
+runs in the engine loop between steps, and the shards do the copies and all the file I/O
+(parts, manifest, folders: rank 0 commits and lists), so the router needs no shared folder.
 
     POST   /snapshots/{name}?action=save     {"inputs"} | {"messages"} | {"token_ids"}
     POST   /snapshots/{name}?action=restore
@@ -12,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 import unicodedata
 import uuid
 from collections import defaultdict
-from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any, Literal
 from urllib.parse import unquote_to_bytes
 
@@ -97,17 +97,6 @@ def validate_name(raw: bytes) -> str:
     return name
 
 
-def snapshot_path(root: Path, name: str, replacing: bool = False) -> Path:
-    """root/name, inside root once symlinks are resolved; `replacing` refuses any symlink."""
-    try:
-        path = snap.resolve_inside(root, name)
-    except SnapshotError as error:
-        raise _bad_name(error.message) from None
-    if replacing and path.is_symlink():
-        raise _bad_name(f"{name!r} is a symbolic link; refusing to replace it")
-    return path
-
-
 def name_from_request(request: Request) -> bytes:
     """The name as the client sent it: the raw path's bytes, so invalid UTF-8 is seen as such."""
     raw_path = request.scope.get("raw_path") or request.url.path.encode()
@@ -120,20 +109,13 @@ def name_from_request(request: Request) -> bytes:
 
 
 class Snapshots:
-    """Save / restore / delete / list against one engine and its shards."""
+    """Save / restore / delete / list against one engine and its shards. The router decides
+    (names, what to save, when); the shards own every file, so it needs no shared folder."""
 
-    def __init__(self, state: AppState, root: Path) -> None:
+    def __init__(self, state: AppState) -> None:
         self.engine = state.engine
-        self.root = root
         self._tokenizer_hash: str | None = None
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # one operation per name
-
-    @classmethod
-    def create(cls, state: AppState) -> Snapshots:
-        root = Path(state.config.snapshot_dir or "")
-        root.mkdir(parents=True, exist_ok=True)
-        snap.clean_leftovers(root)
-        return cls(state, root.resolve())
 
     async def tokenizer_hash(self) -> str:
         if self._tokenizer_hash is None:
@@ -151,23 +133,20 @@ class Snapshots:
 
     async def save(self, name: str, token_ids: list[int]) -> dict[str, Any]:
         start = time.perf_counter()
-        final = snapshot_path(self.root, name, replacing=True)
         self.engine.validate_lengths(len(token_ids), 1, 1)  # ValidationError: 422
+        client = self.engine.client
         async with self._locks[name]:
-            staging = await asyncio.to_thread(snap.new_staging_dir, self.root)
+            staging = f"{snap.STAGING_PREFIX}{uuid.uuid4().hex}"
             try:
-                replies = await self._compute_and_write(staging, token_ids)
-                manifest = Manifest(num_shards=len(replies), num_tokens=len(token_ids),
-                                    fingerprint=await self.fingerprint(),
-                                    parts={snap.part_name(rank): r.num_bytes for rank, r in enumerate(replies)},
-                                    token_ids=list(token_ids))
-                await asyncio.to_thread(_commit, staging, final, manifest)
+                await self._compute_and_write(staging, token_ids)
+                reply = await client.commit_snapshot(staging, name, token_ids, await self.tokenizer_hash())
+                _raise_for([reply])
             except BaseException:
-                await asyncio.to_thread(shutil.rmtree, staging, True)
+                await _quietly(client.delete_snapshot(staging))  # a partial staging folder
                 raise
-        return _answer(name, len(token_ids), manifest.num_bytes, start)
+        return _answer(name, len(token_ids), reply.num_bytes, start)
 
-    async def _compute_and_write(self, staging: Path, token_ids: list[int]) -> list[SnapshotReply]:
+    async def _compute_and_write(self, staging: str, token_ids: list[int]) -> None:
         """Prefill what the cache lacks (one greedy token), then have the shards write the
         KV of every token while the request's blocks are still held."""
         params = GenerationParams(choices=[SamplingParams(seed=0)], max_new_tokens=1, ignore_eos=True)
@@ -178,26 +157,24 @@ class Snapshots:
             assert stream.held is not None, "a finished hold_blocks request holds its blocks"
             num_blocks = -(-len(token_ids) // self.engine.scheduler.block_manager.block_size)
             block_ids = stream.held.block_table[:num_blocks]
-            replies = await self.engine.client.save_snapshot(staging.name, block_ids, token_ids,
+            replies = await self.engine.client.save_snapshot(staging, block_ids, token_ids,
                                                              await self.tokenizer_hash())
         finally:
             stream.cancel()  # a no-op once finished
             self.engine.release_held(stream)
         _raise_for(replies)
-        return replies
 
     # ---- restore ----
 
     async def restore(self, name: str) -> dict[str, Any]:
         start = time.perf_counter()
-        folder = snapshot_path(self.root, name)
         async with self._locks[name]:
-            manifest = await _off_loop(snap.read_manifest, folder)
+            manifest = await self._manifest(name)
             await self._check(manifest)
             load_id = uuid.uuid4().hex
             client = self.engine.client
             try:
-                replies = await client.load_snapshot(folder.name, load_id, await self.tokenizer_hash())
+                replies = await client.load_snapshot(name, load_id, await self.tokenizer_hash())
                 _raise_for(replies)
                 token_ids = _agreed_tokens(replies, manifest)
                 fill = await self._between_steps(lambda s: _reserve(s, token_ids))
@@ -206,14 +183,26 @@ class Snapshots:
                 await _forget(client, load_id)
         return _answer(name, len(token_ids), sum(r.num_bytes for r in replies), start)
 
+    async def _manifest(self, name: str) -> Manifest:
+        reply, entries = await self.engine.client.list_snapshots(name)
+        _raise_for([reply])
+        entry = entries[0]
+        if entry.manifest is None:
+            assert entry.error is not None
+            raise SnapshotHTTPError.of(entry.error)
+        return entry.manifest
+
     async def _check(self, manifest: Manifest) -> None:
         """MISMATCH (409) unless the snapshot was written for this model and shard count."""
+        reason = await self._mismatch(manifest)
+        if reason is not None:
+            raise SnapshotHTTPError(409, reason, "mismatch")
+
+    async def _mismatch(self, manifest: Manifest) -> str | None:
         if manifest.num_shards != self.world_size:
-            raise SnapshotHTTPError(409, f"shard count: the snapshot has {manifest.num_shards}, "
-                                         f"the server {self.world_size} (--num-shard)", "mismatch")
+            return f"shard count: the snapshot has {manifest.num_shards}, the server {self.world_size} (--num-shard)"
         mismatch = snap.find_mismatch(await self.fingerprint(), manifest.fingerprint)
-        if mismatch is not None:
-            raise SnapshotHTTPError(409, f"the snapshot is for another model: {mismatch}", "mismatch")
+        return None if mismatch is None else f"the snapshot is for another model: {mismatch}"
 
     async def _fill(self, load_id: str, fill: CachedFill) -> None:
         """The shards write the reserved blocks; then they become cache entries (or, on any
@@ -245,51 +234,35 @@ class Snapshots:
     # ---- delete, list ----
 
     async def delete(self, name: str) -> dict[str, Any]:
-        path = snapshot_path(self.root, name, replacing=True)
         async with self._locks[name]:
-            try:
-                token_ids = (await _off_loop(snap.read_manifest, path)).token_ids
-            except SnapshotError:
-                token_ids = []  # a damaged snapshot can still be deleted
-            await _off_loop(snap.remove_dir, path)
+            reply = await self.engine.client.delete_snapshot(name)
+            _raise_for([reply])
         # Its prefix-cache entries go too, unless a running request still uses them.
+        token_ids = reply.token_ids
         num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids))
         return {"name": name, "deleted": True, "cached_blocks_dropped": num_dropped}
 
     async def list_all(self) -> list[dict[str, Any]]:
-        fingerprint = await self.fingerprint()
-        return await asyncio.to_thread(self._list, fingerprint)
-
-    def _list(self, fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
-        entries = []
-        for folder in sorted(self.root.iterdir()):
-            if folder.name.startswith(".") or folder.is_symlink() or not folder.is_dir():
+        reply, entries = await self.engine.client.list_snapshots()
+        _raise_for([reply])
+        listed = []
+        for entry in entries:
+            if entry.manifest is None:
+                assert entry.error is not None
+                listed.append({"name": entry.name, "tokens": None, "bytes": None, "created": None, "fits": False,
+                               "reason": entry.error.message})
                 continue
-            entry: dict[str, Any] = {"name": folder.name}
-            try:
-                manifest = snap.read_manifest(folder)
-            except SnapshotError as error:
-                entries.append({**entry, "tokens": None, "bytes": None, "created": None, "fits": False,
-                                "reason": error.message})
-                continue
-            reason = snap.find_mismatch(fingerprint, manifest.fingerprint)
-            if manifest.num_shards != self.world_size:
-                reason = f"shard count: the snapshot has {manifest.num_shards}, the server {self.world_size}"
-            entries.append({**entry, "tokens": manifest.num_tokens, "bytes": manifest.num_bytes,
-                            "created": manifest.created, "fits": reason is None, "reason": reason})
-        return entries
+            manifest, reason = entry.manifest, await self._mismatch(entry.manifest)
+            listed.append({"name": entry.name, "tokens": manifest.num_tokens, "bytes": manifest.num_bytes,
+                           "created": manifest.created, "fits": reason is None, "reason": reason})
+        return listed
 
 
-def _commit(staging: Path, final: Path, manifest: Manifest) -> None:
-    snap.write_manifest(staging, manifest)
-    snap.commit_dir(staging, final)
-
-
-async def _off_loop(fn: Any, *args: Any) -> Any:
+async def _quietly(call: Awaitable[Any]) -> None:
     try:
-        return await asyncio.to_thread(fn, *args)
-    except SnapshotError as error:
-        raise SnapshotHTTPError.of(error) from None
+        await call
+    except Exception as error:  # noqa: BLE001 (cleanup of a failure already being reported)
+        log.warning("snapshot cleanup failed: %s", error)
 
 
 def _raise_for(replies: list[SnapshotReply]) -> None:
@@ -351,7 +324,7 @@ def _service(request: Request) -> Snapshots:
         raise SnapshotHTTPError(501, DISABLED_MESSAGE, "disabled")
     service = getattr(request.app.state, "loom_snapshots", None)
     if service is None:
-        service = request.app.state.loom_snapshots = Snapshots.create(state)
+        service = request.app.state.loom_snapshots = Snapshots(state)
     return service
 
 

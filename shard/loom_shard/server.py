@@ -21,9 +21,9 @@ from loom_proto import config as config_module
 from loom_proto import shard_pb2_grpc
 from loom_proto.codec import from_pb, pb, snapshot_status_to_pb, to_pb
 from loom_proto.config import ShardConfig
-from loom_proto.snapshot import KVLayout, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
-from loom_shard.snapshot import PartStore
+from loom_shard.snapshot import PartStore, clean_leftovers
 
 log = logging.getLogger("loom_shard.server")
 
@@ -144,11 +144,42 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         reply = await _snapshot_call("FillSnapshot", self._fill(request))
         return pb.FillSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message)
 
+    async def CommitSnapshot(
+        self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitSnapshotResponse:
+        reply = await _snapshot_call("CommitSnapshot", self._commit(request))
+        return pb.CommitSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message,
+                                         num_bytes=reply.num_bytes)
+
+    async def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSnapshotsResponse:
+        listed: list[SnapshotEntry] = []
+
+        async def run() -> SnapshotReply:
+            listed.extend(await self._run(self._io, self._parts.list_snapshots, request.name or None))
+            return SnapshotReply(SnapshotStatus.OK)
+
+        reply = await _snapshot_call("ListSnapshots", run())
+        return pb.ListSnapshotsResponse(status=snapshot_status_to_pb(reply.status), message=reply.message,
+                                        entries=[_entry_to_pb(entry) for entry in listed])
+
+    async def DeleteSnapshot(
+        self, request: pb.DeleteSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSnapshotResponse:
+        async def run() -> SnapshotReply:
+            token_ids = await self._run(self._io, self._parts.delete, request.name)
+            return SnapshotReply(SnapshotStatus.OK, token_ids=token_ids)
+
+        reply = await _snapshot_call("DeleteSnapshot", run())
+        return pb.DeleteSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message,
+                                         token_ids=reply.token_ids)
+
     async def _run(self, executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
     async def _save(self, request: pb.SaveSnapshotRequest) -> SnapshotReply:
-        self._parts.folder(request.dir_name)  # fail before copying anything
+        self._parts.folder(request.dir_name)  # fail before copying anything (disabled, bad name)
         fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
         token_ids = list(request.token_ids)
         layout, kv = await self._run(self._worker, self._runner.read_kv, list(request.block_ids), len(token_ids))
@@ -160,6 +191,12 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         loaded = await self._run(self._io, self._parts.load, request.dir_name, request.load_id, fingerprint)
         return SnapshotReply(SnapshotStatus.OK, num_bytes=loaded.num_bytes, token_ids=loaded.header.token_ids)
 
+    async def _commit(self, request: pb.CommitSnapshotRequest) -> SnapshotReply:
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        manifest = await self._run(self._io, self._parts.commit, request.staging_name, request.name,
+                                   fingerprint, list(request.token_ids))
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=manifest.num_bytes)
+
     async def _fill(self, request: pb.FillSnapshotRequest) -> SnapshotReply:
         loaded = self._parts.take(request.load_id)
         if not request.block_ids:
@@ -169,6 +206,15 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         await self._run(self._worker, self._runner.write_kv, list(request.block_ids),
                         list(request.block_indices), loaded.header.layout, loaded.kv)
         return SnapshotReply(SnapshotStatus.OK)
+
+
+def _entry_to_pb(entry: SnapshotEntry) -> pb.SnapshotEntry:
+    if entry.manifest is not None:
+        return pb.SnapshotEntry(name=entry.name, status=snapshot_status_to_pb(SnapshotStatus.OK),
+                                manifest_json=entry.manifest.to_json().decode())
+    assert entry.error is not None
+    return pb.SnapshotEntry(name=entry.name, status=snapshot_status_to_pb(entry.error.status),
+                            message=entry.error.message)
 
 
 async def _snapshot_call(name: str, call: Awaitable[SnapshotReply]) -> SnapshotReply:
@@ -219,6 +265,8 @@ async def serve(runner: Runner, config: ShardConfig, worker: ThreadPoolExecutor 
         loop.add_signal_handler(signum, stop.set)
     if config.snapshot_dir:
         Path(config.snapshot_dir).mkdir(parents=True, exist_ok=True)
+        if config.rank == 0:
+            clean_leftovers(Path(config.snapshot_dir))  # staging and trash folders of a crash
     server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker)
     print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
     await stop.wait()

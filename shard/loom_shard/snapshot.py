@@ -1,27 +1,167 @@
-"""One shard's snapshot part files: save its rank's KV part, verify and stage loads until
-the step thread fills them (the format itself is the contract's: loom_proto.snapshot)."""
+"""The shards' snapshot files: every byte in the snapshot directory is written here (parts,
+manifest, folders), so a router on another host needs no shared filesystem. The format
+itself is the contract's (loom_proto.snapshot).
+
+    <snapshot dir>/<name>/manifest.json   written by rank 0 when it commits the folder
+    <snapshot dir>/<name>/rank-<r>.kv     written by rank r
+    <snapshot dir>/.staging-<id>/         a save in progress, renamed to <name> at commit
+
+Called from an I/O thread (never the step thread): reading, hashing and writing whole files
+there lets steps continue.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
+import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loom_proto.snapshot import (
+    MANIFEST,
+    STAGING_PREFIX,
+    TRASH_PREFIX,
     KVLayout,
+    Manifest,
     PartHeader,
+    SnapshotEntry,
     SnapshotError,
     SnapshotStatus,
     check_part,
+    parse_part,
+    part_chunks,
     part_name,
-    read_part,
-    resolve_inside,
-    write_part,
 )
 
 MAX_STAGED_LOADS = 8  # loads verified but never filled (a router that died meanwhile)
+
+
+# ---- files ---------------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
+    """Write chunks to path all at once or not at all: a temporary file in the same folder,
+    fsync, rename, fsync the folder. Returns the bytes written."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    size = 0
+    try:
+        with open(tmp, "xb") as f:
+            for chunk in chunks:
+                size += f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return size
+
+
+def write_part(path: Path, header: PartHeader, kv: memoryview) -> int:
+    """Write one rank's part file atomically; kv is header.layout's bytes. Returns its size."""
+    return atomic_write(path, part_chunks(header, kv))
+
+
+def read_part(path: Path) -> tuple[PartHeader, memoryview]:
+    """Read and verify a part file. Raises SnapshotError (NOT_FOUND, DAMAGED, MISMATCH)."""
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            num_read = f.readinto(data)
+    except FileNotFoundError:
+        raise SnapshotError(SnapshotStatus.NOT_FOUND, f"part file {path.name} is missing") from None
+    except OSError as error:
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is unreadable: {error}") from None
+    if num_read != len(data):
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is damaged: truncated")
+    return parse_part(data, path.name)
+
+
+# ---- folders -------------------------------------------------------------------------------
+
+
+def resolve_inside(root: Path, name: str) -> Path:
+    """root/name for a single path component that stays inside root, symlinks resolved.
+
+    The router validates user-given names strictly first; this is the shard's own guard.
+    """
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} is not a single folder name")
+    base = root.resolve()
+    path = base / name
+    if not path.resolve().is_relative_to(base) or path.resolve() == base:
+        raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} resolves outside the snapshot directory")
+    return path
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    atomic_write(folder / MANIFEST, [manifest.to_json()])
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of a snapshot folder; SnapshotError NOT_FOUND, DAMAGED or MISMATCH."""
+    if not folder.is_dir():
+        raise SnapshotError(SnapshotStatus.NOT_FOUND, f"snapshot {folder.name!r} does not exist")
+    try:
+        data = (folder / MANIFEST).read_bytes()
+    except OSError as error:
+        raise SnapshotError(SnapshotStatus.DAMAGED, f"snapshot {folder.name!r} is damaged: manifest: {error}") from None
+    return Manifest.from_json(data, folder.name)
+
+
+def new_staging_dir(root: Path) -> Path:
+    path = root / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
+    path.mkdir()
+    return path
+
+
+def _trash(path: Path) -> None:
+    """Take path out of sight in one rename, then delete it."""
+    trash = path.with_name(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def commit_dir(staging: Path, final: Path) -> None:
+    """Make a complete staging folder the snapshot `final` (replacing an older one)."""
+    fsync_dir(staging)
+    if final.is_symlink():
+        raise SnapshotError(SnapshotStatus.INVALID, f"{final.name!r} is a symbolic link; refusing to replace it")
+    if final.exists():
+        _trash(final)
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+
+
+def remove_dir(path: Path) -> None:
+    if not path.is_dir() or path.is_symlink():
+        raise SnapshotError(SnapshotStatus.NOT_FOUND, f"snapshot {path.name!r} does not exist")
+    _trash(path)
+
+
+def clean_leftovers(root: Path) -> None:
+    """Delete staging and trash folders a crash left behind."""
+    for path in root.iterdir():
+        if path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- one shard's store -----------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -32,11 +172,8 @@ class LoadedPart:
 
 
 class PartStore:
-    """One shard's part files and the loads it verified but has not filled yet.
-
-    Called from an I/O thread (never the step thread): reading, hashing and writing
-    whole files there lets steps continue.
-    """
+    """One shard's snapshot directory: its rank's parts, the loads it verified but has not
+    filled yet, and (rank 0) the manifests and folders."""
 
     def __init__(self, root: Path | None, rank: int, world_size: int) -> None:
         self.root = root
@@ -45,19 +182,67 @@ class PartStore:
         self._loaded: OrderedDict[str, LoadedPart] = OrderedDict()
         self._lock = threading.Lock()
 
-    def folder(self, dir_name: str) -> Path:
+    def _root(self) -> Path:
         if self.root is None:
             raise SnapshotError(SnapshotStatus.DISABLED, "this shard has no snapshot directory (--snapshot-dir)")
-        return resolve_inside(self.root, dir_name)
+        return self.root
+
+    def folder(self, dir_name: str) -> Path:
+        return resolve_inside(self._root(), dir_name)
 
     def save(self, dir_name: str, fingerprint: dict[str, Any], token_ids: list[int],
              layout: KVLayout, kv: memoryview) -> int:
-        """Write this rank's part into an existing folder; returns its size in bytes."""
+        """Write this rank's part into the staging folder dir_name (made when missing);
+        returns its size in bytes."""
+        if not dir_name.startswith(STAGING_PREFIX):
+            raise SnapshotError(SnapshotStatus.INVALID, f"{dir_name!r} is not a staging folder")
         folder = self.folder(dir_name)
-        if not folder.is_dir():
-            raise SnapshotError(SnapshotStatus.NOT_FOUND, f"folder {dir_name!r} does not exist")
+        folder.mkdir(exist_ok=True)
         header = PartHeader(fingerprint, list(token_ids), layout, self.rank, self.world_size)
         return write_part(folder / part_name(self.rank), header, kv)
+
+    def commit(self, staging_name: str, name: str, fingerprint: dict[str, Any], token_ids: list[int]) -> Manifest:
+        """Rank 0: check every rank's part is there, write the manifest, rename into place."""
+        staging, final = self.folder(staging_name), self.folder(name)
+        parts = {}
+        for rank in range(self.world_size):
+            part = staging / part_name(rank)
+            if not part.is_file():
+                raise SnapshotError(SnapshotStatus.FAILED, f"rank {rank}'s part is missing from the staging folder")
+            parts[part.name] = part.stat().st_size
+        manifest = Manifest(num_shards=self.world_size, num_tokens=len(token_ids), fingerprint=fingerprint,
+                            parts=parts, token_ids=list(token_ids))
+        write_manifest(staging, manifest)
+        commit_dir(staging, final)
+        return manifest
+
+    def list_snapshots(self, name: str | None = None) -> list[SnapshotEntry]:
+        """One snapshot (NOT_FOUND when missing) or every one, with its manifest or error."""
+        if name is not None:
+            return [SnapshotEntry(name, read_manifest(self.folder(name)))]
+        listed = []
+        for folder in sorted(self._root().iterdir()):
+            if folder.name.startswith(".") or folder.is_symlink() or not folder.is_dir():
+                continue
+            try:
+                listed.append(SnapshotEntry(folder.name, read_manifest(folder)))
+            except SnapshotError as error:
+                listed.append(SnapshotEntry(folder.name, None, error))
+        return listed
+
+    def delete(self, name: str) -> list[int]:
+        """Remove a snapshot folder; returns its tokens (none when the manifest is damaged)."""
+        folder = self.folder(name)
+        if folder.is_symlink():
+            raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} is a symbolic link; refusing to delete it")
+        try:
+            token_ids = read_manifest(folder).token_ids
+        except SnapshotError as error:
+            if error.status is SnapshotStatus.NOT_FOUND:
+                raise
+            token_ids = []  # a damaged snapshot can still be deleted
+        remove_dir(folder)
+        return token_ids
 
     def load(self, dir_name: str, load_id: str, fingerprint: dict[str, Any]) -> LoadedPart:
         """Read, verify and keep this rank's part under load_id."""

@@ -15,7 +15,7 @@ import pytest
 from api_fakes import WORDS, FakeShardClient
 
 from loom_proto.config import RouterConfig
-from loom_proto.snapshot import KVLayout, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer, load_tokenizer
@@ -30,7 +30,7 @@ def tokenizer() -> Tokenizer:
 
 
 class SnapshotFakeClient(FakeShardClient):
-    """The fake shard plus the three snapshot RPCs over a real PartStore."""
+    """The fake shard plus the snapshot RPCs over a real PartStore."""
 
     def __init__(self, tokenizer: Tokenizer, root: Path) -> None:
         super().__init__(tokenizer.encode(WORDS), tokenizer.vocab_size, tokenizer.eos_token_ids[0],
@@ -63,6 +63,28 @@ class SnapshotFakeClient(FakeShardClient):
                 self.shard.device[block_id] = [int(v) for v in values[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]]
         return [SnapshotReply(SnapshotStatus.OK)]
 
+    async def commit_snapshot(self, staging_name, name, token_ids, tokenizer_hash) -> SnapshotReply:
+        fingerprint = await self._fingerprint(tokenizer_hash)
+        manifest = asyncio.to_thread(self.parts.commit, staging_name, name, fingerprint, list(token_ids))
+        return await _reply(_bytes_of(manifest))
+
+    async def list_snapshots(self, name: str = "") -> tuple[SnapshotReply, list[SnapshotEntry]]:
+        try:
+            return SnapshotReply(SnapshotStatus.OK), await asyncio.to_thread(self.parts.list_snapshots, name or None)
+        except SnapshotError as error:
+            return SnapshotReply(error.status, error.message), []
+
+    async def delete_snapshot(self, name: str) -> SnapshotReply:
+        try:
+            token_ids = await asyncio.to_thread(self.parts.delete, name)
+        except SnapshotError as error:
+            return SnapshotReply(error.status, error.message)
+        return SnapshotReply(SnapshotStatus.OK, token_ids=token_ids)
+
+
+async def _bytes_of(manifest) -> int:
+    return (await manifest).num_bytes
+
 
 async def _reply(call) -> SnapshotReply:  # call: an awaitable of a byte count or a LoadedPart
     try:
@@ -85,7 +107,9 @@ async def _serve(tokenizer: Tokenizer, backend: FakeShardClient, snapshot_dir: s
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    return tmp_path / "snaps"  # created by the router on first use
+    path = tmp_path / "snaps"  # the shard server makes it at start
+    path.mkdir()
+    return path
 
 
 @pytest.fixture
@@ -131,8 +155,10 @@ async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root:
     assert engine.scheduler.block_manager.num_used_blocks == 0  # the held blocks were given back
 
     # A fresh router and shard (empty cache) restore it; the next request skips those blocks.
+    # The router's own snapshot_dir does not exist on its host: the shards own the files.
     fresh = SnapshotFakeClient(tokenizer, root)
-    engine2, client2 = await _serve(tokenizer, fresh, str(root))
+    router_side = root.parent / "not-on-the-routers-host"
+    engine2, client2 = await _serve(tokenizer, fresh, str(router_side))
     async with client2:
         listed = (await client2.get("/snapshots")).json()["snapshots"]
         assert [(s["name"], s["tokens"], s["fits"]) for s in listed] == [("sys prompt", len(PROMPT), True)]
@@ -152,6 +178,7 @@ async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root:
         before = cached_blocks(engine2)
         deleted = await client2.delete("/snapshots/sys%20prompt")
         assert deleted.json()["cached_blocks_dropped"] == full_blocks
+        assert not router_side.exists()
         assert cached_blocks(engine2) == before - full_blocks
     await engine2.stop(drain_timeout_s=1.0)
 
@@ -282,10 +309,16 @@ async def test_snapshot_rpcs_copy_exact_kv_and_report_statuses(grpc_shard) -> No
     import torch
 
     runner, client, root = grpc_shard
-    (root / "s").mkdir()
     tokens = list(range(10, 20))  # 10 tokens: 2 full blocks of 4
-    [saved] = await client.save_snapshot("s", [5, 1, 7], tokens, "tok")
-    assert saved.status is SnapshotStatus.OK and saved.num_bytes == (root / "s" / "rank-0.kv").stat().st_size
+    [saved] = await client.save_snapshot(".staging-1", [5, 1, 7], tokens, "tok")
+    assert saved.status is SnapshotStatus.OK
+    assert saved.num_bytes == (root / ".staging-1" / "rank-0.kv").stat().st_size
+    committed = await client.commit_snapshot(".staging-1", "s", tokens, "tok")
+    assert committed.status is SnapshotStatus.OK and committed.num_bytes == saved.num_bytes
+    assert not (root / ".staging-1").exists() and (root / "s" / "manifest.json").is_file()
+    listed, [entry] = await client.list_snapshots("s")
+    assert listed.status is SnapshotStatus.OK and entry.manifest.token_ids == tokens
+    assert entry.manifest.fingerprint["tokenizer_hash"] == "tok"
     [loaded] = await client.load_snapshot("s", "L1", "tok")
     assert loaded.status is SnapshotStatus.OK and loaded.token_ids == tokens
     [filled] = await client.fill_snapshot("L1", [12, 3], [1, 0])
@@ -294,16 +327,22 @@ async def test_snapshot_rpcs_copy_exact_kv_and_report_statuses(grpc_shard) -> No
     assert torch.equal(cache.read_blocks([3, 12], 8), cache.read_blocks([5, 1], 8))
 
     statuses = [
-        (await client.save_snapshot("missing-folder", [0], [1], "tok"))[0].status,
+        (await client.save_snapshot("not-a-staging-folder", [0], [1], "tok"))[0].status,
         (await client.save_snapshot("../escape", [0], [1], "tok"))[0].status,
-        (await client.save_snapshot("s", [99], [1], "tok"))[0].status,
+        (await client.save_snapshot(".staging-2", [99], [1], "tok"))[0].status,  # a bad block
         (await client.load_snapshot("nothing", "L2", "tok"))[0].status,
         (await client.load_snapshot("s", "L3", "another tokenizer"))[0].status,
         (await client.fill_snapshot("never-loaded", [2], [0]))[0].status,
+        (await client.commit_snapshot(".staging-none", "t", [1], "tok")).status,
+        (await client.list_snapshots("nothing"))[0].status,
+        (await client.delete_snapshot("nothing")).status,
     ]
-    assert statuses == [SnapshotStatus.NOT_FOUND, SnapshotStatus.INVALID, SnapshotStatus.INVALID,
-                        SnapshotStatus.NOT_FOUND, SnapshotStatus.MISMATCH, SnapshotStatus.NOT_FOUND]
+    assert statuses == [SnapshotStatus.INVALID, SnapshotStatus.INVALID, SnapshotStatus.INVALID,
+                        SnapshotStatus.NOT_FOUND, SnapshotStatus.MISMATCH, SnapshotStatus.NOT_FOUND,
+                        SnapshotStatus.FAILED, SnapshotStatus.NOT_FOUND, SnapshotStatus.NOT_FOUND]
     part = root / "s" / "rank-0.kv"
     part.write_bytes(part.read_bytes()[:-3])
     assert (await client.load_snapshot("s", "L4", "tok"))[0].status is SnapshotStatus.DAMAGED
+    deleted = await client.delete_snapshot("s")
+    assert deleted.status is SnapshotStatus.OK and deleted.token_ids == tokens and not (root / "s").exists()
     assert await client.health()

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom_proto import snapshot as snap
+from loom_proto import snapshot as fmt
 from loom_proto.config import ShardConfig
 from loom_proto.snapshot import KVLayout, PartHeader, SnapshotError, SnapshotStatus
+from loom_shard import snapshot as snap
 from loom_shard.runner import ModelRunner
 from loom_shard.snapshot import PartStore
 
@@ -58,7 +59,7 @@ def test_round_trip(part: Path) -> None:
     read_header, kv = snap.read_part(part)
     assert read_header == header()
     assert bytes(kv) == kv_bytes()
-    assert part.stat().st_size == len(snap.MAGIC) + 8 + len(header().to_json()) + LAYOUT.num_bytes + 32
+    assert part.stat().st_size == len(fmt.MAGIC) + 8 + len(header().to_json()) + LAYOUT.num_bytes + 32
 
 
 def test_missing_file_is_not_found(tmp_path: Path) -> None:
@@ -76,8 +77,8 @@ def test_truncated_file_is_damaged(part: Path, keep: int) -> None:
 def test_one_flipped_byte_anywhere_is_damaged(part: Path, where: str) -> None:
     data = bytearray(part.read_bytes())
     header_len = len(header().to_json())
-    kv_start = len(snap.MAGIC) + 8 + header_len
-    offset = {"magic": 2, "version": len(snap.MAGIC), "header": len(snap.MAGIC) + 8 + 3,
+    kv_start = len(fmt.MAGIC) + 8 + header_len
+    offset = {"magic": 2, "version": len(fmt.MAGIC), "header": len(fmt.MAGIC) + 8 + 3,
               "kv_first": kv_start, "kv_last": len(data) - 33, "checksum": len(data) - 1}[where]
     data[offset] ^= 0x01
     part.write_bytes(bytes(data))
@@ -86,7 +87,7 @@ def test_one_flipped_byte_anywhere_is_damaged(part: Path, where: str) -> None:
 
 def test_other_format_version_is_a_mismatch_naming_it(part: Path) -> None:
     data = bytearray(part.read_bytes())
-    struct.pack_into("<I", data, len(snap.MAGIC), snap.FORMAT_VERSION + 1)
+    struct.pack_into("<I", data, len(fmt.MAGIC), fmt.FORMAT_VERSION + 1)
     part.write_bytes(bytes(rehash(data)))
     with pytest.raises(SnapshotError) as info:
         snap.read_part(part)
@@ -98,7 +99,7 @@ def test_intact_file_with_wrong_structure_is_damaged(part: Path) -> None:
     part.write_bytes(bytes(rehash(data[:-40] + data[-32:])))  # 8 KV bytes missing, checksum valid
     assert status_of(part) is SnapshotStatus.DAMAGED
     data = bytearray(part.read_bytes())
-    start = len(snap.MAGIC) + 8
+    start = len(fmt.MAGIC) + 8
     data[start] = ord("[")  # the header is no longer the JSON object it should be
     part.write_bytes(bytes(rehash(data)))
     assert status_of(part) is SnapshotStatus.DAMAGED
@@ -107,15 +108,15 @@ def test_intact_file_with_wrong_structure_is_damaged(part: Path) -> None:
 @pytest.mark.parametrize("field,value", [("weights_hash", "w2"), ("dtype", "bfloat16"), ("tokenizer_hash", "t2")])
 def test_fingerprint_mismatch_names_the_field(field: str, value: str) -> None:
     with pytest.raises(SnapshotError) as info:
-        snap.check_part(header(), {**FINGERPRINT, field: value}, rank=0, world_size=1)
+        fmt.check_part(header(), {**FINGERPRINT, field: value}, rank=0, world_size=1)
     assert info.value.status is SnapshotStatus.MISMATCH and info.value.message.startswith(field)
 
 
 def test_shard_count_mismatch() -> None:
     with pytest.raises(SnapshotError) as info:
-        snap.check_part(header(), FINGERPRINT, rank=0, world_size=2)
+        fmt.check_part(header(), FINGERPRINT, rank=0, world_size=2)
     assert info.value.status is SnapshotStatus.MISMATCH and "shard count" in info.value.message
-    snap.check_part(header(), FINGERPRINT, rank=0, world_size=1)  # agrees: no error
+    fmt.check_part(header(), FINGERPRINT, rank=0, world_size=1)  # agrees: no error
 
 
 # ---- atomicity ----------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_resolve_inside_refuses_escapes(tmp_path: Path) -> None:
 
 
 def test_folder_commit_replace_remove_and_cleanup(tmp_path: Path) -> None:
-    manifest = snap.Manifest(num_shards=1, num_tokens=5, fingerprint=dict(FINGERPRINT), parts={"rank-0.kv": 10})
+    manifest = fmt.Manifest(num_shards=1, num_tokens=5, fingerprint=dict(FINGERPRINT), parts={"rank-0.kv": 10})
     for generation in (1, 2):  # the second commit replaces the first
         staging = snap.new_staging_dir(tmp_path)
         (staging / "rank-0.kv").write_bytes(b"x" * generation)
@@ -193,7 +194,7 @@ def test_manifest_damage_and_version(tmp_path: Path) -> None:
         with pytest.raises(SnapshotError) as info:
             snap.read_manifest(folder)
         assert info.value.status is status, text
-    manifest = snap.Manifest(1, 5, {}, {}, format_version=snap.FORMAT_VERSION + 1)
+    manifest = fmt.Manifest(1, 5, {}, {}, format_version=fmt.FORMAT_VERSION + 1)
     snap.write_manifest(folder, manifest)
     with pytest.raises(SnapshotError) as info:
         snap.read_manifest(folder)
@@ -220,8 +221,8 @@ def test_runner_kv_round_trip_across_block_sizes(llama_pair, tmp_path: Path) -> 
     num_tokens = 19
     layout, kv = source.read_kv([3, 9, 1, 0, 5], num_tokens)
     store = PartStore(tmp_path, rank=0, world_size=1)
-    (tmp_path / "s").mkdir()
-    store.save("s", dict(FINGERPRINT), list(range(num_tokens)), layout, kv)
+    store.save(".staging-1", dict(FINGERPRINT), list(range(num_tokens)), layout, kv)
+    store.commit(".staging-1", "s", dict(FINGERPRINT), list(range(num_tokens)))
     loaded = store.load("s", "load-1", dict(FINGERPRINT))
     assert loaded.header.token_ids == list(range(num_tokens)) and store.take("load-1") is loaded
     assert store.take("load-1") is None
@@ -248,3 +249,63 @@ def test_store_without_directory_is_disabled() -> None:
     with pytest.raises(SnapshotError) as info:
         PartStore(None, 0, 1).load("s", "x", {})
     assert info.value.status is SnapshotStatus.DISABLED
+    with pytest.raises(SnapshotError) as info:
+        PartStore(None, 0, 1).list_snapshots()
+    assert info.value.status is SnapshotStatus.DISABLED
+
+
+def save_parts(store_root: Path, world_size: int, staging: str, token_ids: list[int]) -> None:
+    for rank in range(world_size):
+        PartStore(store_root, rank, world_size).save(staging, dict(FINGERPRINT), token_ids, LAYOUT,
+                                                     memoryview(kv_bytes()))
+
+
+def test_rank0_commits_lists_and_deletes_every_ranks_folder(tmp_path: Path) -> None:
+    """The shards own every file: rank 0 writes the manifest once all parts are there."""
+    token_ids = list(range(LAYOUT.num_tokens))
+    store = PartStore(tmp_path, rank=0, world_size=2)
+    save_parts(tmp_path, 1, ".staging-a", token_ids)  # rank 1's part is missing
+    with pytest.raises(SnapshotError, match="rank 1's part is missing"):
+        store.commit(".staging-a", "s", dict(FINGERPRINT), token_ids)
+    assert not (tmp_path / "s").exists()
+    save_parts(tmp_path, 2, ".staging-b", token_ids)
+    manifest = store.commit(".staging-b", "s", dict(FINGERPRINT), token_ids)
+    assert manifest.num_shards == 2 and set(manifest.parts) == {"rank-0.kv", "rank-1.kv"}
+    assert not (tmp_path / ".staging-b").exists()
+    (tmp_path / "broken").mkdir()
+    listed = store.list_snapshots()
+    assert [e.name for e in listed] == ["broken", "s"]
+    assert listed[0].manifest is None and listed[0].error.status is SnapshotStatus.DAMAGED
+    assert listed[1].manifest == manifest
+    assert store.list_snapshots("s")[0].manifest == manifest
+    assert store.delete("s") == token_ids and store.delete("broken") == []
+    with pytest.raises(SnapshotError) as info:
+        store.delete("s")
+    assert info.value.status is SnapshotStatus.NOT_FOUND
+
+
+def test_save_writes_only_into_staging_folders(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError) as info:
+        save_parts(tmp_path, 1, "not-staging", [0, 1, 2, 3, 4])
+    assert info.value.status is SnapshotStatus.INVALID
+
+
+def test_symlinks_are_never_followed_out_nor_replaced(tmp_path: Path) -> None:
+    root = tmp_path / "snaps"
+    root.mkdir()
+    (root / "escape").symlink_to(tmp_path)  # a valid name whose target lies outside
+    (root / "real").mkdir()
+    (root / "alias").symlink_to(root / "real")  # inside: fine to read, never replaced
+    store = PartStore(root, rank=0, world_size=1)
+    with pytest.raises(SnapshotError) as info:
+        store.list_snapshots("escape")
+    assert info.value.status is SnapshotStatus.INVALID
+    assert snap.resolve_inside(root, "plain") == root.resolve() / "plain"
+    assert snap.resolve_inside(root, "alias") == root.resolve() / "alias"
+    token_ids = list(range(LAYOUT.num_tokens))
+    save_parts(root, 1, ".staging-c", token_ids)
+    with pytest.raises(SnapshotError, match="symbolic link"):
+        store.commit(".staging-c", "alias", dict(FINGERPRINT), token_ids)
+    with pytest.raises(SnapshotError, match="symbolic link"):
+        store.delete("alias")
+    assert (root / "real").is_dir() and (root / "alias").is_symlink()
