@@ -189,7 +189,8 @@ def _add_tgi_routes(app: FastAPI) -> None:
     @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
     async def metrics_route(request: Request) -> Response:
         state = get_state(request)
-        await state.engine.health()  # refreshes loom_shard_healthy (a cheap RPC per rank)
+        if hasattr(state.engine, "health"):
+            await state.engine.health()  # refreshes loom_shard_healthy (a cheap RPC per rank)
         content, content_type = state.metrics.render()
         return Response(content, media_type=content_type)
 

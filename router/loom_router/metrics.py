@@ -161,7 +161,7 @@ class RouterMetrics:
 
     def on_http_end(self, scope: dict[str, Any], record: HttpRecord, status: int) -> None:
         path = scope.get("path", "")
-        if path in GENERATION_PATHS:
+        if _is_generation(scope):
             self._count_generation(record, status)
         elif path.startswith(SNAPSHOT_PREFIX):
             op = _snapshot_op(scope)
@@ -180,6 +180,10 @@ class RouterMetrics:
             self.tgi.on_success(timer.times(), timer.num_generated)
         else:
             self.tgi.on_failure("generation" if timer.outcome == "error" else "cancelled")
+
+
+def _is_generation(scope: dict[str, Any]) -> bool:
+    return scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS
 
 
 def _snapshot_op(scope: dict[str, Any]) -> str:
@@ -269,7 +273,7 @@ class MetricsMiddleware:
             return
         status = {"code": 500}
         record = HttpRecord(arrival=time.perf_counter())
-        if scope.get("path") in GENERATION_PATHS:
+        if _is_generation(scope):
             self.metrics.tgi.on_arrival()
 
         async def send_and_record(message: dict[str, Any]) -> None:
