@@ -87,6 +87,8 @@ class RouterFlags(ModelFlags):
     json_output: bool = Field(False, description="router logs as one JSON object per line")
     prometheus_port: int | None = Field(None, ge=0, lt=65536, description="also serve /metrics on this port; "
                                         "unset: only on the HTTP port")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
+                                      "http://collector:4318): a span per request; needs the SDK installed")
 
     @model_validator(mode="after")
     def _token_limits(self) -> RouterFlags:

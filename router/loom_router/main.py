@@ -21,6 +21,7 @@ from loom_router.metrics_server import start_metrics_server
 from loom_router.request_log import configure_logging
 from loom_router.shard_client import ShardClient
 from loom_router.tokenizer import load_tokenizer
+from loom_router.tracing import configure_tracing
 
 log = logging.getLogger("loom_router")
 
@@ -35,7 +36,8 @@ async def serve(config: RouterConfig) -> int:
     try:
         await client.wait_ready(config.shard_ready_timeout)
         engine = Engine(config, client, tokenizer)
-        metrics = RouterMetrics(engine.stats)
+        tracer = configure_tracing(config.otlp_endpoint)
+        metrics = RouterMetrics(engine.stats, tracer)
         app = create_app(engine, config, metrics, manage_engine=True)  # the engine starts before the port opens
         metrics_server = None
         if config.prometheus_port is not None:
@@ -50,6 +52,8 @@ async def serve(config: RouterConfig) -> int:
         finally:
             if metrics_server is not None:
                 metrics_server.close()
+            if tracer is not None:
+                await asyncio.to_thread(tracer.shutdown)
         return 0 if server.started else 1
     finally:
         await client.close()

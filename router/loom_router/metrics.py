@@ -106,7 +106,8 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class RouterMetrics:
     """The router's metrics, in a registry of its own (no global state)."""
 
-    def __init__(self, read_stats: Callable[[], EngineStats] | None = None) -> None:
+    def __init__(self, read_stats: Callable[[], EngineStats] | None = None, tracer: Any = None) -> None:
+        self.tracer = tracer  # loom_router.tracing.RequestTracer, with --otlp-endpoint
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("loom_http_requests", "HTTP requests by route and status",
@@ -247,7 +248,7 @@ class RequestTimer:
         self._metrics.request_duration.observe(self._end - self._start)
         self._metrics.generated_length.observe(self.num_generated)
         times = self.times()
-        log_request(RequestSummary(
+        summary = RequestSummary(
             request_id=getattr(self._stream, "group_id", None),
             num_input_tokens=self._num_input,
             num_generated_tokens=self.num_generated,
@@ -255,7 +256,10 @@ class RequestTimer:
             ttft_s=(self._first_token - self._arrival) if self._first_token is not None else None,
             total_s=self._end - self._arrival,
             finish_reason=self.outcome if self.succeeded else (self.outcome or "cancelled"),
-        ))
+        )
+        log_request(summary)
+        if self._metrics.tracer is not None:
+            self._metrics.tracer.record(summary, times)
 
 
 class MetricsMiddleware:
