@@ -281,3 +281,28 @@ def test_api_key_is_sent_and_401_is_shown(page: Any, scripted_router: tuple[str,
     wait_until_idle(page)
     assert page.is_hidden("#auth-error")
     assert all(answer_texts(page))
+
+
+def test_a_turn_is_settled_before_the_next(page: Any, scripted_router: tuple[str, str]) -> None:
+    """Several answers wait for a pick before the conversation goes on; a single one is taken."""
+    url, expected = scripted_router
+    sent: list[Any] = []
+    page.on("request", lambda request: sent.append(request) if request.url.endswith("/chat/completions") else None)
+    page.goto(url + "/")
+    page.fill("#max-tokens", "60")  # the scripted answer and the history fit the 256-token context
+    page.fill("#prompt", "First?")
+    page.press("#prompt", "Enter")
+    wait_until_idle(page)
+    page.fill("#prompt", "Second?")
+    page.press("#prompt", "Enter")
+    assert page.locator("#status").text_content().startswith("Pick the answer")
+    assert page.evaluate("document.activeElement.textContent") == "Continue with answer 1"
+    assert len(sent) == 1 and page.input_value("#prompt") == "Second?"
+    page.keyboard.press("Enter")  # the focused pick button
+    page.select_option("#num-answers", "1")
+    page.press("#prompt", "Enter")
+    wait_until_idle(page)
+    page.wait_for_function("document.querySelectorAll('#conversation .message').length === 4")
+    assert page.locator("#conversation .message .text").all_text_contents() == [
+        "First?", expected, "Second?", expected]
+    assert sent[1].post_data_json["n"] == 1 and page.locator("#answers .answer").count() == 0
