@@ -14,6 +14,7 @@ from api_fakes import WORDS, FakeShardClient
 from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
+from loom_router.playground import is_public
 from loom_router.tokenizer import load_tokenizer
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -74,3 +75,11 @@ def test_model_output_is_never_written_as_html() -> None:
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval("):
         assert sink not in script, sink
     assert "textContent" in script
+
+
+def test_only_the_page_and_its_files_are_public() -> None:
+    """What an API-key guard may serve without a key: GETs of the page and its two files."""
+    assert is_public("GET", "/") and is_public("GET", "/playground/app.js") and is_public("HEAD", "/playground/style.css")
+    assert not is_public("POST", "/")  # TGI's generate
+    for path in ("/playground/index.html", "/playground/", "/info", "/v1/chat/completions", "/generate", "/metrics"):
+        assert not is_public("GET", path), path

@@ -12,6 +12,18 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 
 
+PAGE_PATH = "/"
+ASSET_PREFIX = "/playground/"
+
+
+def is_public(method: str, path: str) -> bool:
+    """Requests an API-key check must let through: the page and its files hold no secret, and
+    a browser cannot send a key before it has the page. Only GETs: `POST /` is TGI's generate."""
+    if method not in ("GET", "HEAD"):
+        return False
+    return path == PAGE_PATH or (path.startswith(ASSET_PREFIX) and path[len(ASSET_PREFIX):] in ASSETS)
+
+
 def _read(name: str) -> str:
     return files(__name__).joinpath(name).read_text(encoding="utf-8")
 
@@ -24,7 +36,7 @@ def wants_html(request: Request) -> bool:
 def build_router() -> APIRouter:
     router = APIRouter(tags=["Playground"])
 
-    @router.get("/", summary="The chat playground, for a browser (Accept: text/html)",
+    @router.get(PAGE_PATH, summary="The chat playground, for a browser (Accept: text/html)",
                 response_class=HTMLResponse)
     async def page(request: Request) -> Response:
         if not wants_html(request):
@@ -32,7 +44,7 @@ def build_router() -> APIRouter:
             return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": "POST"})
         return HTMLResponse(_read("index.html"), headers={"Cache-Control": "no-cache"})
 
-    @router.get("/playground/{name}", include_in_schema=False)
+    @router.get(ASSET_PREFIX + "{name}", include_in_schema=False)
     async def asset(name: str) -> Response:
         media_type = ASSETS.get(name)
         if media_type is None:
