@@ -306,3 +306,24 @@ def test_a_turn_is_settled_before_the_next(page: Any, scripted_router: tuple[str
     assert page.locator("#conversation .message .text").all_text_contents() == [
         "First?", expected, "Second?", expected]
     assert sent[1].post_data_json["n"] == 1 and page.locator("#answers .answer").count() == 0
+
+
+FOCUS_NAME = """() => { const e = document.activeElement;
+    return e.id || (e.tagName === 'SUMMARY' ? 'settings' : e.textContent.trim()); }"""
+
+
+def test_tab_reaches_every_control_in_reading_order(page: Any, scripted_router: tuple[str, str]) -> None:
+    url, _ = scripted_router
+    page.goto(url + "/")
+    page.fill("#prompt", "Hi")
+    page.press("#prompt", "Enter")
+    wait_until_idle(page)
+    page.focus("#api-key")
+    order = [page.evaluate(FOCUS_NAME)]
+    for _ in range(12):
+        page.keyboard.press("Tab")
+        order.append(page.evaluate(FOCUS_NAME))
+    # Stop is disabled while idle, so Tab skips it; the hidden temperatures (3, 4) are skipped too
+    assert order == ["api-key", "settings", "system-prompt", "num-answers", "max-tokens", "json-mode",
+                     "temp-0", "temp-1", "Continue with answer 1", "Continue with answer 2", "prompt", "send",
+                     "new-chat"]
