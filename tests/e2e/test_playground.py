@@ -206,9 +206,9 @@ class ScriptedShardClient(FakeShardClient):
 
 
 @pytest.fixture(scope="module")
-def scripted_router() -> Iterator[tuple[str, str]]:
+def scripted_router() -> Iterator[tuple[str, str, ScriptedShardClient]]:
     """A real router (engine, HTTP app, uvicorn) in a thread, over the scripted fake shard:
-    its URL and the text every answer will be."""
+    its URL, the text every answer will be, and the shard (to pace it)."""
     tokenizer = load_tokenizer("")
     words = tokenizer.encode(HOSTILE_TEXT, add_special_tokens=False)
     backend = ScriptedShardClient(words, tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
@@ -225,13 +225,13 @@ def scripted_router() -> Iterator[tuple[str, str]]:
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", tokenizer.decode(words)
+    yield f"http://127.0.0.1:{port}", tokenizer.decode(words), backend
     server.should_exit = True
     thread.join(30)
 
 
-def test_model_output_is_shown_as_text(page: Any, scripted_router: tuple[str, str]) -> None:
-    url, expected = scripted_router
+def test_model_output_is_shown_as_text(page: Any, scripted_router: tuple[str, str, ScriptedShardClient]) -> None:
+    url, expected, _ = scripted_router
     assert "<script>" in expected
     page.goto(url + "/")
     page.wait_for_function("document.getElementById('model-info').textContent.startsWith('Model: scripted')")
@@ -251,11 +251,11 @@ def test_model_output_is_shown_as_text(page: Any, scripted_router: tuple[str, st
     assert page.evaluate("window.__injected") is None
 
 
-def test_api_key_is_sent_and_401_is_shown(page: Any, scripted_router: tuple[str, str]) -> None:
+def test_api_key_is_sent_and_401_is_shown(page: Any, scripted_router: tuple[str, str, ScriptedShardClient]) -> None:
     """The page's side of --api-key: the key goes out as a Bearer token, and a 401 says what to do.
     The server's 401 is played by the browser (page.route), so this holds whether or not the
     router has the flag."""
-    url, _ = scripted_router
+    url, _, _ = scripted_router
     page.goto(url + "/")
     page.wait_for_function("document.getElementById('model-info').textContent.startsWith('Model: scripted')")
     assert page.is_hidden("#auth-error")
@@ -283,9 +283,9 @@ def test_api_key_is_sent_and_401_is_shown(page: Any, scripted_router: tuple[str,
     assert all(answer_texts(page))
 
 
-def test_a_turn_is_settled_before_the_next(page: Any, scripted_router: tuple[str, str]) -> None:
+def test_a_turn_is_settled_before_the_next(page: Any, scripted_router: tuple[str, str, ScriptedShardClient]) -> None:
     """Several answers wait for a pick before the conversation goes on; a single one is taken."""
-    url, expected = scripted_router
+    url, expected, _ = scripted_router
     sent: list[Any] = []
     page.on("request", lambda request: sent.append(request) if request.url.endswith("/chat/completions") else None)
     page.goto(url + "/")
@@ -312,8 +312,8 @@ FOCUS_NAME = """() => { const e = document.activeElement;
     return e.id || (e.tagName === 'SUMMARY' ? 'settings' : e.textContent.trim()); }"""
 
 
-def test_tab_reaches_every_control_in_reading_order(page: Any, scripted_router: tuple[str, str]) -> None:
-    url, _ = scripted_router
+def test_tab_reaches_every_control_in_reading_order(page: Any, scripted_router: tuple[str, str, ScriptedShardClient]) -> None:
+    url, _, _ = scripted_router
     page.goto(url + "/")
     page.fill("#prompt", "Hi")
     page.press("#prompt", "Enter")
@@ -327,3 +327,24 @@ def test_tab_reaches_every_control_in_reading_order(page: Any, scripted_router: 
     assert order == ["api-key", "settings", "system-prompt", "num-answers", "max-tokens", "json-mode",
                      "temp-0", "temp-1", "Continue with answer 1", "Continue with answer 2", "prompt", "send",
                      "new-chat"]
+
+
+def test_the_stop_button_cancels_on_the_server(page: Any, scripted_router: tuple[str, str, ScriptedShardClient]) -> None:
+    url, expected, backend = scripted_router
+    backend.step_delay_s = 0.3  # slow enough to stop after the first token
+    try:
+        page.goto(url + "/")
+        cancelled_before = cancelled_count(url)
+        page.fill("#prompt", "Hello")
+        page.click("#send")
+        page.wait_for_function("document.querySelector('#answers .answer .text').textContent.length > 0")
+        page.click("#stop")
+        wait_until_idle(page)
+    finally:
+        backend.step_delay_s = 0.01
+    assert page.locator("#status").text_content() == "Stopped."
+    assert all(len(text) < len(expected) for text in answer_texts(page))
+    deadline = time.monotonic() + 30
+    while cancelled_count(url) < cancelled_before + 1:
+        assert time.monotonic() < deadline, "the stopped request was not cancelled on the server"
+        time.sleep(0.1)
