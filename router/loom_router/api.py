@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from loom_proto.config import RouterConfig
-from loom_router import openai_api, snapshots
+from loom_router import openai_api, playground, snapshots
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -85,6 +85,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
     _add_tgi_routes(app)
     app.include_router(openai_api.router)
     app.include_router(snapshots.build_router())
+    app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
