@@ -315,7 +315,7 @@ class Engine:
                 active.stream.scheduled_at = now
 
     def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
-        if not self.step_observers:
+        if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
             return
         prefill = bool(plan.new_requests) or any(r.num_compute > 1 for r in plan.running_requests)
         record = StepRecord(
