@@ -27,10 +27,17 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int, device: torch.device | str) -> None:
+    """num_scratch_blocks extra device blocks follow the router's (ids num_blocks..): padding rows
+    of a CUDA-graph batch write there, so they never touch a real sequence's KV."""
+
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int, device: torch.device | str,
+        num_scratch_blocks: int = 0,
+    ) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_scratch_blocks = num_scratch_blocks
+        shape = (spec.num_layers, 2, num_blocks + num_scratch_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.device_blocks = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         host_shape = (*shape[:2], num_host_blocks, *shape[3:])
         pin = self.device.type == "cuda"  # pinned pages make host<->device copies asynchronous-capable
@@ -43,7 +50,8 @@ class PagedKVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.device_blocks.shape[2]
+        """Blocks the router may use (scratch blocks excluded)."""
+        return self.device_blocks.shape[2] - self.num_scratch_blocks
 
     @property
     def num_host_blocks(self) -> int:

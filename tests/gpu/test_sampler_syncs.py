@@ -1,0 +1,40 @@
+"""The sampler on CUDA: one device-to-host transfer per step for greedy rows, and a number of
+host syncs that does not grow with the batch for sampled rows (no per-row syncs)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from loom_proto.step import SamplingParams
+from loom_shard.sampler import SeqSamplingState, sample
+
+
+def _count_syncs(logits: torch.Tensor, states: list[SeqSamplingState]) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            samples = sample(logits, states)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(samples) == len(states)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _states(num: int, **params) -> list[SeqSamplingState]:
+    return [SeqSamplingState(SamplingParams(seed=i, top_n_tokens=3, **params), [1, 2, 3], 3) for i in range(num)]
+
+
+def test_greedy_step_transfers_once() -> None:
+    logits = torch.randn(16, 1000, device="cuda")
+    assert _count_syncs(logits, _states(16)) == 1
+
+
+def test_sampled_rows_add_no_per_row_syncs() -> None:
+    params = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
+    few = _count_syncs(torch.randn(2, 1000, device="cuda"), _states(2, **params))
+    many = _count_syncs(torch.randn(32, 1000, device="cuda"), _states(32, **params))
+    assert many == few
