@@ -124,6 +124,31 @@ def transformers_rates(batches: list[int]) -> dict[str, float]:
         run(4)
         prefill_only, full = run(1), run(DECODE_STEPS)
         rates[f"hf_generate_decode_tok_s_b{batch}"] = batch * (DECODE_STEPS - 1) / (full - prefill_only)
+    try:
+        rates |= _generate_batch_rates(hf_config, batches)
+    except Exception as error:  # noqa: BLE001 - continuous batching is newer API; record why not
+        rates["hf_generate_batch_error"] = repr(error)[:300]
+    return rates
+
+
+def _generate_batch_rates(hf_config, batches: list[int]) -> dict[str, float]:  # noqa: ANN001
+    """transformers' continuous batching (`generate_batch`, paged attention), tokens/s end to end."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(hf_config, attn_implementation="sdpa_paged")
+    model = model.to("cuda", torch.bfloat16).eval()
+    config = transformers.GenerationConfig(max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0, use_cuda_graph=False)
+    rates = {}
+    for batch in batches:
+        inputs = [torch.randint(1, 49152, (PROMPT_LEN,)).tolist() for _ in range(batch)]
+        model.generate_batch(inputs=inputs[:2], generation_config=config)  # warm
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate_batch(inputs=inputs, generation_config=config)
+        torch.cuda.synchronize()
+        rates[f"hf_generate_batch_tok_s_b{batch}"] = batch * DECODE_STEPS / (time.perf_counter() - start)
     return rates
 
 
@@ -141,6 +166,9 @@ def main() -> None:
         for batch in batches:
             results[f"loom_{tag}_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
             print(f"loom {tag} decode b{batch}: {results[f'loom_{tag}_decode_tok_s_b{batch}']:.0f} tok/s", flush=True)
+            if graphs:  # the GPU's own time per decode step: what the host adds shows beside it
+                replay = runner.decode_graphs.steps[batch].graph.replay
+                results[f"loom_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
         if graphs:
             results["loom_prefill_tok_s_2048x1"] = prefill_rate(runner, 2048)
             results["loom_prefill_tok_s_2048x2"] = prefill_rate(runner, 2048, num_seqs=2)

@@ -33,6 +33,12 @@ class _CapturedStep:
     packed: torch.Tensor  # [packed_len] int32, static
     hidden: torch.Tensor  # [batch, hidden_size], written by each replay
 
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """The packed buffer's block-table part, [batch, max_blocks] (a view)."""
+        batch = self.input_ids.shape[0]
+        return self.packed[2 * batch + 1 :].view(batch, -1)
+
 
 @dataclass(slots=True, frozen=True)
 class GraphSpec:
@@ -104,10 +110,14 @@ class DecodeGraphs:
         batch = self.spec.batch_sizes[bisect.bisect_left(self.spec.batch_sizes, num)]
         step = self.steps[batch]
         padded = spans + self._padding(batch - num)
-        packed, _ = pack_step_tables(padded, self.spec.block_size, self.spec.max_blocks)
+        # Tables as wide as this step needs, not the graph's full width: the host builds and
+        # sends batch * width entries, and the kernel never reads past a sequence's last block.
+        packed, shape = pack_step_tables(padded, self.spec.block_size)
+        head = 2 * batch + 1  # query_starts and num_cached
         ids = torch.tensor(input_ids + [0] * (batch - num), dtype=torch.long)
-        # Two host-to-device copies from pinned memory, then one launch for the whole step.
-        step.packed.copy_(packed.pin_memory(), non_blocking=True)
+        # Three small host-to-device copies from pinned memory, then one launch for the whole step.
+        step.packed[:head].copy_(packed[:head].pin_memory(), non_blocking=True)
+        step.block_tables[:, : shape.max_blocks].copy_(packed[head:].view(batch, -1).pin_memory(), non_blocking=True)
         step.input_ids.copy_(ids.pin_memory(), non_blocking=True)
         step.graph.replay()
         self.num_replays += 1

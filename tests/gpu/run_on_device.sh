@@ -36,4 +36,8 @@ fi
 if [[ $MODE == *,bench,* ]]; then
   timeout 300 python3 bench/bench_gpu.py $BENCH_ARGS --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
+if [[ $MODE == *,serving,* ]]; then  # HTTP through the real launcher on CUDA (needs the embedded model)
+  timeout 300 python3 bench/bench_serving.py --concurrency 1 32 128 --new-tokens 128 \
+    --launcher-flag=--device --launcher-flag=cuda 2>&1 | tee "$OUT/serving.log" || status=1
+fi
 exit $status

@@ -11,17 +11,21 @@ from loom_proto.step import SamplingParams
 from loom_shard.sampler import SeqSamplingState, sample
 
 
-def _count_syncs(logits: torch.Tensor, states: list[SeqSamplingState]) -> int:
+def _syncs_of(fn) -> int:  # noqa: ANN001
+    """Synchronizing calls torch reports (sync debug mode) while fn runs."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            samples = sample(logits, states)
+            fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert len(samples) == len(states)
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _count_syncs(logits: torch.Tensor, states: list[SeqSamplingState]) -> int:
+    return _syncs_of(lambda: sample(logits, states))
 
 
 def _states(num: int, **params) -> list[SeqSamplingState]:
@@ -30,7 +34,9 @@ def _states(num: int, **params) -> list[SeqSamplingState]:
 
 def test_greedy_step_transfers_once() -> None:
     logits = torch.randn(16, 1000, device="cuda")
-    assert _count_syncs(logits, _states(16)) == 1
+    one_transfer = _syncs_of(lambda: torch.randn(16, 8, device="cuda").cpu())  # what one .cpu() reports
+    assert one_transfer >= 1
+    assert _count_syncs(logits, _states(16)) == one_transfer
 
 
 def test_sampled_rows_add_no_per_row_syncs() -> None:
