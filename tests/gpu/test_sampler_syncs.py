@@ -12,7 +12,9 @@ from loom_shard.sampler import SeqSamplingState, sample
 
 
 def _syncs_of(fn) -> int:  # noqa: ANN001
-    """Synchronizing calls torch reports (sync debug mode) while fn runs."""
+    """Synchronizing calls torch reports (sync debug mode) while fn runs (after one warm run:
+    first calls report one-time work)."""
+    fn()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
