@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from loom_shard.loader_common import (
     SUPPORTED_ARCHITECTURES,
+    KeepFn,
     LoadProgress,
     ModelLoadError,
     ProgressFn,
@@ -112,7 +113,7 @@ def load_hf_config(folder: Path) -> ModelConfig:
 
 
 def load_hf_weights(
-    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None
+    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None, keep: KeepFn | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors the config needs, read file by file and converted to `dtype` one at a time."""
     names_by_file = _tensor_files(folder)
@@ -128,7 +129,7 @@ def load_hf_weights(
             for name in names:
                 tensor = _read_tensor(handle, file, name)
                 check_shape(file, name, tuple(tensor.shape), shapes[name])
-                tensors[name] = tensor.to(dtype)
+                tensors[name] = (keep(name, tensor) if keep else tensor).to(dtype)
                 report.tensor_done(len(tensors))
     report.finish(tensors)
     return {name: tensors[name] for name in shapes}

@@ -7,6 +7,7 @@ running requests, run one forward over the mixed batch, sample, fork.
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -431,13 +432,15 @@ def default_dtype(device: str) -> torch.dtype:
 def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
     from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
 
-    model_config, weights = load_model_weights(config.model_id, dtype)
-    model = build_model(model_config)
-    model.load_weights(weights)
-    del weights
-    model = model.to(device=device, dtype=dtype)
-    if config.world_size > 1:
-        from loom_shard.tensor_parallel import apply_tensor_parallel
+    if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
+        from loom_shard.tensor_parallel import build_rank_model, rank_slice
 
-        apply_tensor_parallel(model, config.rank, config.world_size)
-    return model, weights_hash(config.model_id)
+        keep = functools.partial(rank_slice, rank=config.rank, world_size=config.world_size)
+        model_config, weights = load_model_weights(config.model_id, dtype, keep=keep)
+        model = build_rank_model(model_config, weights, config.rank, config.world_size)
+    else:
+        model_config, weights = load_model_weights(config.model_id, dtype)
+        model = build_model(model_config)
+        model.load_weights(weights)
+    del weights
+    return model.to(device=device, dtype=dtype), weights_hash(config.model_id)

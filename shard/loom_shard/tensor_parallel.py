@@ -1,8 +1,12 @@
-"""Tensor parallelism applied to a loaded model (gpt-fast style): shard, then all-reduce.
+"""Tensor parallelism applied to a model (gpt-fast style): shard, then all-reduce.
 
 q/k/v and gate/up are split column-wise by heads (each rank keeps whole heads),
 o and down row-wise; o and down outputs are summed over ranks. Embeddings, norms
 and the LM head stay replicated, so every rank computes the same logits.
+
+Loading (`build_rank_model`): the model is built and sharded on the `meta` device, the
+loader keeps only this rank's slice of each tensor as it reads it (`rank_slice`), and only
+those slices are moved to the rank's device.
 """
 
 from __future__ import annotations
@@ -12,7 +16,32 @@ import torch.distributed as dist
 from torch import nn
 
 from loom_shard.layers.mlp import GatedMLP
+from loom_shard.model_config import ModelConfig
+from loom_shard.models import build_model
 from loom_shard.models.llama import Attention, LlamaModel
+
+_COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})  # output rows split
+_ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input columns split
+
+
+def rank_slice(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's part of one Hugging Face tensor: the same cuts `apply_tensor_parallel` makes
+    (fusing the column-parallel parts afterwards gives each part's chunk, in order)."""
+    module = name.split(".")[-2]
+    if module in _COLUMN_PARALLEL:
+        return tensor.chunk(world_size, dim=0)[rank].clone()  # clone: the whole tensor can go
+    if module in _ROW_PARALLEL:
+        return tensor.chunk(world_size, dim=1)[rank].clone()
+    return tensor
+
+
+def build_rank_model(config: ModelConfig, rank_weights: dict[str, torch.Tensor], rank: int, world_size: int) -> LlamaModel:
+    """The rank's model from weights already cut by `rank_slice`: built and sharded on `meta`
+    (no memory, no random init), then the slices are assigned in place."""
+    with torch.device("meta"):
+        model = apply_tensor_parallel(build_model(config), rank, world_size)
+    model.load_weights(rank_weights, assign=True)
+    return model
 
 
 def apply_tensor_parallel(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
