@@ -61,8 +61,9 @@ def test_rank_model_is_built_on_meta_and_holds_only_its_slices() -> None:
     assert not any(t.is_meta for t in tensors)
     assert model.lm_head.weight is model.embed_tokens.weight
     full = sum(p.numel() for p in pair.loom.parameters())
-    replicated = sum(p.numel() for n, p in pair.loom.named_parameters() if "layers." not in n or "norm" in n)
+    replicated = sum(p.numel() for n, p in pair.loom.named_parameters() if "norm" in n)
     assert sum(p.numel() for p in model.parameters()) == replicated + (full - replicated) // WORLD_SIZE
+    assert model.embed_tokens.num_embeddings == pair.config.vocab_size // WORLD_SIZE  # vocabulary-parallel
     # Its slices are the ones apply_tensor_parallel cuts from the whole model.
     sliced = apply_tensor_parallel(make_pair("qwen2").loom, 1, WORLD_SIZE)
     for (name, mine), (_, expected) in zip(model.state_dict().items(), sliced.state_dict().items(), strict=True):
