@@ -35,10 +35,9 @@ def _states(num: int, **params) -> list[SeqSamplingState]:
 
 
 def test_greedy_step_transfers_once() -> None:
-    logits = torch.randn(16, 1000, device="cuda")
-    one_transfer = _syncs_of(lambda: torch.randn(16, 8, device="cuda").cpu())  # what one .cpu() reports
-    assert one_transfer >= 1
-    assert _count_syncs(logits, _states(16)) == one_transfer
+    # The step's one device-to-host copy is the only synchronizing call, whatever the batch.
+    assert _count_syncs(torch.randn(16, 1000, device="cuda"), _states(16)) == 1
+    assert _count_syncs(torch.randn(2, 1000, device="cuda"), _states(2)) == 1
 
 
 def test_sampled_rows_add_no_per_row_syncs() -> None:

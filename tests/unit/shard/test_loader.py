@@ -271,5 +271,7 @@ def test_a_rank_keeps_only_its_slices_while_loading(tmp_path: Path, source: str)
     q, o = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     assert torch.equal(mine[q], whole[q].chunk(ws, dim=0)[1])
     assert torch.equal(mine[o], whole[o].chunk(ws, dim=1)[1])
-    assert torch.equal(mine["model.embed_tokens.weight"], whole["model.embed_tokens.weight"])
+    embed = "model.embed_tokens.weight"  # vocabulary-parallel
+    assert torch.equal(mine[embed], whole[embed].chunk(ws, dim=0)[1])
+    assert torch.equal(mine["model.norm.weight"], whole["model.norm.weight"])  # replicated
     assert sum(t.numel() for t in mine.values()) < sum(t.numel() for t in whole.values())
