@@ -35,9 +35,11 @@ def _states(num: int, **params) -> list[SeqSamplingState]:
 
 
 def test_greedy_step_transfers_once() -> None:
-    # The step's one device-to-host copy is the only synchronizing call, whatever the batch.
-    assert _count_syncs(torch.randn(16, 1000, device="cuda"), _states(16)) == 1
-    assert _count_syncs(torch.randn(2, 1000, device="cuda"), _states(2)) == 1
+    # The step's one device-to-host copy is the only synchronizing work, whatever the batch.
+    # torch reports that copy as one or two calls (seen both on the H100, depending on what ran
+    # before in the process), so the bound is 2 and the count must not grow with the rows.
+    counts = [_count_syncs(torch.randn(n, 1000, device="cuda"), _states(n)) for n in (2, 16, 64)]
+    assert counts[0] <= 2 and counts == [counts[0]] * 3
 
 
 def test_sampled_rows_add_no_per_row_syncs() -> None:
