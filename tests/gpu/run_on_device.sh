@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One full run on a lent GPU machine (see tests/gpu/README.md): install the carried wheels,
+# One full run on a lent GPU machine (tests/gpu/README.md): install the carried wheels,
 # then run the CUDA tests and, with "bench", the GPU benchmark. Logs go to $OUT.
 # Usage (from the carried checkout's root): bash tests/gpu/run_on_device.sh tests,e2e,bench
 #   TESTS (default "tests/gpu tests/unit/shard"), E2E (default "tests/e2e"): what pytest runs;
