@@ -16,7 +16,7 @@ PORT ?= 3000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast proto clean
+.PHONY: setup serve test test-fast test-gpu proto clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+
+# The CUDA set: tests/gpu (kernel vs float64, CUDA runner parity with transformers, graph replay
+# == eager, one-transfer sampler, serving on CUDA), the shard's unit tests on the GPU, and the
+# e2e suite with its launchers on CUDA. Skipped (exit 0) on a machine without CUDA.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu tests/unit/shard $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+	$(BIN)/python -c "import torch; raise SystemExit(0 if torch.cuda.is_available() else 5)" \
+		&& $(BIN)/python -m pytest -q -p tests.gpu.e2e_on_cuda tests/e2e $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
 
 clean:
 	rm -rf $(VENV) proto/loom_proto/shard_pb2*

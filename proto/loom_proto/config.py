@@ -44,6 +44,8 @@ class ShardFlags(ModelFlags):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
     block_size: Positive = Field(16, description="tokens per KV cache block")
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of free GPU memory the KV cache may take")
+    cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at warmup "
+                              "(CUDA with triton only)")
     cpu_kv_cache_bytes: Positive | None = Field(
         None, description="KV cache size on CPU when max-batch-total-tokens is unset; default: a share of free RAM")
     host_kv_cache_bytes: int | None = Field(

@@ -13,6 +13,7 @@ each sequence attends over its own blocks only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,21 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class PagedTables:
+    """A paged kernel's view of the step (`loom_shard.attention_backend.TritonPagedBackend`)."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_starts: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query token
+    num_cached: torch.Tensor  # [num_seqs] int32: keys before its first query
+    max_query_len: int
+    kernel: PagedKernel
+
+
+# (q [num_tokens, heads, head_dim], kv_layer, tables) -> [num_tokens, heads, head_dim]
+PagedKernel = Callable[[torch.Tensor, torch.Tensor, PagedTables], torch.Tensor]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens]
     max_position: int
@@ -52,6 +68,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode: DecodeBatch | None
     block_size: int
+    paged: PagedTables | None = None  # set: one paged kernel attends in place (prefills, decode unused)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +136,8 @@ def paged_attention(
     flat = kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, meta.slot_mapping, k)
     flat[1].index_copy_(0, meta.slot_mapping, v)
+    if meta.paged is not None:
+        return meta.paged.kernel(q, kv_layer, meta.paged).reshape(q.shape[0], -1)
     outputs = [_prefill(q, k, v, kv_layer, chunk) for chunk in meta.prefills]
     if meta.decode is not None:
         outputs.append(_decode(q[meta.decode.start :], kv_layer, meta.decode))

@@ -1,7 +1,9 @@
 """The shard's paged KV memory: one device tensor of blocks plus a host-RAM pool for swap.
 
     device: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
-    host:   [num_layers, 2 (k, v), num_host_blocks, block_size, num_kv_heads, head_dim]
+    host:   [num_host_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
+            (block-major: each host block is one contiguous run of pinned memory, so a swap is
+            one asynchronous copy per block on the cache's own CUDA stream)
 
 Block ids are the router's; this class only moves bytes.
 """
@@ -27,14 +29,22 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int, device: torch.device | str) -> None:
+    """num_scratch_blocks extra device blocks follow the router's (ids num_blocks..): padding rows
+    of a CUDA-graph batch write there, so they never touch a real sequence's KV."""
+
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int, device: torch.device | str,
+        num_scratch_blocks: int = 0,
+    ) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_scratch_blocks = num_scratch_blocks
+        shape = (spec.num_layers, 2, num_blocks + num_scratch_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.device_blocks = torch.zeros(shape, dtype=spec.dtype, device=self.device)
-        host_shape = (*shape[:2], num_host_blocks, *shape[3:])
-        pin = self.device.type == "cuda"  # pinned pages make host<->device copies asynchronous-capable
-        self.host_blocks = torch.zeros(host_shape, dtype=spec.dtype, pin_memory=pin)
+        host_shape = (num_host_blocks, *shape[:2], *shape[3:])
+        cuda = self.device.type == "cuda"  # pinned pages make host<->device copies asynchronous
+        self.host_blocks = torch.zeros(host_shape, dtype=spec.dtype, pin_memory=cuda)
+        self.swap_stream = torch.cuda.Stream(self.device) if cuda else None
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -43,27 +53,55 @@ class PagedKVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.device_blocks.shape[2]
+        """Blocks the router may use (scratch blocks excluded)."""
+        return self.device_blocks.shape[2] - self.num_scratch_blocks
 
     @property
     def num_host_blocks(self) -> int:
-        return self.host_blocks.shape[2]
+        return self.host_blocks.shape[0]
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: pairs of (device_block, host_block)."""
-        if pairs:
-            src, dst = self._indices(pairs, self.device)
-            self.host_blocks[:, :, dst.cpu()] = self.device_blocks[:, :, src].cpu()
+        """Copy device blocks to host blocks: pairs of (device_block, host_block).
+
+        CUDA: the blocks are gathered on the compute stream (so later writes cannot race
+        them), then copied to pinned memory on the swap stream while compute goes on.
+        """
+        if not pairs:
+            return
+        src, _ = self._indices(pairs, self.device)
+        staged = self.device_blocks[:, :, src].permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, layers, 2, ...]
+        if self.swap_stream is None:
+            self.host_blocks[[h for _, h in pairs]] = staged
+            return
+        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.swap_stream):
+            for i, (_, host) in enumerate(pairs):
+                self.host_blocks[host].copy_(staged[i], non_blocking=True)
+        staged.record_stream(self.swap_stream)  # keep its memory until the copies are done
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host blocks to device blocks: pairs of (host_block, device_block)."""
-        if pairs:
-            src, dst = self._indices(pairs, self.device)
-            self.device_blocks[:, :, dst] = self.host_blocks[:, :, src.cpu()].to(self.device, non_blocking=True)
+        """Copy host blocks to device blocks: pairs of (host_block, device_block).
+
+        CUDA: pinned-to-device copies on the swap stream; the compute stream waits for them
+        on the GPU (no host sync) before scattering the blocks into place.
+        """
+        if not pairs:
+            return
+        _, dst = self._indices(pairs, self.device)
+        if self.swap_stream is None:
+            staged = self.host_blocks[[h for h, _ in pairs]]
+        else:
+            staged = torch.empty((len(pairs), *self.host_blocks.shape[1:]), dtype=self.spec.dtype, device=self.device)
+            self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # staged's memory is ours
+            with torch.cuda.stream(self.swap_stream):
+                for i, (host, _) in enumerate(pairs):
+                    staged[i].copy_(self.host_blocks[host], non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_stream(self.swap_stream)
+        self.device_blocks[:, :, dst] = staged.permute(1, 2, 0, 3, 4, 5)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to device blocks: pairs of (src, dst), all read before any write."""

@@ -94,3 +94,7 @@ class LoadProgress:
     def _say(self, message: str) -> None:
         if self._progress is not None:
             self._progress(message)
+
+
+# (Hugging Face name, whole tensor) -> the part to keep; see loader.load_model_weights
+KeepFn = Callable[[str, torch.Tensor], torch.Tensor]

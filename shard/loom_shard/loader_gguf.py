@@ -12,7 +12,15 @@ import torch
 from gguf.quants import dequantize
 
 from loom_shard.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
-from loom_shard.loader_common import LoadProgress, ModelLoadError, ProgressFn, check_names, check_shape, expected_shapes
+from loom_shard.loader_common import (
+    KeepFn,
+    LoadProgress,
+    ModelLoadError,
+    ProgressFn,
+    check_names,
+    check_shape,
+    expected_shapes,
+)
 from loom_shard.model_config import ModelConfig, RopeScaling
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -156,7 +164,8 @@ def llama3_rope_factors(
 
 
 def load_gguf_weights(
-    path: Path, reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None
+    path: Path, reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None,
+    keep: KeepFn | None = None,
 ) -> dict[str, torch.Tensor]:
     """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory."""
     shapes = expected_shapes(config)
@@ -170,7 +179,7 @@ def load_gguf_weights(
         weight = _to_torch(path, reader, tensor, dtype).reshape(shape)
         if config.architecture == "LlamaForCausalLM":
             weight = _unpermute_qk(name, weight, config)
-        tensors[name] = weight
+        tensors[name] = keep(name, weight) if keep else weight
         report.tensor_done(len(tensors))
     report.finish(tensors)
     return tensors

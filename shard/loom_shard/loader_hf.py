@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from loom_shard.loader_common import (
     SUPPORTED_ARCHITECTURES,
+    KeepFn,
     LoadProgress,
     ModelLoadError,
     ProgressFn,
@@ -37,6 +38,8 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden_size // num_heads  # null in some configs
+        # transformers >= 5 writes theta and scaling together as "rope_parameters".
+        rope = config.get("rope_parameters") or {}
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
@@ -48,8 +51,8 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
             head_dim=int(head_dim),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(config.get("rope_scaling"), source),
+            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(config.get("rope_scaling") or rope, source),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases
         )
@@ -110,7 +113,7 @@ def load_hf_config(folder: Path) -> ModelConfig:
 
 
 def load_hf_weights(
-    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None
+    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None, keep: KeepFn | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors the config needs, read file by file and converted to `dtype` one at a time."""
     names_by_file = _tensor_files(folder)
@@ -126,7 +129,7 @@ def load_hf_weights(
             for name in names:
                 tensor = _read_tensor(handle, file, name)
                 check_shape(file, name, tuple(tensor.shape), shapes[name])
-                tensors[name] = tensor.to(dtype)
+                tensors[name] = (keep(name, tensor) if keep else tensor).to(dtype)
                 report.tensor_done(len(tensors))
     report.finish(tensors)
     return {name: tensors[name] for name in shapes}

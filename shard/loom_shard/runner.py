@@ -7,6 +7,7 @@ running requests, run one forward over the mixed batch, sample, fork.
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +25,9 @@ from loom_proto.step import (
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention import SeqSpan, build_metadata
+from loom_shard.attention import SeqSpan
+from loom_shard.attention_backend import BackendKind, select_backend
+from loom_shard.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
 from loom_shard.kv_cache import (
     CPU_POOL_SHARE,
     HOST_POOL_SHARE,
@@ -39,6 +42,8 @@ from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
 from loom_shard.sampler import Sample, SeqSamplingState, sample
+
+MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
 
 
 @dataclass(slots=True)
@@ -84,7 +89,9 @@ class ModelRunner:
             keep_freed_memory_mapped()
         mc = self.model.config
         self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
+        self.attention = select_backend(self.device)
         self.kv_cache: PagedKVCache | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # captured with the KV cache (CUDA)
         self.requests: dict[int, RequestState] = {}
 
     @property
@@ -111,8 +118,12 @@ class ModelRunner:
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
-        self.kv_cache = None  # free the old pool before allocating the new one
-        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device)
+        self.kv_cache = self.decode_graphs = None  # free the old pool (and graphs reading it) first
+        graphs = self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device, num_scratch_blocks=int(graphs))
+        if graphs:
+            self.decode_graphs = capture_decode_graphs(
+                self.model, self.kv_cache.device_blocks, self.attention.kernel, num_blocks, self.block_size)
         return self.kv_cache
 
     @torch.inference_mode()
@@ -144,13 +155,19 @@ class ModelRunner:
         return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
 
     def _dry_run(self, num_tokens: int) -> int:
-        """One prefill of num_tokens into a throwaway cache; returns peak activation bytes (CUDA)."""
-        num_blocks = blocks_for_tokens(num_tokens, self.block_size)
-        scratch = PagedKVCache(self.kv_spec, num_blocks, 0, self.device)
-        meta = build_metadata([SeqSpan(0, num_tokens, list(range(num_blocks)))], self.block_size, self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, scratch.device_blocks, meta)
-        self.model.compute_logits(hidden[-1:])
+        """The largest prefill (num_tokens) and, on CUDA, the largest decode batch (one token per
+        sequence, as wide as the largest CUDA graph) into a throwaway cache, each with its logits
+        and log-softmax; returns the peak activation bytes (CUDA)."""
+        prefill_blocks = blocks_for_tokens(num_tokens, self.block_size)
+        steps = [[SeqSpan(0, num_tokens, list(range(prefill_blocks)))]]
+        if self.device.type == "cuda":
+            steps.append([SeqSpan(0, 1, [i]) for i in range(MAX_GRAPH_BATCH)])
+        scratch = PagedKVCache(self.kv_spec, max(prefill_blocks, len(steps[-1])), 0, self.device)
+        for spans in steps:
+            meta = self.attention.build_metadata(spans, self.block_size)
+            ids = torch.zeros(meta.num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, scratch.device_blocks, meta)
+            self.model.compute_logits(hidden[-len(spans) :]).log_softmax(dim=-1)
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
@@ -222,8 +239,7 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[_Scheduled]) -> list[SeqOutput]:
         input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
-        meta = build_metadata([s.span for s in scheduled], self.block_size, self.device)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
+        hidden = self._forward(input_ids, [s.span for s in scheduled])
         rows, sample_rows, logprob_rows = _logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
@@ -238,6 +254,15 @@ class ModelRunner:
         for (i, s), smp in zip(finishing, samples):
             s.state.token_ids.append(smp.token_id)
         return outputs + fork_outputs
+
+    def _forward(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(spans):
+            return self.decode_graphs.run(input_ids, spans)
+        meta = self.attention.build_metadata(spans, self.block_size)
+        if self.decode_graphs is not None and meta.max_position > self.decode_graphs.spec.max_position:
+            self.decode_graphs = None  # the rotary table grows past what the graphs captured
+        return self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
 
     def _cache(self) -> torch.Tensor:
         return self._require_cache().device_blocks
@@ -407,13 +432,15 @@ def default_dtype(device: str) -> torch.dtype:
 def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
     from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
 
-    model_config, weights = load_model_weights(config.model_id, dtype)
-    model = build_model(model_config)
-    model.load_weights(weights)
-    del weights
-    model = model.to(device=device, dtype=dtype)
-    if config.world_size > 1:
-        from loom_shard.tensor_parallel import apply_tensor_parallel
+    if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
+        from loom_shard.tensor_parallel import build_rank_model, rank_slice
 
-        apply_tensor_parallel(model, config.rank, config.world_size)
-    return model, weights_hash(config.model_id)
+        keep = functools.partial(rank_slice, rank=config.rank, world_size=config.world_size)
+        model_config, weights = load_model_weights(config.model_id, dtype, keep=keep)
+        model = build_rank_model(model_config, weights, config.rank, config.world_size)
+    else:
+        model_config, weights = load_model_weights(config.model_id, dtype)
+        model = build_model(model_config)
+        model.load_weights(weights)
+    del weights
+    return model.to(device=device, dtype=dtype), weights_hash(config.model_id)

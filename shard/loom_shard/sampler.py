@@ -189,9 +189,12 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)  # [rows, vocab]
     top_p = top_p.to(probs.dtype).unsqueeze(1)  # [rows, 1]
     thresholds = _top_p_thresholds(probs, top_p, min(_TOP_P_CANDIDATES, probs.shape[-1]))
-    wide = thresholds.isnan().squeeze(1)
-    if bool(wide.any()):
-        thresholds[wide] = _top_p_thresholds(probs[wide], top_p[wide], probs.shape[-1])
+    wide = thresholds.isnan()
+    if probs.is_cuda:  # a full sort is cheap there, and asking which rows need it would sync
+        thresholds = torch.where(wide, _top_p_thresholds(probs, top_p, probs.shape[-1]), thresholds)
+    elif bool(wide.any()):
+        rows = wide.squeeze(1)
+        thresholds[rows] = _top_p_thresholds(probs[rows], top_p[rows], probs.shape[-1])
     return logits.masked_fill(probs < thresholds, float("-inf"))
 
 
@@ -249,17 +252,19 @@ def _build_samples(
 ) -> list[Sample]:
     # log_softmax, not logits - logsumexp: on the CPU logsumexp is ~10x slower for [32, 49152].
     logprobs = raw_logits.log_softmax(dim=-1)  # [num_seqs, vocab]
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    max_top_n = max((s.params.top_n_tokens for s in states), default=0)
-    top_ids: list[list[int]] = []
-    top_logprobs: list[list[float]] = []
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_seqs, 1]
+    max_top_n = min(max((s.params.top_n_tokens for s in states), default=0), logprobs.shape[-1])
+    columns = [token_ids.unsqueeze(1).double(), chosen.double()]
     if max_top_n > 0:
-        top = logprobs.topk(min(max_top_n, logprobs.shape[-1]), dim=-1)
-        top_ids = top.indices.tolist()
-        top_logprobs = top.values.tolist()
+        top = logprobs.topk(max_top_n, dim=-1)
+        columns += [top.indices.double(), top.values.double()]
+    # One device-to-host transfer for the whole step: float64 holds every token id and
+    # float32 logprob exactly. Row: [token_id, logprob, top ids..., top logprobs...]
+    table = torch.cat(columns, dim=1).cpu().tolist()
     samples = []
-    for row, (token_id, logprob) in enumerate(zip(token_ids.tolist(), chosen.tolist())):
-        n = states[row].params.top_n_tokens
-        top_tokens = [TokenLogprob(t, lp) for t, lp in zip(top_ids[row][:n], top_logprobs[row][:n])] if n else []
-        samples.append(Sample(token_id=token_id, logprob=logprob, top_tokens=top_tokens))
+    for row, state in zip(table, states):
+        n = state.params.top_n_tokens
+        top_ids, top_logprobs = row[2 : 2 + max_top_n], row[2 + max_top_n :]
+        top_tokens = [TokenLogprob(int(t), lp) for t, lp in zip(top_ids[:n], top_logprobs[:n])]
+        samples.append(Sample(token_id=int(row[0]), logprob=row[1], top_tokens=top_tokens))
     return samples

@@ -1,18 +1,53 @@
-"""Tensor parallelism applied to a loaded model (gpt-fast style): shard, then all-reduce.
+"""Tensor parallelism applied to a model (gpt-fast style): shard, then all-reduce.
 
 q/k/v and gate/up are split column-wise by heads (each rank keeps whole heads),
-o and down row-wise; o and down outputs are summed over ranks. Embeddings, norms
-and the LM head stay replicated, so every rank computes the same logits.
+o and down row-wise; o and down outputs are summed over ranks. The embedding and the LM
+head are vocabulary-parallel (each rank holds vocab / N rows; embeddings are summed, logits
+gathered, so every rank samples from the same full rows); norms stay replicated. A vocabulary
+that N does not divide stays replicated.
+
+Loading (`build_rank_model`): the model is built and sharded on the `meta` device, the
+loader keeps only this rank's slice of each tensor as it reads it (`rank_slice`), and only
+those slices are moved to the rank's device.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from loom_shard.layers.mlp import GatedMLP
+from loom_shard.model_config import ModelConfig
+from loom_shard.models import build_model
 from loom_shard.models.llama import Attention, LlamaModel
+
+_COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})  # output rows split
+_ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input columns split
+_VOCAB_PARALLEL = frozenset({"model.embed_tokens.weight", "lm_head.weight"})  # vocabulary rows split
+
+
+def rank_slice(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's part of one Hugging Face tensor: the same cuts `apply_tensor_parallel` makes
+    (fusing the column-parallel parts afterwards gives each part's chunk, in order)."""
+    module = name.split(".")[-2]
+    if name in _VOCAB_PARALLEL and tensor.shape[0] % world_size == 0:
+        return tensor.chunk(world_size, dim=0)[rank].clone()
+    if module in _COLUMN_PARALLEL:
+        return tensor.chunk(world_size, dim=0)[rank].clone()  # clone: the whole tensor can go
+    if module in _ROW_PARALLEL:
+        return tensor.chunk(world_size, dim=1)[rank].clone()
+    return tensor
+
+
+def build_rank_model(config: ModelConfig, rank_weights: dict[str, torch.Tensor], rank: int, world_size: int) -> LlamaModel:
+    """The rank's model from weights already cut by `rank_slice`: built and sharded on `meta`
+    (no memory, no random init), then the slices are assigned in place."""
+    with torch.device("meta"):
+        model = apply_tensor_parallel(build_model(config), rank, world_size)
+    model.load_weights(rank_weights, assign=True)
+    return model
 
 
 def apply_tensor_parallel(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
@@ -28,7 +63,52 @@ def apply_tensor_parallel(model: LlamaModel, rank: int, world_size: int) -> Llam
     for layer in model.layers:
         _shard_attention(layer.self_attn, rank, world_size)
         _shard_mlp(layer.mlp, rank, world_size)
+    if config.vocab_size % world_size == 0:
+        _shard_vocab(model, rank, world_size)
     return model
+
+
+class _VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + num_embeddings) of the embedding; ids outside give zeros,
+    and the sum over ranks is the full lookup."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, vocab_start: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.vocab_start = vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * inside.unsqueeze(-1)
+        dist.all_reduce(out)
+        return out
+
+
+class _VocabParallelHead(nn.Linear):
+    """This rank's vocabulary slice of the logits, gathered into full rows on every rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().forward(x).contiguous()  # [rows, vocab / world_size]
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)
+
+
+def _shard_vocab(model: LlamaModel, rank: int, world_size: int) -> None:
+    embed, head = model.embed_tokens, model.lm_head
+    tied = head.weight is embed.weight
+    rows = embed.num_embeddings // world_size
+    new_embed = _VocabParallelEmbedding(rows, embed.embedding_dim, rank * rows)
+    new_embed = new_embed.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    new_head = _VocabParallelHead(head.in_features, rows, bias=False)
+    new_head = new_head.to(device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        new_embed.weight.copy_(embed.weight.chunk(world_size)[rank])
+        if tied:
+            new_head.weight = new_embed.weight
+        else:
+            new_head.weight.copy_(head.weight.chunk(world_size)[rank])
+    model.embed_tokens, model.lm_head = new_embed, new_head
 
 
 def _shard_attention(attn: Attention, rank: int, world_size: int) -> None:

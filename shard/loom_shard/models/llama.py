@@ -87,13 +87,22 @@ class LlamaModel(nn.Module):
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
         return self.lm_head(self.norm(hidden)).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face named tensors, fusing q/k/v and gate/up. Raises on missing or unknown names."""
+    def load_weights(self, weights: dict[str, torch.Tensor], assign: bool = False) -> None:
+        """Load Hugging Face named tensors, fusing q/k/v and gate/up. Raises on missing or unknown names.
+
+        assign: take the tensors themselves as parameters (a model built on `meta`); the tied
+        head and the rotary table are then rebuilt on the weights' device.
+        """
         own = fuse_hf_weights(weights)
-        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
         missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        if assign:
+            if self.config.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+            c = self.config
+            self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling).to(self.embed_tokens.weight.device)
 
 
 _FUSED = {  # our fused parameter -> the Hugging Face parts, concatenated in this order

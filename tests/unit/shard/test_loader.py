@@ -238,3 +238,40 @@ def test_weights_hash_is_stable_and_tells_weights_apart(tmp_path: Path) -> None:
     tensors["model.norm.weight"][3] += 1.0  # one changed number, same sizes
     save_file(tensors, second / "model.safetensors", metadata={"format": "pt"})
     assert weights_hash(str(first)) != weights_hash(str(second)) != embedded_hash
+
+
+def test_transformers5_rope_parameters_are_read() -> None:
+    """transformers >= 5 writes rope theta and scaling as one `rope_parameters` entry
+    (seen on the GPU machine's transformers 5.17: theta fell back to 10000)."""
+    from loom_shard.loader import config_from_hf
+
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    plain = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}})
+    assert plain.rope_theta == 50000.0 and plain.rope_scaling is None
+    scaled = config_from_hf({**base, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}})
+    assert scaled.rope_theta == 500000.0 and scaled.rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize("source", ["folder", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_a_rank_keeps_only_its_slices_while_loading(tmp_path: Path, source: str) -> None:
+    from functools import partial
+
+    from loom_shard.tensor_parallel import rank_slice
+
+    model_id = ""
+    if source == "folder":
+        save_tiny(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
+        model_id = str(tmp_path)
+    _, whole = load_model_weights(model_id, torch.float32, progress=None)
+    ws = 3 if source == "embedded" else 2  # SmolLM2 has 3 kv heads
+    _, mine = load_model_weights(model_id, torch.float32, progress=None, keep=partial(rank_slice, rank=1, world_size=ws))
+    q, o = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(mine[q], whole[q].chunk(ws, dim=0)[1])
+    assert torch.equal(mine[o], whole[o].chunk(ws, dim=1)[1])
+    embed = "model.embed_tokens.weight"  # vocabulary-parallel
+    assert torch.equal(mine[embed], whole[embed].chunk(ws, dim=0)[1])
+    assert torch.equal(mine["model.norm.weight"], whole["model.norm.weight"])  # replicated
+    assert sum(t.numel() for t in mine.values()) < sum(t.numel() for t in whole.values())

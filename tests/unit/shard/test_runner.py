@@ -133,12 +133,13 @@ def test_warmup_sizes_pool_from_token_budget(llama_pair) -> None:
     result = runner.warmup(max_prefill_tokens=20, max_batch_total_tokens=50)
     assert (result.num_blocks, result.block_size) == (13, BLOCK_SIZE)
     assert result.num_host_blocks == 10**5 // runner.kv_spec.bytes_per_block
-    assert runner.kv_cache.device_blocks.shape[2] == 13
+    assert runner.kv_cache.num_blocks == 13
     with pytest.raises(ValueError, match="cannot hold a prefill"):
         runner.warmup(max_prefill_tokens=60, max_batch_total_tokens=50)
 
 
 def test_warmup_sizes_cpu_pool_from_configured_bytes(llama_pair) -> None:
-    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE, cpu_kv_cache_bytes=2**20)
+    config = ShardConfig(model_id="tiny", uds_path="", device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                         cpu_kv_cache_bytes=2**20)
     runner = ModelRunner(config, model=llama_pair.loom)
     assert runner.warmup(max_prefill_tokens=8).num_blocks == 2**20 // runner.kv_spec.bytes_per_block

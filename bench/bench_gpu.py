@@ -1,0 +1,188 @@
+"""GPU benchmark of the shard's runner (one CUDA device): decode tokens/s at several batch
+sizes, prefill tokens/s, the GPU's own ceilings, and transformers on the same GPU and model.
+
+The model is SmolLM2-135M's architecture (the embedded model's config) with random bf16
+weights: speed does not depend on the weights' values, and no file has to travel.
+Usage: python bench/bench_gpu.py [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from loom_proto.config import ShardConfig
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.loader_hf import config_from_hf
+from loom_shard.models import build_model
+from loom_shard.runner import ModelRunner
+
+SMOLLM2 = dict(  # MODEL-NOTES.md: the embedded GGUF's metadata
+    architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+)
+PROMPT_LEN = 128
+DECODE_STEPS = 64
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(seed=0)
+
+
+def cuda_time(fn: Callable[[], object], repeat: int = 10) -> float:
+    """Median seconds of fn() over repeats, timed with CUDA events after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    src = torch.randn(2**28, device="cuda")  # 1 GiB of float32, random (never time zeros)
+    dst = torch.empty_like(src)
+    copy_s = cuda_time(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_s = cuda_time(lambda: a @ b)
+    return {"d2d_copy_GBps": 2 * src.numel() * 4 / copy_s / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_s / 1e12}
+
+
+def make_runner(cuda_graphs: bool, max_batch: int) -> ModelRunner:
+    torch.manual_seed(0)
+    model = build_model(config_from_hf(SMOLLM2))
+    config = ShardConfig(model_id="bench", uds_path="", device="cuda", dtype="bfloat16", block_size=BLOCK_SIZE,
+                         cuda_graphs=cuda_graphs, host_kv_cache_bytes=0)
+    runner = ModelRunner(config, model=model)
+    blocks_per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 8) // BLOCK_SIZE)
+    runner.warmup(max_prefill_tokens=4096, max_batch_total_tokens=max(max_batch * blocks_per_seq, 512) * BLOCK_SIZE)
+    return runner
+
+
+def decode_rate(runner: ModelRunner, batch: int) -> float:
+    """Tokens/s of DECODE_STEPS decode steps over `batch` sequences of PROMPT_LEN tokens."""
+    runner.clear()
+    per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 8) // BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(batch)
+    for first in range(0, batch, 16):  # prefill 16 sequences a step
+        news = [NewRequest(i, torch.randint(0, 49152, (PROMPT_LEN,), generator=gen).tolist(), PROMPT_LEN, 0,
+                           PROMPT_LEN, list(range(i * per_seq, (i + 1) * per_seq)), sampling=GREEDY)
+                for i in range(first, min(first + 16, batch))]
+        runner.step(StepPlan(new_requests=news))
+    plan = StepPlan(running_requests=[RunningRequest(i, 1) for i in range(batch)])
+    for _ in range(3):
+        runner.step(plan)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(DECODE_STEPS - 4):
+        runner.step(plan)
+    elapsed = time.perf_counter() - start  # each step returns host tokens: already synchronized
+    return batch * (DECODE_STEPS - 4) / elapsed
+
+
+def prefill_rate(runner: ModelRunner, num_tokens: int, num_seqs: int = 1) -> float:
+    per_seq = -(-num_tokens // BLOCK_SIZE)
+    times = []
+    for rep in range(6):
+        runner.clear()
+        news = [NewRequest(i, torch.randint(0, 49152, (num_tokens,)).tolist(), num_tokens, 0, num_tokens,
+                           list(range(i * per_seq, (i + 1) * per_seq)), sampling=GREEDY) for i in range(num_seqs)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.step(StepPlan(new_requests=news))
+        times.append(time.perf_counter() - start)
+    return num_tokens * num_seqs / statistics.median(times[1:])
+
+
+def transformers_rates(batches: list[int]) -> dict[str, float]:
+    """transformers' own generate (static batch, greedy) on the same architecture, bf16."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in SMOLLM2.items() if k != "architectures"})
+    model = transformers.LlamaForCausalLM(hf_config).to("cuda", torch.bfloat16).eval()
+    rates: dict[str, float] = {}
+    for batch in batches:
+        ids = torch.randint(0, 49152, (batch, PROMPT_LEN), device="cuda")
+
+        def run(n: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        run(4)
+        prefill_only, full = run(1), run(DECODE_STEPS)
+        rates[f"hf_generate_decode_tok_s_b{batch}"] = batch * (DECODE_STEPS - 1) / (full - prefill_only)
+    try:
+        rates |= _generate_batch_rates(hf_config, batches)
+    except Exception as error:  # noqa: BLE001 - continuous batching is newer API; record why not
+        rates["hf_generate_batch_error"] = repr(error)[:300]
+    return rates
+
+
+def _generate_batch_rates(hf_config, batches: list[int]) -> dict[str, float]:  # noqa: ANN001
+    """transformers' continuous batching (`generate_batch`, paged attention), tokens/s end to end."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(hf_config, attn_implementation="sdpa_paged")
+    model = model.to("cuda", torch.bfloat16).eval()
+    config = transformers.GenerationConfig(max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0, use_cuda_graph=False)
+    rates = {}
+    for batch in batches:
+        inputs = [torch.randint(1, 49152, (PROMPT_LEN,)).tolist() for _ in range(batch)]
+        model.generate_batch(inputs=inputs[:2], generation_config=config)  # warm
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate_batch(inputs=inputs, generation_config=config)
+        torch.cuda.synchronize()
+        rates[f"hf_generate_batch_tok_s_b{batch}"] = batch * DECODE_STEPS / (time.perf_counter() - start)
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer batch sizes (a smoke run)")
+    args = parser.parse_args()
+    batches = [1, 32] if args.quick else [1, 32, 128, 256]
+    results: dict[str, float | str] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results |= ceilings()
+    for graphs in (True, False):
+        runner = make_runner(graphs, max(batches))
+        tag = "graphs" if graphs else "eager"
+        for batch in batches:
+            results[f"loom_{tag}_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
+            print(f"loom {tag} decode b{batch}: {results[f'loom_{tag}_decode_tok_s_b{batch}']:.0f} tok/s", flush=True)
+            if graphs:  # the GPU's own time per decode step: what the host adds shows beside it
+                replay = runner.decode_graphs.steps[batch].graph.replay
+                results[f"loom_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
+        if graphs:
+            results["loom_prefill_tok_s_2048x1"] = prefill_rate(runner, 2048)
+            results["loom_prefill_tok_s_2048x2"] = prefill_rate(runner, 2048, num_seqs=2)
+        del runner
+        torch.cuda.empty_cache()
+    try:
+        results |= transformers_rates(batches)
+    except Exception as error:  # noqa: BLE001 - the comparison is optional; say why it is missing
+        results["hf_error"] = repr(error)[:300]
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The attention-backend interface: how a step's metadata is built and which kernels attend.
+
+- `TorchBackend` (CPU, and CUDA without triton): the measured blocked-prefill and
+  gather-decode paths of `loom_shard.attention`.
+- `TritonPagedBackend` (CUDA): one Triton kernel for prefill chunks and decodes that reads
+  K/V blocks in place through block tables (`loom_shard.triton_attention`). Its step tables
+  travel to the GPU as one int32 transfer; positions and slots are derived there, so the same
+  code runs inside a captured CUDA graph (`loom_shard.cuda_graphs`).
+
+The KV cache layout is the same for both ([layers, 2, blocks, block_size, kv_heads, head_dim]),
+so swaps and snapshots do not depend on the backend.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from loom_shard.attention import AttentionMetadata, PagedKernel, PagedTables, SeqSpan, build_metadata
+
+log = logging.getLogger(__name__)
+
+
+class BackendKind(enum.Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+class AttentionBackend(Protocol):
+    kind: BackendKind
+
+    def build_metadata(self, spans: list[SeqSpan], block_size: int) -> AttentionMetadata:
+        """The step's metadata; spans with num_compute > 1 come before decodes."""
+        ...
+
+
+@dataclass(slots=True)
+class TorchBackend:
+    device: torch.device
+    kind: BackendKind = BackendKind.TORCH
+
+    def build_metadata(self, spans: list[SeqSpan], block_size: int) -> AttentionMetadata:
+        return build_metadata(spans, block_size, self.device)
+
+
+@dataclass(slots=True, frozen=True)
+class StepShape:
+    """What the host knows of a step's tables without looking at the device."""
+
+    num_seqs: int
+    max_blocks: int  # block-table width
+    num_tokens: int
+    max_query_len: int
+    max_position: int
+
+
+def pack_step_tables(spans: list[SeqSpan], block_size: int, max_blocks: int | None = None) -> tuple[torch.Tensor, StepShape]:
+    """One int32 host tensor: [query_starts (S + 1) | num_cached (S) | block_tables (S * max_blocks)].
+
+    Block tables are cut to the blocks each span reaches and padded with block 0 (never read:
+    the kernel stops at the sequence's last key).
+    """
+    num_blocks = [-(-(s.num_cached + s.num_compute) // block_size) for s in spans]
+    width = max_blocks if max_blocks is not None else max(num_blocks, default=1)
+    query_starts = [0]
+    for s in spans:
+        query_starts.append(query_starts[-1] + s.num_compute)
+    tables = [t for s, n in zip(spans, num_blocks) for t in (s.block_table[:n] + [0] * (width - n))]
+    packed = torch.tensor(query_starts + [s.num_cached for s in spans] + tables, dtype=torch.int32)
+    shape = StepShape(
+        num_seqs=len(spans),
+        max_blocks=width,
+        num_tokens=query_starts[-1],
+        max_query_len=max((s.num_compute for s in spans), default=0),
+        max_position=max((s.num_cached + s.num_compute - 1 for s in spans), default=0),
+    )
+    return packed, shape
+
+
+def paged_metadata(packed: torch.Tensor, shape: StepShape, block_size: int, kernel: PagedKernel) -> AttentionMetadata:
+    """Metadata from packed tables already on the device; device ops only (graph-capturable)."""
+    s = shape.num_seqs
+    query_starts = packed[: s + 1]
+    num_cached = packed[s + 1 : 2 * s + 1]
+    block_tables = packed[2 * s + 1 : 2 * s + 1 + s * shape.max_blocks].view(s, shape.max_blocks)
+    tokens = torch.arange(shape.num_tokens, device=packed.device, dtype=torch.int32)
+    seq_of_token = torch.searchsorted(query_starts[1:], tokens, right=True)  # [num_tokens]
+    positions = (num_cached[seq_of_token] + tokens - query_starts[seq_of_token]).long()
+    pages = block_tables[seq_of_token, positions // block_size].long()
+    tables = PagedTables(block_tables, query_starts, num_cached, shape.max_query_len, kernel)
+    return AttentionMetadata(
+        positions=positions,
+        max_position=shape.max_position,
+        slot_mapping=pages * block_size + positions % block_size,
+        prefills=[],
+        decode=None,
+        block_size=block_size,
+        paged=tables,
+    )
+
+
+@dataclass(slots=True)
+class TritonPagedBackend:
+    device: torch.device
+    kernel: PagedKernel
+    kind: BackendKind = BackendKind.TRITON
+
+    def build_metadata(self, spans: list[SeqSpan], block_size: int) -> AttentionMetadata:
+        packed, shape = pack_step_tables(spans, block_size)
+        # Pinned, so the single copy is asynchronous and the host goes on launching kernels.
+        device_packed = packed.pin_memory().to(self.device, non_blocking=True)
+        return paged_metadata(device_packed, shape, block_size, self.kernel)
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """Triton's paged kernel on CUDA when triton imports; otherwise the torch paths (one log line)."""
+    if device.type != "cuda":
+        return TorchBackend(device)
+    try:
+        from loom_shard.triton_attention import paged_attention_triton
+    except ImportError as error:
+        log.warning("triton unavailable (%s): CUDA attention falls back to the torch gather path", error)
+        return TorchBackend(device)
+    return TritonPagedBackend(device, _triton_kernel(paged_attention_triton))
+
+
+def _triton_kernel(fn) -> PagedKernel:  # noqa: ANN001 - the triton launcher
+    def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: PagedTables) -> torch.Tensor:
+        return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len)
+
+    return attend

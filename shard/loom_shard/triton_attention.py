@@ -1,0 +1,130 @@
+"""A Triton paged-attention kernel: prefill chunks and decodes in one launch, reading K/V
+blocks in place through each sequence's block table (no gather of the context).
+
+One program computes one query tile of one sequence for one KV head. The KV head's query
+group folds into the tile's rows (row = token * group + g), so grouped-query attention
+loads each K/V block once for the whole group:
+
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len * group, BLOCK_M))
+    program: rows of Q [BLOCK_M, head_dim]  x  keys 0 .. last visible, BLOCK_N at a time,
+             each key's slot = block_table[seq, key // block_size] * block_size + key % block_size
+
+Online softmax in float32 (FlashAttention-2); a query at position p sees keys 0..p.
+Importing this module needs triton; `loom_shard.attention_backend` decides whether to.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # query rows per program: tl.dot's minimum, and a decode's group fits in it
+BLOCK_N = 64  # keys per iteration
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_starts_ptr, num_cached_ptr,
+    scale,
+    stride_q_token, stride_q_head,
+    stride_kv_kind, stride_kv_slot, stride_kv_head,
+    stride_out_token, stride_out_head,
+    stride_table_seq,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    query_start = tl.load(query_starts_ptr + seq)
+    query_len = tl.load(query_starts_ptr + seq + 1) - query_start
+    if tile * BLOCK_M >= query_len * GROUP:
+        return  # this sequence has fewer query rows than the longest one
+    num_cached = tl.load(num_cached_ptr + seq)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = token < query_len
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = (query_start + token)[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    query_pos = num_cached + token  # [BLOCK_M]
+    # Keys this tile can see: up to its last valid token's position, inclusive.
+    last_token = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, query_len * GROUP - 1) // GROUP
+    num_keys = num_cached + last_token + 1
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked row never makes NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_table_seq
+    first_key = 0
+    while first_key < num_keys:  # a while loop: the interpreter's scalars are not Python ints
+        keys = first_key + tl.arange(0, BLOCK_N)
+        key_valid = keys < num_keys
+        page = tl.load(table + keys // PAGE, mask=key_valid, other=0)
+        slots = page.to(tl.int64) * PAGE + keys % PAGE
+        kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+        k = tl.load(kv_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(kv_ptr + stride_kv_kind + kv_offsets, mask=key_valid[:, None], other=0.0)
+        if IEEE:  # float32 caches: exact float32 products (tf32 would break parity with the reference)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        visible = (keys[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        p = tl.where(visible, p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        first_key += BLOCK_N
+    out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+    out_offsets = (query_start + token)[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    num_cached: torch.Tensor,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every query token over its sequence's cached keys (its own K/V already written).
+
+    q: [num_tokens, num_heads, head_dim]; kv_layer: [2, num_blocks, block_size, kv_heads, head_dim];
+    block_tables: [num_seqs, max_blocks] int32; query_starts: [num_seqs + 1] int32 (token offsets
+    of each sequence's queries in q); num_cached: [num_seqs] int32 (keys before its first query);
+    max_query_len: the longest sequence's query count, known on the host (sizes the grid).
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_blocks, page, num_kv_heads, _ = kv_layer.shape
+    assert kv_layer.is_contiguous() and q.stride(2) == 1
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = block_tables.shape[0]
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len * group, BLOCK_M))
+    _paged_attention_kernel[grid](
+        q, kv_layer, out, block_tables, query_starts, num_cached,
+        head_dim**-0.5,
+        q.stride(0), q.stride(1),
+        kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+    )
+    return out
