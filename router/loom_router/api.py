@@ -3,6 +3,7 @@ OpenAI routes (loom_router.openai_api) mounted beside them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -20,6 +21,7 @@ from loom_router.http_common import (
     ClientDisconnected,
     EventStreamResponse,
     Generation,
+    check_input_chars,
     encode,
     generate,
     get_state,
@@ -28,6 +30,7 @@ from loom_router.http_common import (
     tracked,
 )
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
+from loom_router.text import token_spans, token_texts
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
     ChoiceEvent,
@@ -180,10 +183,8 @@ def _add_tgi_routes(app: FastAPI) -> None:
         state = get_state(request)
         if not body.inputs:
             raise ValidationError("`inputs` cannot be empty")
-        ids = await encode(state, body.inputs)
-        if body.parameters.truncate is not None:
-            ids = ids[-body.parameters.truncate:]
-        return _token_offsets(state, body.inputs, ids)
+        check_input_chars(state, len(body.inputs))
+        return await asyncio.to_thread(token_spans, state.tokenizer, body.inputs, body.parameters.truncate)
 
     @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
     async def metrics_route(request: Request) -> Response:
@@ -205,11 +206,14 @@ async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[lis
 async def _generate(state: AppState, request: Request, body: TGIRequest) -> dict[str, Any]:
     ids, gen_params = await _prepare(state, body, stream=False)
     generation = await generate(state, request, ids, gen_params)
-    return _tgi_response(state, body, ids, gen_params, generation)
+    prompt_texts: list[str] = []
+    if body.parameters.details and body.parameters.decoder_input_details:
+        prompt_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)  # long prompts: off the loop
+    return _tgi_response(state, body, ids, gen_params, generation, prompt_texts)
 
 
 def _tgi_response(state: AppState, body: TGIRequest, ids: list[int], gen_params: GenerationParams,
-                  generation: Generation) -> dict[str, Any]:
+                  generation: Generation, prompt_texts: list[str]) -> dict[str, Any]:
     params = body.parameters
     # best_of: the sequence with the highest total logprob wins, as in TGI
     ranked = sorted(generation.choices, key=lambda c: c.logprob_sum, reverse=True)
@@ -217,7 +221,7 @@ def _tgi_response(state: AppState, body: TGIRequest, ids: list[int], gen_params:
     out: dict[str, Any] = {"generated_text": _full_text(params, body.inputs, best.text)}
     if not params.details:
         return out
-    prefill = _prefill(state, ids, generation.prompt.prompt_logprobs) if params.decoder_input_details else []
+    prefill = _prefill(ids, prompt_texts, generation.prompt.prompt_logprobs) if params.decoder_input_details else []
     details = _sequence(state, params, gen_params, best, prefill)
     del details["generated_text"]
     if len(ranked) > 1:
@@ -294,27 +298,9 @@ def _top_tokens(state: AppState, token: GeneratedToken) -> list[dict[str, Any]]:
              "special": tok.is_special(t.token_id)} for t in token.top_tokens]
 
 
-def _prefill(state: AppState, ids: list[int], logprobs: list[float | None]) -> list[dict[str, Any]]:
-    decode = state.tokenizer.decode
+def _prefill(ids: list[int], texts: list[str], logprobs: list[float | None]) -> list[dict[str, Any]]:
     padded = list(logprobs) + [None] * (len(ids) - len(logprobs))
-    return [{"id": i, "text": decode([i]), "logprob": lp} for i, lp in zip(ids, padded)]
-
-
-def _token_offsets(state: AppState, inputs: str, ids: list[int]) -> list[dict[str, Any]]:
-    """TGI's /tokenize answer: each token with its character span in the input.
-
-    Spans come from decoding growing prefixes; a token that ends inside a multi-byte
-    character gets an empty span and the character goes to the token that completes it.
-    """
-    decode = state.tokenizer.decode
-    out, start = [], 0
-    for i, token_id in enumerate(ids):
-        prefix = decode(ids[: i + 1])
-        stop = start if prefix.endswith("\ufffd") else max(len(prefix), start)
-        text = inputs[start:stop] if inputs.startswith(prefix[:stop]) else decode([token_id])
-        out.append({"id": token_id, "text": text, "start": start, "stop": stop})
-        start = stop
-    return out
+    return [{"id": i, "text": text, "logprob": lp} for i, text, lp in zip(ids, texts, padded)]
 
 
 def _info(state: AppState) -> dict[str, Any]:

@@ -316,16 +316,18 @@ class Engine:
         token_id = out.token_id
         self._counters.generated_tokens += 1
         text = active.texts[seq.seq_id]
-        delta = text.detokenizer.add(token_id)
+        delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
         emitted, stopped = text.stop.feed(delta)
         reason = self._finish_reason(seq, active.params, token_id, stopped)
         if reason is not None and reason is not FinishReason.STOP:
-            tail, stopped = text.stop.feed(text.detokenizer.flush())
+            held = text.detokenizer.flush()
+            delta += held
+            tail, stopped = text.stop.feed(held)
             emitted += tail if stopped else tail + text.stop.flush()
             reason = FinishReason.STOP if stopped else reason
         token = GeneratedToken(
             token_id=token_id,
-            text=self.tokenizer.decode([token_id]),
+            text=delta,
             logprob=out.logprob if out.logprob is not None else 0.0,
             special=self.tokenizer.is_special(token_id),
             top_tokens=out.top_tokens,

@@ -41,7 +41,7 @@ class GenerationParams:
 @dataclass(slots=True)
 class GeneratedToken:
     token_id: int
-    text: str  # this token's own text (may be "" or partial for multi-byte pieces)
+    text: str  # the text this token adds to the output ("" while a character's bytes are incomplete)
     logprob: float
     special: bool
     top_tokens: list[TokenLogprob] = field(default_factory=list)
