@@ -196,9 +196,7 @@ async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[lis
     params = body.parameters
     limits = state.limits()
     check_tgi(params, body.inputs, stream, limits)
-    ids = await encode(state, body.inputs)
-    if params.truncate is not None:
-        ids = ids[-params.truncate:]  # TGI keeps the end of the input
+    ids = await encode(state, body.inputs, truncate=params.truncate)  # TGI keeps the end of the input
     max_new_tokens = state.engine.validate_lengths(len(ids), params.max_new_tokens, params.best_of or 1)
     return ids, tgi_generation_params(params, max_new_tokens, limits)
 

@@ -82,11 +82,12 @@ def check_input_chars(state: AppState, num_chars: int, what: str = "inputs") -> 
                               f"Given: {num_chars}")
 
 
-async def encode(state: AppState, text: str, add_special_tokens: bool = True) -> list[int]:
+async def encode(state: AppState, text: str, add_special_tokens: bool = True,
+                 truncate: int | None = None) -> list[int]:
     """Tokenizes off the event loop (a long prompt must not stall other requests' streams),
-    after the character cap."""
+    after the character cap; `truncate` keeps the last tokens and the model's BOS."""
     check_input_chars(state, len(text))
-    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens, truncate)
 
 
 @dataclass(slots=True)

@@ -75,8 +75,8 @@ def token_spans(tokenizer: Tokenizer, text: str, truncate: int | None = None) ->
     """TGI's /tokenize answer: each token with its character span in `text`, in one linear pass
     over the encoder's offsets. The bytes of one character may span tokens: those before the
     last get an empty span and the character goes to the token that completes it, so the
-    spans never overlap (as the stream's texts). `truncate` keeps the last tokens."""
-    ids, offsets = tokenizer.encode_with_offsets(text)
+    spans never overlap (as the stream's texts). `truncate` keeps the last tokens (and BOS)."""
+    ids, offsets = tokenizer.encode_with_offsets(text, truncate)
     spans: list[dict[str, Any]] = []
     position = 0  # where the next span starts: the end of the last one
     held = False  # the previous token ended inside a character: its text comes with this one
@@ -86,7 +86,7 @@ def token_spans(tokenizer: Tokenizer, text: str, truncate: int | None = None) ->
         stop = start if held else max(stop, start)
         spans.append({"id": token_id, "text": text[start:stop], "start": start, "stop": stop})
         position = stop
-    return spans[-truncate:] if truncate is not None else spans
+    return spans
 
 
 def _overlaps(span: tuple[int, int], stop: int) -> bool:

@@ -68,17 +68,30 @@ class Tokenizer:
         self._compiled_template: jinja2.Template | None = None
         self._byte_level = _is_byte_level(backend.decoder)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognized."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognized.
+
+        truncate: keep only the last tokens of the text, so that with the model's own
+        special tokens (its BOS, which survives) there are at most this many.
+        """
+        return self._encoding(text, add_special_tokens, truncate).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(self, text: str, truncate: int | None = None) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of `text` with each token's character span in it (special tokens: (0, 0))."""
-        encoding = self._backend.encode(text, add_special_tokens=True)
+        encoding = self._encoding(text, True, truncate)
         return encoding.ids, encoding.offsets
+
+    def _encoding(self, text: str, add_special_tokens: bool, truncate: int | None) -> Any:
+        if truncate is None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens)
+        # Truncate the text's tokens, then add the specials: slicing after them would drop BOS.
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        num_special = self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(truncate - num_special, 1), direction="left")
+        return self._backend.post_process(encoding) if add_special_tokens else encoding
 
     def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True) -> TokenStream:
         """A streaming decoder that continues after context_ids (see IncrementalDetokenizer)."""

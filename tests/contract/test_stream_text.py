@@ -131,3 +131,20 @@ async def test_inputs_over_the_character_cap_are_refused_before_tokenizing(token
 
 def _is_sentencepiece(tokenizer: Tokenizer) -> bool:
     return tokenizer.chat_template is None  # the embedded (byte-level) model has a template
+
+
+async def test_truncate_keeps_the_models_bos(harness: Harness) -> None:
+    tok = harness.tokenizer
+    full = tok.encode("the quick brown fox jumps")
+    body = {"inputs": "the quick brown fox jumps",
+            "parameters": {"truncate": 3, "max_new_tokens": 1, "details": True, "decoder_input_details": True}}
+    prefill = (await harness.client.post("/generate", json=body)).json()["details"]["prefill"]
+    spans = (await harness.client.post("/tokenize", json={"inputs": "the quick brown fox jumps",
+                                                           "parameters": {"truncate": 3}})).json()
+    if _is_sentencepiece(tok):  # adds BOS: it stays first, then the last 2 text tokens
+        assert full[0] == tok.bos_token_id
+        expected = [tok.bos_token_id, *full[-2:]]
+    else:  # no BOS added: just the last 3 tokens
+        expected = full[-3:]
+    assert [t["id"] for t in prefill] == expected
+    assert [s["id"] for s in spans] == expected
