@@ -436,6 +436,18 @@ class BlockManager:
             self._free_ids.append(block_id)
         return len(dropped)
 
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """These blocks' contents are unknown (a failed step may not have written them): they
+        leave the prefix cache, so no later prompt reuses them."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            self._unhash(block)
+            if block.ref_count == 0:
+                del self._cached_ids[block_id]
+                self._free_ids.append(block_id)
+
     def _unhash(self, block: Block) -> None:
         del self._hash_to_id[block.block_hash]
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()

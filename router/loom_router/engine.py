@@ -34,6 +34,7 @@ from loom_router.types import (
     GenerationError,
     GenerationParams,
     OverloadedError,
+    ShardDivergence,
     ValidationError,
 )
 
@@ -91,6 +92,8 @@ class Engine:
         self._draining = False
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
+        # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -247,9 +250,11 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # a bug here must not leave clients hanging
-            log.exception("engine loop crashed")
+            log.critical("engine loop crashed: %s", err, exc_info=not isinstance(err, ShardDivergence))
             self._loop_error = err
             self._fail_all(GenerationError(f"engine loop crashed: {err!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
             raise
 
     def _apply_pending(self) -> None:
@@ -281,26 +286,32 @@ class Engine:
                 future.set_exception(err)
 
     async def _step(self, plan: StepPlan) -> StepResult | None:
-        """One step on the shards; a failure fails the requests in it, not the server."""
+        """One step on the shards. A failure fails the requests in it, not the server, and
+        the scheduler rolls back what a later step would trust; ranks that diverged
+        (ShardDivergence) are fatal and propagate."""
         try:
             result = await self.client.step(plan)
+        except ShardDivergence:
+            raise
         except Exception as err:
-            log.error("step failed: %s", err)
-            group_ids = {self._group_of(r.request_id) for r in (*plan.new_requests, *plan.running_requests)}
-            for group_id in group_ids:
-                active = self._active.pop(group_id, None)
-                if active is not None:
-                    assert self.scheduler is not None
-                    self.scheduler.abort(group_id)
-                    active.stream.closed = True
-                    active.stream.put(GenerationError(f"Request failed during generation: {err}"))
-                    self._count_finish("error")
+            assert self.scheduler is not None
+            failed, requeued = self.scheduler.rollback(plan)
+            log.error("step failed: %s; failing requests %s", err, failed)
+            if requeued:
+                log.warning("requests %s were being swapped out by the failed step: they resume by "
+                            "recomputing their KV", requeued)
+            for group_id in failed:
+                self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
             return None
         self._counters.steps += 1
         return result
 
-    def _group_of(self, seq_id: int) -> int:
-        return seq_id // self.config.max_n
+    def _fail(self, group_id: int, error: GenerationError) -> None:
+        active = self._active.pop(group_id, None)
+        if active is not None:
+            active.stream.closed = True
+            active.stream.put(error)
+            self._count_finish("error")
 
     def _postprocess(self, seq: Sequence, out: SeqOutput) -> None:
         """Turn one sampled token into a ChoiceEvent: detokenize, check stops, finish."""

@@ -21,6 +21,7 @@ from loom_router.tokenizer import load_tokenizer
 
 log = logging.getLogger("loom_router")
 
+EXIT_ENGINE_FAILED = 3  # the engine loop died (a divergence between shard ranks, or a bug)
 DESCRIPTION = ("Loom's router: HTTP API, scheduler, KV block manager; drives the shards over gRPC. "
                "Started by loom-launcher, which hands it its config as JSON.")
 
@@ -37,7 +38,12 @@ async def serve(config: RouterConfig) -> int:
             app, host=config.hostname, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=int(config.shutdown_timeout), access_log=config.log_level == "debug",
         ))
+        fatal: list[BaseException] = []
+        engine.on_fatal = lambda error: (fatal.append(error), setattr(server, "should_exit", True))
         await server.serve()
+        if fatal:  # e.g. tensor-parallel ranks diverged: exit non-zero, the launcher stops everything
+            log.critical("router stopping: %s", fatal[0])
+            return EXIT_ENGINE_FAILED
         return 0 if server.started else 1
     finally:
         await client.close()

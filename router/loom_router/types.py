@@ -99,5 +99,10 @@ class OverloadedError(RuntimeError):
     """Too many requests in flight (HTTP 429)."""
 
 
+class ShardDivergence(Exception):
+    """The ranks of a tensor-parallel group ended a step differently (some ran it, some failed
+    or never answered): their KV and request state may differ, so no later step is safe."""
+
+
 class GenerationError(RuntimeError):
     """The shards failed while generating (HTTP 424)."""
