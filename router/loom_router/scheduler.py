@@ -217,7 +217,7 @@ class Scheduler:
         blocks of its prompt? Identical prefixes arriving together are then computed once."""
         if group.swapped or not self._uses_prefix_cache(group):
             return False
-        return self.block_manager.is_prefix_pending(group.seqs[0].token_ids)
+        return self.block_manager.is_prefix_pending(group.seqs[0])
 
     def _admit(self, group: SequenceGroup, step: _Step) -> bool:
         """Allocate a new (or preempted-to-recompute) group, reusing cached prefixes."""
@@ -226,7 +226,7 @@ class Scheduler:
         fresh = group.seqs[0].status is SeqStatus.WAITING
         if group.forked and not fresh:  # resuming independent choices
             seqs = group.unfinished_seqs()
-            needed = sum(bm.num_required_blocks(seq.token_ids, use_cache) for seq in seqs)
+            needed = sum(bm.num_required_blocks(seq, use_cache) for seq in seqs)
             if needed > bm.num_free_blocks:
                 return False
             for seq in seqs:
