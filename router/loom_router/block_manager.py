@@ -338,11 +338,11 @@ class BlockManager:
         seq.block_table.extend(new_ids)
         return new_ids
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        """Give child the parent's prompt: shared full blocks, its own copy of a partial last one.
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child the parent's prompt: shared full blocks, its own block for a partial last one.
 
-        Returns the (parent block, child block) pairs the shard must copy once the parent's
-        last block is computed (for a `Fork`, the shard does it after the forward).
+        The partial block's KV is copied by the shard when it creates the `Fork` (the one
+        place a fork copy happens: only after the forward is the parent's last block filled).
         """
         assert not child.block_table
         num_prompt = parent.num_prompt_tokens
@@ -352,11 +352,8 @@ class BlockManager:
             self._share_block(block_id)
         child.block_table = list(shared)
         child.block_hashes = list(parent.block_hashes[:num_full])
-        if num_prompt % self.block_size == 0:
-            return []
-        new_id = self._take_block()
-        child.block_table.append(new_id)
-        return [(parent.block_table[num_full], new_id)]
+        if num_prompt % self.block_size:
+            child.block_table.append(self._take_block())
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's device and host blocks; hashed ones stay cached, the tail evicted first."""

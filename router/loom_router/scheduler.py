@@ -241,7 +241,7 @@ class Scheduler:
                 return False
             bm.allocate(parent, use_cache)
             for child in group.seqs[1:]:
-                bm.fork(parent, child)  # the copy itself is the shard's, on the Fork
+                bm.fork(parent, child)  # the partial block's copy is the shard's, on the Fork
         if fresh:
             group.num_cached_prompt_tokens = group.seqs[0].num_computed
             self.stats.prompt_tokens_cached += group.num_cached_prompt_tokens

@@ -33,7 +33,7 @@ STEP_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Shard'].full_name}/Step"
 HEALTH_TIMEOUT_S = 2.0
 # After one rank fails a step, how long the others get to fail it too (a plan every rank
 # refuses is not a divergence); a rank still busy then is stuck in a collective.
-DIVERGENCE_GRACE_S = 5.0
+DIVERGENCE_GRACE_S = 0.5  # every rank checks a plan before running it: a refusal is quick
 
 T = TypeVar("T")
 
@@ -229,7 +229,8 @@ class ShardClient:
 def agreed_step_reply(tasks: list[asyncio.Future[Any]]) -> Any:
     """Rank 0's reply when every rank succeeded; the first rank's ShardError when every rank
     failed; ShardDivergence (naming the ranks) otherwise."""
-    outcomes = [asyncio.TimeoutError("no answer") if t.cancelled() else t.exception() for t in tasks]
+    outcomes = [asyncio.TimeoutError("no answer") if not t.done() or t.cancelled() else t.exception()
+                for t in tasks]
     if all(error is None for error in outcomes):
         return tasks[0].result()
     errors = [_shard_error(rank, e) if isinstance(e, grpc.aio.AioRpcError) else e

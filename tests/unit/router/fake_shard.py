@@ -108,8 +108,6 @@ class FakeShard:
             self.host[host_id] = list(self.device[device_id])
         for host_id, device_id in plan.swap_in:
             self.device[device_id] = list(self.host[host_id])
-        for src, dst in plan.copies:
-            self.device[dst] = list(self.device[src])
 
     def _admit(self, request: NewRequest) -> _Work:
         assert request.request_id not in self.states, f"request {request.request_id} sent twice"
