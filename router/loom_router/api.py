@@ -4,6 +4,7 @@ OpenAI routes (loom_router.openai_api) mounted beside them."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -179,12 +180,14 @@ def _add_tgi_routes(app: FastAPI) -> None:
         return error_response(request, 503, "unhealthy: the engine or a shard is down", "unhealthy")
 
     @app.post("/tokenize", tags=["TGI"], summary="Tokenize a text")
-    async def tokenize_route(body: TokenizeRequest, request: Request) -> list[dict[str, Any]]:
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
         state = get_state(request)
         if not body.inputs:
             raise ValidationError("`inputs` cannot be empty")
         check_input_chars(state, len(body.inputs))
-        return await asyncio.to_thread(token_spans, state.tokenizer, body.inputs, body.parameters.truncate)
+        # Spans and their JSON in a thread: a long input is a long answer (the loop serves /health).
+        content = await asyncio.to_thread(_tokenize_json, state.tokenizer, body.inputs, body.parameters.truncate)
+        return Response(content, media_type="application/json")
 
     @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
     async def metrics_route(request: Request) -> Response:
@@ -299,6 +302,10 @@ def _top_tokens(state: AppState, token: GeneratedToken) -> list[dict[str, Any]]:
 def _prefill(ids: list[int], texts: list[str], logprobs: list[float | None]) -> list[dict[str, Any]]:
     padded = list(logprobs) + [None] * (len(ids) - len(logprobs))
     return [{"id": i, "text": text, "logprob": lp} for i, text, lp in zip(ids, texts, padded)]
+
+
+def _tokenize_json(tokenizer: Any, inputs: str, truncate: int | None) -> bytes:
+    return json.dumps(token_spans(tokenizer, inputs, truncate), ensure_ascii=False).encode()
 
 
 def _info(state: AppState) -> dict[str, Any]:
