@@ -19,16 +19,18 @@ PROMPTS = [
 
 
 def test_stream_joins_to_generated_text_with_non_ascii(launcher: Launcher) -> None:
-    client = Client(launcher.base_url, timeout=120)
-    non_ascii_answers = 0
+    client = Client(launcher.base_url, timeout=300)
+    answers, num_partial_tokens = [], 0
     for prompt in PROMPTS:
-        full = client.generate(prompt, max_new_tokens=24, details=True)
+        full = client.generate(prompt, max_new_tokens=24)
         responses = list(client.generate_stream(prompt, max_new_tokens=24))
         streamed = "".join(r.token.text for r in responses)
         assert streamed == full.generated_text == responses[-1].generated_text, prompt
         assert "\ufffd" not in streamed
         assert [r.token.id for r in responses] == [t.id for t in full.details.tokens]
         assert "".join(t.text for t in full.details.tokens) == full.generated_text
-        non_ascii_answers += any(ord(ch) > 127 for ch in full.generated_text)
-        # Some token of a non-ASCII answer is only part of a character: it streams as "".
-    assert non_ascii_answers >= 3, "the prompts no longer make the model answer with non-ASCII text"
+        answers.append(full.generated_text)
+        # A token that is only part of a character streams as "" (the next one completes it).
+        num_partial_tokens += sum(1 for r in responses if r.token.text == "" and not r.token.special)
+    non_ascii = [a for a in answers if any(ord(ch) > 127 for ch in a)]
+    assert len(non_ascii) >= 2 and num_partial_tokens > 0, f"too little non-ASCII to test: {answers}"
