@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
 from test_api import router_config
+from test_loop_responsiveness import free_port
 
 from loom_proto.step import StepPlan, StepResult
+from loom_router import main
 from loom_router.engine import Engine
 from loom_router.shard_client import ShardError, agreed_step_reply
 from loom_router.tokenizer import Tokenizer, load_tokenizer
@@ -94,3 +97,29 @@ async def test_rank_replies_agree_or_diverge() -> None:
         agreed_step_reply(_futures("r0", ShardError(1, "INTERNAL", "out of memory")))
     with pytest.raises(ShardDivergence, match="rank 1"):  # stuck in a collective after rank 0 failed
         agreed_step_reply(_futures(ShardError(0, "INTERNAL", "boom"), "cancelled"))
+
+
+async def test_router_exits_non_zero_when_ranks_diverge(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
+
+    async def diverging_step(plan: StepPlan) -> StepResult:
+        raise ShardDivergence("tensor-parallel ranks diverged on a step (ranks [1] ran it; rank 0: boom)")
+
+    backend.step = diverging_step  # type: ignore[method-assign]
+    monkeypatch.setattr(main, "ShardClient", lambda paths: backend)
+    monkeypatch.setattr(main, "load_tokenizer", lambda model_id: tokenizer)
+    config = router_config(hostname="127.0.0.1", port=free_port())
+    serving = asyncio.create_task(main.serve(config))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}", timeout=30) as client:
+        while True:
+            assert not serving.done(), "the router stopped before serving"
+            try:
+                await client.get("/health")
+                break
+            except httpx.TransportError:
+                await asyncio.sleep(0.05)
+        response = await client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert response.status_code == 424 and "diverged" in response.json()["error"]
+    assert await asyncio.wait_for(serving, 30) == main.EXIT_ENGINE_FAILED
+    assert "ranks diverged" in caplog.text
