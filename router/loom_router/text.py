@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0):])
+        while context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context.pop()  # the prompt ends inside a character: those bytes are not the output's
         self._stream = tokenizer.decode_stream(context, skip_special_tokens)
         self._context = context  # the last ids before `_held`, for flush's decode
         self._held: list[int] = []  # ids added since the last text came out

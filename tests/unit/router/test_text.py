@@ -199,3 +199,10 @@ def _is_whole_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_prompt_ending_inside_a_character_adds_nothing_to_the_output(smollm: Tokenizer):
+    ids = smollm.encode("日本 hello world")
+    cut = next(i for i in range(1, len(ids)) if smollm.decode(ids[:i]).endswith("\ufffd"))
+    prompt, generated = ids[:cut], ids[cut:]
+    assert "".join(_stream(smollm, prompt, generated)) == smollm.decode(generated)
