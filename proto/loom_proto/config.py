@@ -87,6 +87,11 @@ class RouterFlags(ModelFlags):
     shard_ready_timeout: Seconds = Field(600.0, description="seconds the router waits for every shard's Health")
     shutdown_timeout: Seconds = Field(30.0, description="seconds the router may take to drain on SIGTERM")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="router log level")
+    json_output: bool = Field(False, description="router logs as one JSON object per line")
+    prometheus_port: int | None = Field(None, ge=0, lt=65536, description="also serve /metrics on this port; "
+                                        "unset: only on the HTTP port")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
+                                      "http://collector:4318): a span per request; needs the SDK installed")
 
     @model_validator(mode="after")
     def _token_limits(self) -> RouterFlags:
@@ -176,6 +181,9 @@ def build_parser(model: type[BaseModel], prog: str, description: str) -> argpars
         if get_origin(field.annotation) is tuple:
             parser.add_argument(option(name.removesuffix("s")), dest=name, action="append",
                                 default=argparse.SUPPRESS, help=help_text)
+        elif field.annotation is bool:  # a switch, as TGI's: `--json-output` or `--json-output false`
+            parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS, nargs="?", const="true",
+                                help=help_text)
         else:
             parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS,
                                 choices=_choices(field.annotation), help=help_text)

@@ -35,6 +35,7 @@ from loom_router.types import (
     GenerationParams,
     OverloadedError,
     ShardDivergence,
+    StepRecord,
     ValidationError,
 )
 
@@ -94,6 +95,7 @@ class Engine:
         self._counters = EngineStats()
         # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -195,6 +197,7 @@ class Engine:
             prompt_logprobs=params.prompt_logprobs,
         )
         stream = GenerationStream(self.cancel, group_id, len(prompt_ids))
+        stream.max_new_tokens = params.max_new_tokens
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
         self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
                                          hold_blocks)
@@ -241,6 +244,7 @@ class Engine:
                     if not (self._pending_adds or self._pending_aborts or self._between_steps):
                         await self._wakeup.wait()
                     continue
+                self._mark_scheduled(plan)
                 result = await self._step(plan)
                 if result is not None:
                     for seq, out in self.scheduler.update(plan, result):
@@ -269,7 +273,7 @@ class Engine:
                 self.scheduler.abort(group_id)
             active.stream.closed = True
             active.stream.put(DONE)
-            self._count_finish("cancelled")
+            self._count_finish("cancelled", active)
         self._pending_aborts.clear()
         for group in self._pending_adds:
             self.scheduler.add(group)
@@ -289,11 +293,13 @@ class Engine:
         """One step on the shards. A failure fails the requests in it, not the server, and
         the scheduler rolls back what a later step would trust; ranks that diverged
         (ShardDivergence) are fatal and propagate."""
+        start = time.perf_counter()
         try:
             result = await self.client.step(plan)
         except ShardDivergence:
             raise
         except Exception as err:
+            self._observe_step(plan, time.perf_counter() - start, None)
             assert self.scheduler is not None
             failed, requeued = self.scheduler.rollback(plan)
             log.error("step failed: %s; failing requests %s", err, failed)
@@ -304,6 +310,7 @@ class Engine:
                 self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
             return None
         self._counters.steps += 1
+        self._observe_step(plan, time.perf_counter() - start, result)
         return result
 
     def _fail(self, group_id: int, error: GenerationError) -> None:
@@ -311,7 +318,30 @@ class Engine:
         if active is not None:
             active.stream.closed = True
             active.stream.put(error)
-            self._count_finish("error")
+            self._count_finish("error", active)
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        """The first step that runs a request ends its queue time (TGI's queue duration)."""
+        now = time.perf_counter()
+        for new in plan.new_requests:
+            active = self._active.get(self._group_of(new.request_id))
+            if active is not None and active.stream.scheduled_at is None:
+                active.stream.scheduled_at = now
+
+    def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
+        if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
+            return
+        prefill = bool(plan.new_requests) or any(r.num_compute > 1 for r in plan.running_requests)
+        record = StepRecord(
+            method="prefill" if prefill else "decode", ok=result is not None, duration_s=duration_s,
+            forward_s=result.forward_ms / 1000.0 if result is not None else None,
+            rank_total_s=[ms / 1000.0 for ms in getattr(self.client, "last_step_ms_by_rank", [])] if result else [],
+        )
+        for observe in self.step_observers:
+            observe(record)
+
+    def _group_of(self, seq_id: int) -> int:
+        return seq_id // self.config.max_n
 
     def _postprocess(self, seq: Sequence, out: SeqOutput) -> None:
         """Turn one sampled token into a ChoiceEvent: detokenize, check stops, finish."""
@@ -375,7 +405,7 @@ class Engine:
             seq.block_table = held_table  # freed by release_held
             active.stream.held = seq
         active.num_open -= 1
-        self._count_finish(reason.value)
+        self._count_finish(reason.value, active)
         if active.num_open == 0:
             self._active.pop(active.group.group_id, None)
             active.stream.closed = True
@@ -391,9 +421,10 @@ class Engine:
                 future.set_exception(err)
         self._between_steps.clear()
 
-    def _count_finish(self, key: str) -> None:
+    def _count_finish(self, key: str, active: _Active) -> None:
         counts = self._counters.requests_finished
         counts[key] = counts.get(key, 0) + 1
+        active.stream.outcome = key
 
     # ---- metrics ---------------------------------------------------------------------
 
@@ -416,6 +447,12 @@ class Engine:
             stats.preemptions_swap = s.preemptions_swap
             stats.preemptions_recompute = s.preemptions_recompute
             stats.swapped_bytes = s.swapped_blocks * self._bytes_per_block()
+            blocks = self.scheduler.block_manager
+            stats.num_host_blocks_total = blocks.num_host_blocks
+            stats.num_host_blocks_used = blocks.num_host_blocks - blocks.num_free_host_blocks
+            stats.block_size = blocks.block_size
+            stats.max_batch_total_tokens = self.max_batch_total_tokens
+        stats.shard_healthy = list(getattr(self.client, "healthy_by_rank", []))
         return stats
 
     def _bytes_per_block(self) -> int:
