@@ -122,7 +122,6 @@ def _plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         released_ids=plan.released_ids,
         swap_out=_pairs_to_pb(plan.swap_out),
         swap_in=_pairs_to_pb(plan.swap_in),
-        copies=_pairs_to_pb(plan.copies),
     )
 
 
@@ -206,7 +205,6 @@ def _plan_from_pb(m: pb.StepPlan) -> StepPlan:
         released_ids=list(m.released_ids),
         swap_out=_pairs_from_pb(m.swap_out),
         swap_in=_pairs_from_pb(m.swap_in),
-        copies=_pairs_from_pb(m.copies),
     )
 
 

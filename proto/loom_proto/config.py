@@ -75,6 +75,9 @@ class RouterFlags(ModelFlags):
     max_input_tokens: Positive | None = Field(None, description="longest prompt; default: max-total-tokens - 1")
     max_total_tokens: Positive | None = Field(
         None, description="prompt + generated tokens per request; default: the model's context length")
+    max_input_chars: Positive | None = Field(
+        None, description="longest input in characters, refused (422) before tokenizing; "
+        "default: 32 x max-input-tokens")
     max_batch_prefill_tokens: Positive | None = Field(
         None, description=f"prompt tokens computed in one step; default: {DEFAULT_MAX_BATCH_PREFILL_TOKENS}, "
         "or max-batch-total-tokens when smaller")

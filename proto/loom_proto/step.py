@@ -51,8 +51,10 @@ class Fork:
     """A sibling created from a request's prompt once its prefill completes (`n` > 1).
 
     It shares the parent's full prompt blocks; the shard copies the parent's
-    partly filled last block into the sibling's own last block, then samples the
-    sibling's first token from the same final prompt logits with its own params.
+    partly filled last block into the sibling's own last block (this is the only
+    block copy in the protocol: it can run only after the forward that fills that
+    block), then samples the sibling's first token from the same final prompt
+    logits with its own params.
     """
 
     request_id: int
@@ -94,7 +96,6 @@ class StepPlan:
     released_ids: list[int] = field(default_factory=list)  # drop their shard state first
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
 
     @property
     def num_requests(self) -> int:

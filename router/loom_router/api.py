@@ -3,6 +3,8 @@ OpenAI routes (loom_router.openai_api) mounted beside them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -20,6 +22,7 @@ from loom_router.http_common import (
     ClientDisconnected,
     EventStreamResponse,
     Generation,
+    check_input_chars,
     encode,
     generate,
     get_state,
@@ -28,6 +31,7 @@ from loom_router.http_common import (
     tracked,
 )
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
+from loom_router.text import token_spans, token_texts
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
     ChoiceEvent,
@@ -178,14 +182,14 @@ def _add_tgi_routes(app: FastAPI) -> None:
         return error_response(request, 503, "unhealthy: the engine or a shard is down", "unhealthy")
 
     @app.post("/tokenize", tags=["TGI"], summary="Tokenize a text")
-    async def tokenize_route(body: TokenizeRequest, request: Request) -> list[dict[str, Any]]:
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
         state = get_state(request)
         if not body.inputs:
             raise ValidationError("`inputs` cannot be empty")
-        ids = await encode(state, body.inputs)
-        if body.parameters.truncate is not None:
-            ids = ids[-body.parameters.truncate:]
-        return _token_offsets(state, body.inputs, ids)
+        check_input_chars(state, len(body.inputs))
+        # Spans and their JSON in a thread: a long input is a long answer (the loop serves /health).
+        content = await asyncio.to_thread(_tokenize_json, state.tokenizer, body.inputs, body.parameters.truncate)
+        return Response(content, media_type="application/json")
 
     @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
     async def metrics_route(request: Request) -> Response:
@@ -200,9 +204,7 @@ async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[lis
     params = body.parameters
     limits = state.limits()
     check_tgi(params, body.inputs, stream, limits)
-    ids = await encode(state, body.inputs)
-    if params.truncate is not None:
-        ids = ids[-params.truncate:]  # TGI keeps the end of the input
+    ids = await encode(state, body.inputs, truncate=params.truncate)  # TGI keeps the end of the input
     max_new_tokens = state.engine.validate_lengths(len(ids), params.max_new_tokens, params.best_of or 1)
     return ids, tgi_generation_params(params, max_new_tokens, limits)
 
@@ -210,11 +212,14 @@ async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[lis
 async def _generate(state: AppState, request: Request, body: TGIRequest) -> dict[str, Any]:
     ids, gen_params = await _prepare(state, body, stream=False)
     generation = await generate(state, request, ids, gen_params)
-    return _tgi_response(state, body, ids, gen_params, generation)
+    prompt_texts: list[str] = []
+    if body.parameters.details and body.parameters.decoder_input_details:
+        prompt_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)  # long prompts: off the loop
+    return _tgi_response(state, body, ids, gen_params, generation, prompt_texts)
 
 
 def _tgi_response(state: AppState, body: TGIRequest, ids: list[int], gen_params: GenerationParams,
-                  generation: Generation) -> dict[str, Any]:
+                  generation: Generation, prompt_texts: list[str]) -> dict[str, Any]:
     params = body.parameters
     # best_of: the sequence with the highest total logprob wins, as in TGI
     ranked = sorted(generation.choices, key=lambda c: c.logprob_sum, reverse=True)
@@ -222,7 +227,7 @@ def _tgi_response(state: AppState, body: TGIRequest, ids: list[int], gen_params:
     out: dict[str, Any] = {"generated_text": _full_text(params, body.inputs, best.text)}
     if not params.details:
         return out
-    prefill = _prefill(state, ids, generation.prompt.prompt_logprobs) if params.decoder_input_details else []
+    prefill = _prefill(ids, prompt_texts, generation.prompt.prompt_logprobs) if params.decoder_input_details else []
     details = _sequence(state, params, gen_params, best, prefill)
     del details["generated_text"]
     if len(ranked) > 1:
@@ -299,27 +304,13 @@ def _top_tokens(state: AppState, token: GeneratedToken) -> list[dict[str, Any]]:
              "special": tok.is_special(t.token_id)} for t in token.top_tokens]
 
 
-def _prefill(state: AppState, ids: list[int], logprobs: list[float | None]) -> list[dict[str, Any]]:
-    decode = state.tokenizer.decode
+def _prefill(ids: list[int], texts: list[str], logprobs: list[float | None]) -> list[dict[str, Any]]:
     padded = list(logprobs) + [None] * (len(ids) - len(logprobs))
-    return [{"id": i, "text": decode([i]), "logprob": lp} for i, lp in zip(ids, padded)]
+    return [{"id": i, "text": text, "logprob": lp} for i, text, lp in zip(ids, texts, padded)]
 
 
-def _token_offsets(state: AppState, inputs: str, ids: list[int]) -> list[dict[str, Any]]:
-    """TGI's /tokenize answer: each token with its character span in the input.
-
-    Spans come from decoding growing prefixes; a token that ends inside a multi-byte
-    character gets an empty span and the character goes to the token that completes it.
-    """
-    decode = state.tokenizer.decode
-    out, start = [], 0
-    for i, token_id in enumerate(ids):
-        prefix = decode(ids[: i + 1])
-        stop = start if prefix.endswith("\ufffd") else max(len(prefix), start)
-        text = inputs[start:stop] if inputs.startswith(prefix[:stop]) else decode([token_id])
-        out.append({"id": token_id, "text": text, "start": start, "stop": stop})
-        start = stop
-    return out
+def _tokenize_json(tokenizer: Any, inputs: str, truncate: int | None) -> bytes:
+    return json.dumps(token_spans(tokenizer, inputs, truncate), ensure_ascii=False).encode()
 
 
 def _info(state: AppState) -> dict[str, Any]:

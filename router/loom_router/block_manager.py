@@ -53,6 +53,22 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+class _SeqTokens:
+    """A sequence's tokens as a read-only list for slicing, without building prompt + output."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self._seq = seq
+
+    def __len__(self) -> int:
+        return self._seq.num_tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        assert isinstance(index, slice) and index.step is None
+        return self._seq.token_slice(index.start or 0, len(self) if index.stop is None else index.stop)
+
+
 @dataclass(slots=True)
 class CachedFill:
     """Blocks reserved by `allocate_cached`: the caller has the shard fill them, then commits.
@@ -115,9 +131,12 @@ class BlockManager:
     def _block_tokens(self, token_ids: Seq[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
 
-    def _lookup(self, parent_hash: int | None, tokens: tuple[int, ...]) -> tuple[int, int | None]:
-        """(hash, id of the cached block holding exactly these tokens after this parent)."""
-        block_hash = self._hash_fn(parent_hash, tokens)
+    def _lookup(self, parent_hash: int | None, tokens: tuple[int, ...],
+                block_hash: int | None = None) -> tuple[int, int | None]:
+        """(hash, id of the cached block holding exactly these tokens after this parent);
+        block_hash: the hash, when the caller knows it already."""
+        if block_hash is None:
+            block_hash = self._hash_fn(parent_hash, tokens)
         block_id = self._hash_to_id.get(block_hash)
         if block_id is not None:
             block = self.blocks[block_id]
@@ -125,15 +144,18 @@ class BlockManager:
                 block_id = None  # a hash collision: treat as a miss
         return block_hash, block_id
 
-    def _find_prefix(self, token_ids: Seq[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """The longest run of cached blocks at the start of token_ids: (block ids, hashes)."""
+    def _find_prefix(self, token_ids: Seq[int], max_blocks: int,
+                     known_hashes: Seq[int] = ()) -> tuple[list[int], list[int]]:
+        """The longest run of cached blocks at the start of token_ids: (block ids, hashes).
+        known_hashes: the chain hashes of token_ids' first blocks, if computed already."""
         hit_ids: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return hit_ids, hashes
         parent_hash = None
         for index in range(max_blocks):
-            block_hash, block_id = self._lookup(parent_hash, self._block_tokens(token_ids, index))
+            known = known_hashes[index] if index < len(known_hashes) else None
+            block_hash, block_id = self._lookup(parent_hash, self._block_tokens(token_ids, index), known)
             if block_id is None:
                 break
             hit_ids.append(block_id)
@@ -175,21 +197,43 @@ class BlockManager:
 
     # ---- pending prefixes (allocated, not yet computed) -------------------------------
 
-    def is_prefix_pending(self, token_ids: Seq[int]) -> bool:
-        """Is the first full block of token_ids that the cache lacks being computed now?
+    def is_prefix_pending(self, token_ids: Seq[int] | Sequence) -> bool:
+        """Is the first full block of token_ids (or a sequence's tokens) that the cache lacks
+        being computed now?
 
         Then admitting token_ids after that block is computed turns its prefill into a hit.
         O(1) while nothing is pending, else O(blocks of token_ids).
         """
         if not self._pending:
             return False
+        token_ids, known = self._tokens_and_hashes(token_ids)
         max_blocks = self._max_hit_blocks(len(token_ids))
-        hit_ids, hashes = self._find_prefix(token_ids, max_blocks)
+        hit_ids, hashes = self._find_prefix(token_ids, max_blocks, known)
         index = len(hit_ids)
         if index >= max_blocks:
             return False
+        if index < len(known):
+            return known[index] in self._pending
         parent_hash = hashes[-1] if hashes else None
         return self._hash_fn(parent_hash, self._block_tokens(token_ids, index)) in self._pending
+
+    def _tokens_and_hashes(self, tokens: Seq[int] | Sequence) -> tuple[Seq[int], Seq[int]]:
+        """A sequence's tokens (as a view) with its cached block hashes; plain ids as they are."""
+        if isinstance(tokens, Sequence):
+            return _SeqTokens(tokens), self.token_block_hashes(tokens)
+        return tokens, ()
+
+    def token_block_hashes(self, seq: Sequence) -> list[int]:
+        """The chain hashes of seq's full blocks, computing only those not cached on seq yet."""
+        cache = seq.token_block_hashes
+        num_full = seq.num_tokens // self.block_size
+        if len(cache) < num_full and self.enable_prefix_caching:
+            tokens = _SeqTokens(seq)
+            parent_hash = cache[-1] if cache else None
+            for index in range(len(cache), num_full):
+                parent_hash = self._hash_fn(parent_hash, self._block_tokens(tokens, index))
+                cache.append(parent_hash)
+        return cache
 
     @property
     def num_pending_hashes(self) -> int:
@@ -200,12 +244,11 @@ class BlockManager:
         assert not seq.pending_hashes, f"seq {seq.seq_id} already has pending blocks"
         if not self.enable_prefix_caching:
             return
-        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        known = self.token_block_hashes(seq)
         for index in range(len(seq.block_hashes), seq.num_prompt_tokens // self.block_size):
-            block_hash = self._hash_fn(parent_hash, self._block_tokens(seq.prompt_ids, index))
+            block_hash = known[index]
             seq.pending_hashes.append(block_hash)
             self._pending[block_hash] = self._pending.get(block_hash, 0) + 1
-            parent_hash = block_hash
 
     def _unmark_pending(self, hashes: Iterable[int]) -> None:
         for block_hash in hashes:
@@ -247,17 +290,19 @@ class BlockManager:
             else:
                 self._free_ids.append(block_id)
 
-    def num_required_blocks(self, token_ids: Seq[int], use_prefix_cache: bool = True) -> int:
-        """Free blocks an allocation of token_ids takes (hits on in-use blocks are free)."""
+    def num_required_blocks(self, token_ids: Seq[int] | Sequence, use_prefix_cache: bool = True) -> int:
+        """Free blocks an allocation of token_ids (or a sequence's tokens) takes (hits on
+        in-use blocks are free)."""
+        token_ids, known = self._tokens_and_hashes(token_ids)
         hit_ids: list[int] = []
         if use_prefix_cache:
-            hit_ids, _ = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)))
+            hit_ids, _ = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
         num_shared = sum(1 for block_id in hit_ids if self.blocks[block_id].ref_count > 0)
         return self.blocks_for(len(token_ids)) - num_shared
 
     def can_allocate(self, seq: Sequence, num_extra_blocks: int = 0,
                      use_prefix_cache: bool = True) -> bool:
-        needed = self.num_required_blocks(seq.token_ids, use_prefix_cache)
+        needed = self.num_required_blocks(seq, use_prefix_cache)
         return needed + num_extra_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> int:
@@ -266,11 +311,11 @@ class BlockManager:
         Returns the number of tokens whose KV is already there (set as seq.num_computed).
         """
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        token_ids = seq.token_ids
+        token_ids, known = self._tokens_and_hashes(seq)
         hit_ids: list[int] = []
         hashes: list[int] = []
         if use_prefix_cache:
-            hit_ids, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)))
+            hit_ids, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
         for block_id in hit_ids:
             self._share_block(block_id)
         new_ids = [self._take_block() for _ in range(self.blocks_for(len(token_ids)) - len(hit_ids))]
@@ -293,11 +338,11 @@ class BlockManager:
         seq.block_table.extend(new_ids)
         return new_ids
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        """Give child the parent's prompt: shared full blocks, its own copy of a partial last one.
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child the parent's prompt: shared full blocks, its own block for a partial last one.
 
-        Returns the (parent block, child block) pairs the shard must copy once the parent's
-        last block is computed (for a `Fork`, the shard does it after the forward).
+        The partial block's KV is copied by the shard when it creates the `Fork` (the one
+        place a fork copy happens: only after the forward is the parent's last block filled).
         """
         assert not child.block_table
         num_prompt = parent.num_prompt_tokens
@@ -307,11 +352,8 @@ class BlockManager:
             self._share_block(block_id)
         child.block_table = list(shared)
         child.block_hashes = list(parent.block_hashes[:num_full])
-        if num_prompt % self.block_size == 0:
-            return []
-        new_id = self._take_block()
-        child.block_table.append(new_id)
-        return [(parent.block_table[num_full], new_id)]
+        if num_prompt % self.block_size:
+            child.block_table.append(self._take_block())
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's device and host blocks; hashed ones stay cached, the tail evicted first."""
@@ -435,6 +477,18 @@ class BlockManager:
             self._unhash(self.blocks[block_id])
             self._free_ids.append(block_id)
         return len(dropped)
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """These blocks' contents are unknown (a failed step may not have written them): they
+        leave the prefix cache, so no later prompt reuses them."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            self._unhash(block)
+            if block.ref_count == 0:
+                del self._cached_ids[block_id]
+                self._free_ids.append(block_id)
 
     def _unhash(self, block: Block) -> None:
         del self._hash_to_id[block.block_hash]

@@ -34,6 +34,7 @@ from loom_router.types import (
     GenerationError,
     GenerationParams,
     OverloadedError,
+    ShardDivergence,
     StepRecord,
     ValidationError,
 )
@@ -92,6 +93,8 @@ class Engine:
         self._draining = False
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
+        # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -251,9 +254,11 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # a bug here must not leave clients hanging
-            log.exception("engine loop crashed")
+            log.critical("engine loop crashed: %s", err, exc_info=not isinstance(err, ShardDivergence))
             self._loop_error = err
             self._fail_all(GenerationError(f"engine loop crashed: {err!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
             raise
 
     def _apply_pending(self) -> None:
@@ -285,26 +290,35 @@ class Engine:
                 future.set_exception(err)
 
     async def _step(self, plan: StepPlan) -> StepResult | None:
-        """One step on the shards; a failure fails the requests in it, not the server."""
+        """One step on the shards. A failure fails the requests in it, not the server, and
+        the scheduler rolls back what a later step would trust; ranks that diverged
+        (ShardDivergence) are fatal and propagate."""
         start = time.perf_counter()
         try:
             result = await self.client.step(plan)
+        except ShardDivergence:
+            raise
         except Exception as err:
             self._observe_step(plan, time.perf_counter() - start, None)
-            log.error("step failed: %s", err)
-            group_ids = {self._group_of(r.request_id) for r in (*plan.new_requests, *plan.running_requests)}
-            for group_id in group_ids:
-                active = self._active.pop(group_id, None)
-                if active is not None:
-                    assert self.scheduler is not None
-                    self.scheduler.abort(group_id)
-                    active.stream.closed = True
-                    active.stream.put(GenerationError(f"Request failed during generation: {err}"))
-                    self._count_finish("error", active)
+            assert self.scheduler is not None
+            failed, requeued = self.scheduler.rollback(plan)
+            log.error("step failed: %s; failing requests %s", err, failed)
+            if requeued:
+                log.warning("requests %s were being swapped out by the failed step: they resume by "
+                            "recomputing their KV", requeued)
+            for group_id in failed:
+                self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
             return None
         self._counters.steps += 1
         self._observe_step(plan, time.perf_counter() - start, result)
         return result
+
+    def _fail(self, group_id: int, error: GenerationError) -> None:
+        active = self._active.pop(group_id, None)
+        if active is not None:
+            active.stream.closed = True
+            active.stream.put(error)
+            self._count_finish("error", active)
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         """The first step that runs a request ends its queue time (TGI's queue duration)."""
@@ -343,16 +357,18 @@ class Engine:
         token_id = out.token_id
         self._counters.generated_tokens += 1
         text = active.texts[seq.seq_id]
-        delta = text.detokenizer.add(token_id)
+        delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
         emitted, stopped = text.stop.feed(delta)
         reason = self._finish_reason(seq, active.params, token_id, stopped)
         if reason is not None and reason is not FinishReason.STOP:
-            tail, stopped = text.stop.feed(text.detokenizer.flush())
+            held = text.detokenizer.flush()
+            delta += held
+            tail, stopped = text.stop.feed(held)
             emitted += tail if stopped else tail + text.stop.flush()
             reason = FinishReason.STOP if stopped else reason
         token = GeneratedToken(
             token_id=token_id,
-            text=self.tokenizer.decode([token_id]),
+            text=delta,
             logprob=out.logprob if out.logprob is not None else 0.0,
             special=self.tokenizer.is_special(token_id),
             top_tokens=out.top_tokens,

@@ -15,8 +15,19 @@ from starlette.responses import StreamingResponse
 
 from loom_proto.config import RouterConfig
 from loom_router.metrics import RequestTimer, RouterMetrics
-from loom_router.types import ChoiceEvent, FinishReason, GeneratedToken, GenerationParams, PromptInfo
+from loom_router.types import (
+    ChoiceEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationParams,
+    PromptInfo,
+    ValidationError,
+)
 from loom_router.validation import Limits
+
+# The default character cap per allowed input token: above any real tokenizer's average
+# (about 4 for English), so only inputs that could never fit are refused untokenized.
+CHARS_PER_INPUT_TOKEN = 32
 
 
 class ClientDisconnected(Exception):
@@ -35,6 +46,11 @@ class AppState:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def max_input_chars(self) -> int:
+        """--max-input-chars, by default CHARS_PER_INPUT_TOKEN per allowed input token."""
+        return self.config.max_input_chars or CHARS_PER_INPUT_TOKEN * self.engine.max_input_tokens
 
     def limits(self) -> Limits:
         return Limits(
@@ -58,9 +74,20 @@ def get_state(request: Request) -> AppState:
     return request.app.state.loom
 
 
-async def encode(state: AppState, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Tokenizes off the event loop: a long prompt must not stall other requests' streams."""
-    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
+def check_input_chars(state: AppState, num_chars: int, what: str = "inputs") -> None:
+    """Refuses an input longer than --max-input-chars before any tokenizing or templating."""
+    limit = state.max_input_chars
+    if num_chars > limit:
+        raise ValidationError(f"`{what}` must have at most {limit} characters (--max-input-chars). "
+                              f"Given: {num_chars}")
+
+
+async def encode(state: AppState, text: str, add_special_tokens: bool = True,
+                 truncate: int | None = None) -> list[int]:
+    """Tokenizes off the event loop (a long prompt must not stall other requests' streams),
+    after the character cap; `truncate` keeps the last tokens and the model's BOS."""
+    check_input_chars(state, len(text))
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens, truncate)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from loom_router.tracing import configure_tracing
 
 log = logging.getLogger("loom_router")
 
+EXIT_ENGINE_FAILED = 3  # the engine loop died (a divergence between shard ranks, or a bug)
 DESCRIPTION = ("Loom's router: HTTP API, scheduler, KV block manager; drives the shards over gRPC. "
                "Started by loom-launcher, which hands it its config as JSON.")
 
@@ -47,6 +48,8 @@ async def serve(config: RouterConfig) -> int:
             timeout_graceful_shutdown=int(config.shutdown_timeout), access_log=config.log_level == "debug",
             **({"log_config": None} if config.json_output else {}),  # uvicorn's lines go through the JSON handler
         ))
+        fatal: list[BaseException] = []
+        engine.on_fatal = lambda error: (fatal.append(error), setattr(server, "should_exit", True))
         try:
             await server.serve()
         finally:
@@ -54,6 +57,9 @@ async def serve(config: RouterConfig) -> int:
                 metrics_server.close()
             if tracer is not None:
                 await asyncio.to_thread(tracer.shutdown)
+        if fatal:  # e.g. tensor-parallel ranks diverged: exit non-zero, the launcher stops everything
+            log.critical("router stopping: %s", fatal[0])
+            return EXIT_ENGINE_FAILED
         return 0 if server.started else 1
     finally:
         await client.close()

@@ -18,12 +18,14 @@ from loom_router.http_common import (
     ChoiceResult,
     EventStreamResponse,
     Generation,
+    check_input_chars,
     encode,
     generate,
     get_state,
     sse,
     tracked,
 )
+from loom_router.text import token_texts
 from loom_router.types import (
     ChoiceEvent,
     GeneratedToken,
@@ -65,6 +67,7 @@ class _Reply:
     include_usage: bool
     echo_ids: list[int] | None = None  # completions with echo: the prompt, written before the text
     echo_text: str = ""
+    echo_texts: list[str] = field(default_factory=list)  # the text each echoed prompt token adds
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -94,8 +97,10 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     reply = _Reply("text", state.model_name, body.logprobs is not None, body.include_usage)
-    if body.echo:
-        reply.echo_ids, reply.echo_text = ids, state.tokenizer.decode(ids)
+    if body.echo:  # the prompt's token texts, off the loop (a long prompt is many tokens)
+        reply.echo_ids = ids
+        reply.echo_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)
+        reply.echo_text = "".join(reply.echo_texts)
     if body.stream:
         return _stream(state, reply, ids, params)
     generation = await generate(state, request, ids, params)
@@ -109,6 +114,7 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     limits = state.limits()
     check_openai(body, limits)
     messages = [m.as_template_message() for m in body.messages]
+    check_input_chars(state, sum(len(m["content"]) for m in messages), "messages")
     prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True)
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
@@ -203,25 +209,27 @@ def _text_choice(state: AppState, reply: _Reply, choice: ChoiceResult, prompt: P
     echo_ids = reply.echo_ids if prompt is not None else None
     logprobs = None
     if reply.logprobs:
-        logprobs = _completion_logprobs(state, choice.tokens, echo_ids, prompt, first_offset)
+        echo = (echo_ids, reply.echo_texts) if echo_ids is not None else None
+        logprobs = _completion_logprobs(state, choice.tokens, echo, prompt, first_offset)
     text = (reply.echo_text if echo_ids is not None else "") + choice.text
     finish = choice.finish_reason
     return {"index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": finish.openai if finish else None}
 
 
-def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo_ids: list[int] | None,
+def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: tuple[list[int], list[str]] | None,
                          prompt: PromptInfo | None, first_offset: int) -> dict[str, Any]:
-    """The legacy completions logprobs: parallel lists, echoed prompt tokens first."""
+    """The legacy completions logprobs: parallel lists, echoed prompt tokens (ids, texts) first.
+    Each token's text is what it adds to the output, so text_offset follows the text."""
     decode = state.tokenizer.decode
     texts: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
-    if echo_ids is not None:
-        prompt_ids = echo_ids
+    if echo is not None:
+        prompt_ids, prompt_texts = echo
         prompt_logprobs = list(prompt.prompt_logprobs) if prompt is not None else []
         prompt_logprobs += [None] * (len(prompt_ids) - len(prompt_logprobs))
-        texts += [decode([i]) for i in prompt_ids]
+        texts += prompt_texts
         token_logprobs += prompt_logprobs
         top += [None] * len(prompt_ids)
     for token in tokens:
@@ -236,12 +244,12 @@ def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo_ids
 
 
 def _chat_logprob(state: AppState, token: GeneratedToken) -> dict[str, Any]:
-    decode = state.tokenizer.decode
-    top = []
-    for alt in token.top_tokens:
-        text = decode([alt.token_id])
-        top.append({"token": text, "logprob": alt.logprob, "bytes": list(text.encode("utf-8"))})
-    return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode("utf-8")),
+    """`token` is the text the token adds (as the stream's); `bytes` its raw bytes, which
+    for a piece of a multi-byte character are not a whole character."""
+    tok = state.tokenizer
+    top = [{"token": tok.decode([alt.token_id]), "logprob": alt.logprob,
+            "bytes": list(tok.token_bytes(alt.token_id))} for alt in token.top_tokens]
+    return {"token": token.text, "logprob": token.logprob, "bytes": list(tok.token_bytes(token.token_id)),
             "top_logprobs": top}
 
 

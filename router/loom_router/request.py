@@ -42,6 +42,9 @@ class Sequence:
     # Chain hashes of its full prompt blocks after block_hashes: held on the device, not yet computed.
     pending_hashes: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)  # host block ids while swapped out
+    # Chain hashes of the full blocks of token_ids, each computed once (tokens only grow):
+    # a queue head that waits for space does not rehash its prompt every step.
+    token_block_hashes: list[int] = field(default_factory=list)
     on_shard: bool = False  # the shard holds state for seq_id (released when this turns False)
 
     @property

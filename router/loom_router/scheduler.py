@@ -69,8 +69,10 @@ class _Step:
 class Scheduler:
     """Decides every step what runs, where its KV lives, and who is preempted.
 
-    Running groups are kept in admission order; the last one is the newest and is the
-    first to be preempted. Preempted groups wait at the head of the queue.
+    Running groups are kept in arrival order and scheduled oldest first; when blocks run
+    out the newest arrival is preempted, never an older one for a newer one, so the oldest
+    request always progresses and every request finishes in bounded time under sustained
+    pressure. Preempted groups wait at the head of the queue.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -78,7 +80,7 @@ class Scheduler:
         self.block_manager = BlockManager(config.block_size, config.num_usable_blocks,
                                           config.num_host_blocks, config.enable_prefix_caching)
         self._waiting: deque[SequenceGroup] = deque()
-        self._running: dict[int, SequenceGroup] = {}  # insertion order: the last is the newest
+        self._running: dict[int, SequenceGroup] = {}  # arrival order: the last is the newest
         self._groups: dict[int, SequenceGroup] = {}
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self._releases: list[int] = []  # shard state to drop with the next plan
@@ -174,7 +176,7 @@ class Scheduler:
         bm = self.block_manager
         needed = sum(bm.num_slot_blocks(seq) for seq in group.active_seqs())
         while needed > bm.num_free_blocks:
-            victim = self._running[next(reversed(self._running))]
+            victim = self._running[next(reversed(self._running))]  # the newest arrival
             self._preempt(victim, step)
             if victim is group:
                 return False
@@ -193,9 +195,17 @@ class Scheduler:
             if not admitted:
                 break  # FIFO: nothing overtakes the head, preempted groups first
             self._waiting.popleft()
-            self._running[group.group_id] = group
+            self._add_running(group)
             group.set_status(SeqStatus.RUNNING)
             num_seqs += num_group_seqs
+
+    def _add_running(self, group: SequenceGroup) -> None:
+        """Insert in arrival order: a resumed group goes back before newer arrivals (O(running),
+        only when it is older than the newest, i.e. after a preemption)."""
+        newest = self._running[next(reversed(self._running))] if self._running else None
+        self._running[group.group_id] = group
+        if newest is not None and _arrival(group) < _arrival(newest):
+            self._running = dict(sorted(self._running.items(), key=lambda item: _arrival(item[1])))
 
     @staticmethod
     def _uses_prefix_cache(group: SequenceGroup) -> bool:
@@ -207,7 +217,7 @@ class Scheduler:
         blocks of its prompt? Identical prefixes arriving together are then computed once."""
         if group.swapped or not self._uses_prefix_cache(group):
             return False
-        return self.block_manager.is_prefix_pending(group.seqs[0].token_ids)
+        return self.block_manager.is_prefix_pending(group.seqs[0])
 
     def _admit(self, group: SequenceGroup, step: _Step) -> bool:
         """Allocate a new (or preempted-to-recompute) group, reusing cached prefixes."""
@@ -216,7 +226,7 @@ class Scheduler:
         fresh = group.seqs[0].status is SeqStatus.WAITING
         if group.forked and not fresh:  # resuming independent choices
             seqs = group.unfinished_seqs()
-            needed = sum(bm.num_required_blocks(seq.token_ids, use_cache) for seq in seqs)
+            needed = sum(bm.num_required_blocks(seq, use_cache) for seq in seqs)
             if needed > bm.num_free_blocks:
                 return False
             for seq in seqs:
@@ -231,7 +241,7 @@ class Scheduler:
                 return False
             bm.allocate(parent, use_cache)
             for child in group.seqs[1:]:
-                bm.fork(parent, child)  # the copy itself is the shard's, on the Fork
+                bm.fork(parent, child)  # the partial block's copy is the shard's, on the Fork
         if fresh:
             group.num_cached_prompt_tokens = group.seqs[0].num_computed
             self.stats.prompt_tokens_cached += group.num_cached_prompt_tokens
@@ -320,6 +330,42 @@ class Scheduler:
         self._waiting.appendleft(group)
         step.preempted = True
 
+    # ---- a failed step -------------------------------------------------------------------
+
+    def rollback(self, plan: StepPlan) -> tuple[list[int], list[int]]:
+        """The shards failed `plan`, maybe half-way (and maybe on some ranks only): undo what a
+        later step would trust. Returns (failed group ids, requeued group ids).
+
+        - Its requests' groups are aborted (their KV and shard state are unknown): failed.
+        - Groups it swapped out may have host blocks that were never written: they drop
+          them and are requeued to recompute from their tokens.
+        - Blocks it swapped in may hold garbage: they leave the prefix cache.
+        - Its releases may not have run: they are sent again (releasing is idempotent).
+        """
+        self._releases = list(plan.released_ids) + self._releases
+        failed = {seq.group.group_id for request in [*plan.new_requests, *plan.running_requests]
+                  if (seq := self._seqs.get(request.request_id)) is not None}
+        swapped_in = {device_id for _, device_id in plan.swap_in}
+        failed |= {group.group_id for group in self._running.values()
+                   if any(b in swapped_in for seq in group.unfinished_seqs() for b in seq.block_table)}
+        lost_host_ids = {host_id for _, host_id in plan.swap_out}
+        requeued = [group for group in self._waiting if group.swapped and group.group_id not in failed
+                    and any(h in lost_host_ids for seq in group.unfinished_seqs() for h in seq.host_block_table)]
+        for group in requeued:
+            self._drop_to_recompute(group)
+        for group_id in failed:
+            self.abort(group_id)
+        self.block_manager.forget(swapped_in)
+        self._refresh_gauges()
+        return sorted(failed), [group.group_id for group in requeued]
+
+    def _drop_to_recompute(self, group: SequenceGroup) -> None:
+        for seq in group.unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.num_computed = 0
+        group.swapped = False
+        self.stats.preemptions_recompute += 1
+
     # ---- bookkeeping -------------------------------------------------------------------
 
     def _advance(self, seq: Sequence, num_compute: int, outputs: dict[int, SeqOutput],
@@ -388,3 +434,7 @@ class Scheduler:
         self.stats.num_waiting = len(self._waiting)
         self.stats.blocks_used = bm.num_used_blocks
         self.stats.blocks_cached = bm.num_cached_blocks
+
+
+def _arrival(group: SequenceGroup) -> tuple[float, int]:
+    return group.arrival_time, group.group_id

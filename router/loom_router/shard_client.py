@@ -18,6 +18,7 @@ from loom_proto import shard_pb2_grpc
 from loom_proto.codec import from_pb, pb, snapshot_entry_from_pb, snapshot_reply_from_pb, to_pb
 from loom_proto.snapshot import SnapshotEntry, SnapshotReply
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom_router.types import ShardDivergence
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -31,6 +32,9 @@ CHANNEL_OPTIONS = [
 ]
 STEP_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Shard'].full_name}/Step"
 HEALTH_TIMEOUT_S = 2.0
+# After one rank fails a step, how long the others get to fail it too (a plan every rank
+# refuses is not a divergence); a rank still busy then is stuck in a collective.
+DIVERGENCE_GRACE_S = 0.5  # every rank checks a plan before running it: a refusal is quick
 
 T = TypeVar("T")
 
@@ -157,7 +161,12 @@ class ShardClient:
         )
 
     async def step(self, plan: StepPlan) -> StepResult:
-        """Send the same plan to every rank at once; return rank 0's result."""
+        """Send the same plan to every rank at once; return rank 0's result.
+
+        Raises ShardError when every rank failed the step (the router rolls it back), and
+        ShardDivergence when some ranks ran it and others failed or did not answer in time
+        after the first failure (a rank stuck in a collective): that group cannot go on.
+        """
         data = to_pb(plan).SerializeToString()
 
         async def timed(r: _Rank) -> tuple[Any, float]:
@@ -166,9 +175,23 @@ class ShardClient:
             reply = await r.step(data)
             return reply, (time.perf_counter() - start) * 1000.0
 
-        replies = await self._on_all(timed)
-        self.last_step_ms_by_rank = [ms for _, ms in replies]
-        return from_pb(replies[0][0])
+        ranks = self._all_ranks()
+        if len(ranks) == 1:
+            reply, ms = await self._on_rank0(timed)
+            self.last_step_ms_by_rank = [ms]
+            return from_pb(reply)
+        tasks = [asyncio.ensure_future(timed(r)) for r in ranks]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            pending = [t for t in tasks if not t.done()]
+            if pending:  # one rank failed: the others fail the same plan soon, or are stuck
+                await asyncio.wait(pending, timeout=DIVERGENCE_GRACE_S)
+        finally:
+            for task in tasks:
+                task.cancel()
+        reply, _ = agreed_step_reply(tasks)
+        self.last_step_ms_by_rank = [task.result()[1] for task in tasks]
+        return from_pb(reply)
 
     async def release(self, request_ids: Sequence[int]) -> None:
         request = pb.ReleaseRequest(request_ids=request_ids)
@@ -220,6 +243,23 @@ class ShardClient:
         if self._ranks is not None:
             await asyncio.gather(*(r.channel.close() for r in self._ranks))
             self._ranks = None
+
+
+def agreed_step_reply(tasks: list[asyncio.Future[Any]]) -> Any:
+    """Rank 0's reply when every rank succeeded; the first rank's ShardError when every rank
+    failed; ShardDivergence (naming the ranks) otherwise."""
+    outcomes = [asyncio.TimeoutError("no answer") if not t.done() or t.cancelled() else t.exception()
+                for t in tasks]
+    if all(error is None for error in outcomes):
+        return tasks[0].result()
+    errors = [_shard_error(rank, e) if isinstance(e, grpc.aio.AioRpcError) else e
+              for rank, e in enumerate(outcomes)]
+    if all(isinstance(error, ShardError) for error in errors):
+        raise errors[0]  # type: ignore[misc]
+    ran = [rank for rank, error in enumerate(errors) if error is None]
+    detail = "; ".join(f"rank {rank}: {error!r}" for rank, error in enumerate(errors) if error is not None)
+    raise ShardDivergence(f"tensor-parallel ranks diverged on a step (ranks {ran} ran it; {detail}): "
+                          "their KV state may differ, so the server stops")
 
 
 def _shard_error(rank: int, error: grpc.aio.AioRpcError) -> ShardError:

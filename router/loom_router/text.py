@@ -3,59 +3,98 @@ character or a wrong leading space, and stop sequences matched across token boun
 
 from __future__ import annotations
 
+from typing import Any
+
 from loom_router.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
-PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first new ones (as vLLM does)
-_TRIM_AT = 512  # drop consumed ids once this many pile up before the window
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first new ones (as vLLM and TGI do)
 
 
 class IncrementalDetokenizer:
-    """Decodes one sequence token by token, as TGI and vLLM do.
+    """Decodes one sequence token by token with the tokenizers library's `DecodeStream`.
 
-    Each step decodes a short window twice, `ids[prefix_offset:read_offset]` (text already
-    emitted) and `ids[prefix_offset:]`, and emits the difference; decoding with context is what
-    gets SentencePiece's and byte-level BPE's leading spaces right. While the window's text ends
-    in U+FFFD a multi-byte character is incomplete, so nothing is emitted yet.
-
-        ids:  [ ... p p p p p | g g g | g ]
-                prefix_offset   read_offset  (end)
+    Each `add` returns exactly the text its token adds, so the pieces join to the decode of
+    the whole sequence: a character whose UTF-8 bytes span tokens comes out whole with the
+    token that completes it (the earlier ones add ""), and SentencePiece's and byte-level
+    BPE's leading spaces are right because the stream starts from the prompt's last tokens.
+    `flush` releases bytes still held back when the sequence ends (as U+FFFD, like the
+    full decode).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0) :])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        context = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0):])
+        while context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context.pop()  # the prompt ends inside a character: those bytes are not the output's
+        self._stream = tokenizer.decode_stream(context, skip_special_tokens)
+        self._context = context  # the last ids before `_held`, for flush's decode
+        self._held: list[int] = []  # ids added since the last text came out
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text it made final (may be "")."""
-        self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character still waits for its other bytes
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._trim()
-        return new_text[len(prefix_text) :]
+        self._held.append(token_id)
+        try:
+            text = self._stream.step(token_id)
+        except Exception:  # the decoder rewrote earlier text: restart the stream after it
+            text = self._restart()
+        if text is None:
+            return ""  # nothing yet: a character waits for its other bytes, or a skipped special
+        self._context = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:]
+        self._held = []
+        return text
 
     def flush(self) -> str:
         """The text still held back when the sequence ends (incomplete bytes come out as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        if not self._held:
+            return ""
+        before = self._decode(self._context)
+        after = self._decode(self._context + self._held)
+        self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
+        self._stream = self._tokenizer.decode_stream(self._context, self._skip_special_tokens)
+        return after[len(before):] if after.startswith(before) else after
+
+    def _restart(self) -> str | None:
+        text = self.flush()
+        return text or None
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _trim(self) -> None:
-        # Only ids from prefix_offset on are ever decoded again: keep memory bounded.
-        if self._prefix_offset >= _TRIM_AT:
-            del self._ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
+
+def token_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """The text each token of `ids` adds, by the same rule as a stream: the texts join to
+    the decode of `ids` (a prompt's tokens in details, echo and logprobs). Linear in len(ids)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    texts = [detokenizer.add(token_id) for token_id in ids]
+    if texts:
+        texts[-1] += detokenizer.flush()
+    return texts
+
+
+def token_spans(tokenizer: Tokenizer, text: str, truncate: int | None = None) -> list[dict[str, Any]]:
+    """TGI's /tokenize answer: each token with its character span in `text`, in one linear pass
+    over the encoder's offsets. The bytes of one character may span tokens: those before the
+    last get an empty span and the character goes to the token that completes it, so the
+    spans never overlap (as the stream's texts). `truncate` keeps the last tokens (and BOS)."""
+    ids, offsets = tokenizer.encode_with_offsets(text, truncate)
+    spans: list[dict[str, Any]] = []
+    position = 0  # where the next span starts: the end of the last one
+    held = False  # the previous token ended inside a character: its text comes with this one
+    for index, (token_id, (start, stop)) in enumerate(zip(ids, offsets)):
+        start = position if held else max(start, position)
+        held = index + 1 < len(ids) and _overlaps(offsets[index + 1], stop)
+        stop = start if held else max(stop, start)
+        spans.append({"id": token_id, "text": text[start:stop], "start": start, "stop": stop})
+        position = stop
+    return spans
+
+
+def _overlaps(span: tuple[int, int], stop: int) -> bool:
+    """Does a token spanning `span` start inside the character that ends at `stop`?
+    (An added special token has the empty span (0, 0) and continues nothing.)"""
+    return span[0] < stop and span[1] > span[0]
 
 
 class StopMatcher:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +17,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+from tokenizers.decoders import DecodeStream
 
 from loom_proto.embedded import EmbeddedModelMissing, embedded_model_path, is_default_model_id
 
@@ -64,13 +66,52 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._compiled_template: jinja2.Template | None = None
+        self._byte_level = _is_byte_level(backend.decoder)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognized."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognized.
+
+        truncate: keep only the last tokens of the text, so that with the model's own
+        special tokens (its BOS, which survives) there are at most this many.
+        """
+        return self._encoding(text, add_special_tokens, truncate).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode_with_offsets(self, text: str, truncate: int | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` with each token's character span in it (special tokens: (0, 0))."""
+        encoding = self._encoding(text, True, truncate)
+        return encoding.ids, encoding.offsets
+
+    def _encoding(self, text: str, add_special_tokens: bool, truncate: int | None) -> Any:
+        if truncate is None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens)
+        # Truncate the text's tokens, then add the specials: slicing after them would drop BOS.
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        num_special = self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(truncate - num_special, 1), direction="left")
+        return self._backend.post_process(encoding) if add_special_tokens else encoding
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True) -> TokenStream:
+        """A streaming decoder that continues after context_ids (see IncrementalDetokenizer)."""
+        return TokenStream(self._backend, DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (part of a UTF-8 character for some), as OpenAI's
+        logprobs `bytes` report them: byte-level BPE maps its symbols back to bytes,
+        SentencePiece reads `<0xXX>` pieces and `▁` as a space."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_BYTE_LEVEL_DECODE.get(ch, 0) for ch in piece)
+        match = _BYTE_PIECE.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("▁", " ").encode()
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -116,6 +157,49 @@ class Tokenizer:
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
         return self._compiled_template
+
+
+class TokenStream:
+    """One sequence's `DecodeStream`, bound to its tokenizer."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: Backend, stream: DecodeStream) -> None:
+        self._backend = backend
+        self._stream = stream
+
+    def step(self, token_id: int) -> str | None:
+        """The text token_id completes, or None while it completes nothing yet."""
+        return self._stream.step(self._backend, token_id)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: printable symbol -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+_BYTE_LEVEL_DECODE = _gpt2_byte_decoder()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    """Does this decoder (or one in its Sequence) map GPT-2 byte symbols back to bytes?"""
+    if decoder is None:
+        return False
+    try:
+        state = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return isinstance(decoder, decoders.ByteLevel)
+    parts = state.get("decoders", [state]) if state.get("type") == "Sequence" else [state]
+    return any(part.get("type") == "ByteLevel" for part in parts)
 
 
 def load_tokenizer(model_id: str) -> Tokenizer:

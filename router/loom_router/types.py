@@ -41,7 +41,7 @@ class GenerationParams:
 @dataclass(slots=True)
 class GeneratedToken:
     token_id: int
-    text: str  # this token's own text (may be "" or partial for multi-byte pieces)
+    text: str  # the text this token adds to the output ("" while a character's bytes are incomplete)
     logprob: float
     special: bool
     top_tokens: list[TokenLogprob] = field(default_factory=list)
@@ -113,6 +113,11 @@ class ValidationError(ValueError):
 
 class OverloadedError(RuntimeError):
     """Too many requests in flight (HTTP 429)."""
+
+
+class ShardDivergence(Exception):
+    """The ranks of a tensor-parallel group ended a step differently (some ran it, some failed
+    or never answered): their KV and request state may differ, so no later step is safe."""
 
 
 class GenerationError(RuntimeError):

@@ -24,7 +24,6 @@ class PlanCheck:
         kept = set(self.requests) - set(plan.released_ids)
         self._pairs("swap_out", plan.swap_out, self.kv.num_blocks, self.kv.num_host_blocks)
         self._pairs("swap_in", plan.swap_in, self.kv.num_host_blocks, self.kv.num_blocks)
-        self._pairs("copies", plan.copies, self.kv.num_blocks, self.kv.num_blocks)
         seen: set[int] = set()
         for new in plan.new_requests:
             self._fresh_id(new.request_id, kept, seen)

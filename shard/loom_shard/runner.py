@@ -201,7 +201,6 @@ class ModelRunner:
         self.release(plan.released_ids)
         kv.swap_out(plan.swap_out)
         kv.swap_in(plan.swap_in)
-        kv.copy(plan.copies)
         scheduled = self._admit(plan)
         forward_start = time.perf_counter()
         outputs = self._execute(scheduled) if scheduled else []

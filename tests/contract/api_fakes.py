@@ -30,6 +30,7 @@ class FakeShardClient:
         self.eos_id = eos_id
         self.max_position_embeddings = max_position_embeddings
         self.eos_at: int | None = None  # generated index at which every sequence emits EOS
+        self.script: list[int] | None = None  # when set, every sequence generates these ids in order
         self.step_delay_s = 0.0
         self.fail_steps = False
         self.healthy = True
@@ -85,6 +86,8 @@ class FakeShardClient:
         state = self.shard.states[out.request_id]
         index = len(state.token_ids) - state.num_prompt_tokens - 1  # of this token among the generated
         token_id = self.eos_id if index == self.eos_at else self.words[out.token_id % len(self.words)]
+        if self.script is not None and index != self.eos_at:
+            token_id = self.script[index % len(self.script)]
         state.token_ids[-1] = out.token_id = token_id
         out.logprob = -0.1 * (1 + state.sampling.seed % 5)  # seeds differ in score: best_of has a winner
         out.top_tokens = [TokenLogprob(self.words[(index + k) % len(self.words)], -1.0 - k)

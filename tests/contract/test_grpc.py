@@ -16,6 +16,7 @@ from grpc_fakes import BLOCK_SIZE, FakeRunner
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_router.shard_client import ShardClient, ShardError
+from loom_router.types import ShardDivergence
 from loom_shard.server import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ def decode_plan(request_id: int = 1, last_token: int = 5) -> StepPlan:
         block_table=[0], sampling=SamplingParams(seed=7, top_k=3, logit_bias={4: 1.0}),
     )
     running = RunningRequest(request_id=9, num_compute=1)
-    return StepPlan(new_requests=[new], running_requests=[running], copies=[(0, 1)])
+    return StepPlan(new_requests=[new], running_requests=[running], swap_in=[(0, 1)])
 
 
 @pytest.fixture
@@ -137,10 +138,17 @@ async def test_every_rank_gets_the_same_plan_and_rank0_answers(shards):
 
 async def test_failing_rank_is_named(shards):
     runners, client = await shards(world_size=2)
+    runners[0].fail_with = runners[1].fail_with = ValueError("bad block table")
+    with pytest.raises(ShardError, match=r"shard rank 0: INVALID_ARGUMENT: ValueError: bad block table") as caught:
+        await client.step(decode_plan())  # every rank refused it: an ordinary failed step
+    assert caught.value.rank == 0
+
+
+async def test_one_rank_failing_a_step_the_others_ran_is_a_divergence(shards):
+    runners, client = await shards(world_size=2)
     runners[1].fail_with = ValueError("bad block table")
-    with pytest.raises(ShardError, match=r"shard rank 1: INVALID_ARGUMENT: ValueError: bad block table") as caught:
+    with pytest.raises(ShardDivergence, match=r"ranks \[0\] ran it; rank 1: .*bad block table"):
         await client.step(decode_plan())
-    assert caught.value.rank == 1
 
 
 async def test_failing_rank_is_reported_without_waiting_for_a_blocked_rank(shards):
@@ -149,9 +157,9 @@ async def test_failing_rank_is_reported_without_waiting_for_a_blocked_rank(shard
     runners[0].step_delay_s = 3.0
     runners[1].fail_with = RuntimeError("device lost")
     started = time.perf_counter()
-    with pytest.raises(ShardError, match="shard rank 1: INTERNAL: RuntimeError: device lost"):
+    with pytest.raises(ShardDivergence, match="rank 0: .*no answer.*rank 1: .*RuntimeError: device lost"):
         await client.step(decode_plan())
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < runners[0].step_delay_s
 
 
 async def test_wait_ready_times_out_on_a_missing_shard(tmp_path):

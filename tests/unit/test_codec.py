@@ -65,7 +65,6 @@ def sample_plan() -> StepPlan:
         released_ids=[1, 2],
         swap_out=[(6, 0)],
         swap_in=[(1, 8), (2, 9)],
-        copies=[(5, 6)],
     )
 
 

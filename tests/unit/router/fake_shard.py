@@ -7,7 +7,9 @@ from a hash of (seed, the tokens its blocks hold), so wrong blocks give wrong to
 
 from __future__ import annotations
 
+import enum
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom_proto.step import Fork, NewRequest, SamplingParams, SeqOutput, StepPlan, StepResult
@@ -25,6 +27,18 @@ def fake_sample(seed: int, context: list[int]) -> int:
 
 def fake_prompt_logprob(token_id: int) -> float:
     return -(token_id % 10) / 10
+
+
+class FailAt(enum.Enum):
+    """Where an injected step failure strikes."""
+
+    START = "before anything ran"
+    AFTER_BLOCK_OPS = "after releases and swaps, before the forward"
+    AFTER_FORWARD = "after the forward wrote KV, before any output"
+
+
+class ShardFailure(RuntimeError):
+    """An injected step failure."""
 
 
 @dataclass(slots=True)
@@ -52,13 +66,25 @@ class FakeShard:
         self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
         self.states: dict[int, _State] = {}
         self.plans: list[StepPlan] = []
+        self.known_ids: set[int] = set()  # every request id a plan ever sent
+        # Fault injection: the next step matching fail_when raises at fail_at (then both reset).
+        self.fail_when: Callable[[StepPlan], bool] | None = None
+        self.fail_at = FailAt.START
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        failing = self.fail_when is not None and self.fail_when(plan)
+        if failing:
+            self.fail_when = None
+        self.known_ids.update(r.request_id for r in plan.new_requests)
+        self.known_ids.update(f.request_id for r in [*plan.new_requests, *plan.running_requests] for f in r.forks)
+        self._fail_if(failing, FailAt.START)
         for request_id in plan.released_ids:
-            assert request_id in self.states, f"release of unknown request {request_id}"
-            del self.states[request_id]
+            # A release is sent again after a failed step (like the real shard, ignore it then).
+            assert request_id in self.known_ids, f"release of unknown request {request_id}"
+            self.states.pop(request_id, None)
         self._block_ops(plan)
+        self._fail_if(failing, FailAt.AFTER_BLOCK_OPS)
         work = [self._admit(request) for request in plan.new_requests]
         for request in plan.running_requests:
             state = self.states[request.request_id]
@@ -67,18 +93,21 @@ class FakeShard:
         written: set[tuple[int, int]] = set()
         for item in work:  # the forward writes every request's new KV, then samples
             self._write(item, written)
+        self._fail_if(failing, FailAt.AFTER_FORWARD)
         outputs: list[SeqOutput] = []
         for item in work:
             outputs.extend(self._finish(item))
         return StepResult(outputs, forward_ms=0.0, total_ms=0.0)
+
+    def _fail_if(self, failing: bool, point: FailAt) -> None:
+        if failing and self.fail_at is point:
+            raise ShardFailure(f"injected failure {point.value}")
 
     def _block_ops(self, plan: StepPlan) -> None:
         for device_id, host_id in plan.swap_out:
             self.host[host_id] = list(self.device[device_id])
         for host_id, device_id in plan.swap_in:
             self.device[device_id] = list(self.host[host_id])
-        for src, dst in plan.copies:
-            self.device[dst] = list(self.device[src])
 
     def _admit(self, request: NewRequest) -> _Work:
         assert request.request_id not in self.states, f"request {request.request_id} sent twice"

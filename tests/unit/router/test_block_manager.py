@@ -156,9 +156,9 @@ def test_fork_shares_full_blocks_and_copies_partial_last():
                                  first_seq_id=100)
     parent, child1, child2 = group.seqs
     bm.allocate(parent)
-    assert bm.fork(parent, child1) == [(1, 2)]
-    assert bm.fork(parent, child2) == [(1, 3)]
-    assert child1.block_table == [0, 2] and child2.block_table == [0, 3]
+    bm.fork(parent, child1)
+    bm.fork(parent, child2)
+    assert child1.block_table == [0, 2] and child2.block_table == [0, 3]  # the shard copies block 1 in
     assert refs(bm)[:4] == [3, 1, 1, 1]
     for seq in group.seqs:
         bm.free(seq)
@@ -171,7 +171,7 @@ def test_fork_of_block_aligned_prompt_copies_nothing():
                                  first_seq_id=200)
     parent, child = group.seqs
     bm.allocate(parent)
-    assert bm.fork(parent, child) == []
+    bm.fork(parent, child)
     assert child.block_table == [0, 1]
     assert refs(bm)[:2] == [2, 2]
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from loom_router.text import IncrementalDetokenizer, StopMatcher
+from loom_router.text import IncrementalDetokenizer, StopMatcher, token_spans, token_texts
 from loom_router.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
@@ -134,3 +134,75 @@ def test_stop_matcher_after_stop_and_without_stops():
     assert stop.feed("more") == ("", True)
     assert StopMatcher([]).feed("anything") == ("anything", False)
     assert StopMatcher([""]).feed("anything") == ("anything", False)
+
+
+# ---- prompt token texts, /tokenize spans, raw bytes (one rule for every API) -----------------
+
+
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    from sentencepiece_tokenizer import write_sentencepiece_tokenizer
+
+    return load_tokenizer(str(write_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp"))))
+
+
+def test_token_texts_join_to_the_decode_without_replacement_chars(smollm: Tokenizer, sentencepiece: Tokenizer):
+    for tok in (smollm, sentencepiece):
+        ids = tok.encode("the quick brown fox 日本 😀 jumps")
+        assert any("\ufffd" in tok.decode([i]) for i in ids)  # precondition: split characters
+        texts = token_texts(tok, ids)
+        assert len(texts) == len(ids)
+        assert "".join(texts) == tok.decode(ids)
+        assert not any("\ufffd" in t for t in texts)
+
+
+def test_sentencepiece_stream_keeps_leading_spaces(sentencepiece: Tokenizer):
+    prompt = sentencepiece.encode("the quick")
+    generated = sentencepiece.encode(" brown fox 日本 jumps", add_special_tokens=False)
+    chunks = _stream(sentencepiece, prompt, generated)
+    assert "".join(chunks) == "  brown fox 日本 jumps"  # "▁" + "▁brown": the space prefix, then " brown"
+    assert chunks[1] == " brown" and chunks[2] == " fox" and chunks[-2] == " jumps"
+    assert sentencepiece.decode([generated[1]]) == "brown"  # one by one, the space was lost
+
+
+def test_token_spans_cover_the_input_once_in_order(smollm: Tokenizer, sentencepiece: Tokenizer):
+    text = "the quick 日本 😀 café  jumps"
+    for tok in (smollm, sentencepiece):
+        spans = token_spans(tok, text)
+        ids, _ = tok.encode_with_offsets(text)
+        assert [s["id"] for s in spans] == ids
+        assert "".join(s["text"] for s in spans) == text.lstrip(" ")
+        for before, after in zip(spans, spans[1:]):
+            assert before["stop"] <= after["start"]  # no overlaps: a split character goes to its last token
+        assert all(s["text"] == text[s["start"]:s["stop"]] for s in spans)
+    assert token_spans(smollm, text, truncate=2) == token_spans(smollm, text)[-2:]
+
+
+def test_token_spans_are_linear_in_the_input(smollm: Tokenizer):
+    # 50,000 words took minutes when spans came from decoding growing prefixes: now one pass.
+    text = " ".join(f"word{i} é" for i in range(25_000))
+    spans = token_spans(smollm, text)
+    assert spans[-1]["stop"] == len(text)
+
+
+def test_token_bytes_are_the_raw_bytes(smollm: Tokenizer, sentencepiece: Tokenizer):
+    for tok in (smollm, sentencepiece):
+        ids = tok.encode("日本 😀 café", add_special_tokens=False)
+        raw = [tok.token_bytes(i) for i in ids]
+        assert b"".join(raw).decode() in (" 日本 😀 café", "日本 😀 café")
+        assert any(len(r) and not _is_whole_utf8(r) for r in raw)  # pieces of characters stay pieces
+
+
+def _is_whole_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_prompt_ending_inside_a_character_adds_nothing_to_the_output(smollm: Tokenizer):
+    ids = smollm.encode("日本 hello world")
+    cut = next(i for i in range(1, len(ids)) if smollm.decode(ids[:i]).endswith("\ufffd"))
+    prompt, generated = ids[:cut], ids[cut:]
+    assert "".join(_stream(smollm, prompt, generated)) == smollm.decode(generated)

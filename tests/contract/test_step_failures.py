@@ -1,0 +1,125 @@
+"""What a failed step does to the engine: its requests fail visibly, later ones are exact; ranks
+of a tensor-parallel group that end a step differently are fatal (the engine stops, named)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from api_fakes import WORDS, FakeShardClient
+from test_api import router_config
+from test_loop_responsiveness import free_port
+
+from loom_proto.step import StepPlan, StepResult
+from loom_router import main
+from loom_router.engine import Engine
+from loom_router.shard_client import ShardError, agreed_step_reply
+from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.types import GenerationError, GenerationParams, ShardDivergence
+from loom_router.validation import Limits, TGIParameters, tgi_generation_params
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")
+
+
+def params(seed: int, max_new_tokens: int = 4) -> GenerationParams:
+    limits = Limits(max_stop_sequences=2, max_top_n_tokens=3, max_n=4, vocab_size=49152, eos_token_ids=(2,))
+    return tgi_generation_params(TGIParameters(seed=seed, max_new_tokens=max_new_tokens), max_new_tokens, limits)
+
+
+async def collect(stream) -> list[int]:  # noqa: ANN001
+    return [event.token.token_id async for event in stream]
+
+
+async def test_failed_step_fails_its_requests_and_later_ones_are_exact(tokenizer: Tokenizer) -> None:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
+    engine = Engine(router_config(), backend, tokenizer)
+    await engine.start()
+    try:
+        prompt = tokenizer.encode("Hello there")
+        backend.shard.fail_when = lambda plan: len(backend.shard.plans) == 3  # mid-generation
+        with pytest.raises(GenerationError, match="injected failure"):
+            await collect(engine.submit(prompt, params(1)))
+        assert engine.stats().requests_finished == {"error": 1}
+        assert await collect(engine.submit(prompt, params(1))) == backend.reference(prompt, 1, 4)
+        assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+async def test_diverged_ranks_stop_the_engine_and_say_so(tokenizer: Tokenizer) -> None:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
+
+    async def diverging_step(plan: StepPlan) -> StepResult:
+        raise ShardDivergence("tensor-parallel ranks diverged on a step (ranks [0] ran it; rank 1: boom)")
+
+    backend.step = diverging_step  # type: ignore[method-assign]
+    engine = Engine(router_config(), backend, tokenizer)
+    fatal: list[BaseException] = []
+    engine.on_fatal = fatal.append
+    await engine.start()
+    try:
+        with pytest.raises(GenerationError, match="diverged"):
+            await collect(engine.submit(tokenizer.encode("Hello"), params(1)))
+        await asyncio.sleep(0)
+        assert len(fatal) == 1 and isinstance(fatal[0], ShardDivergence)
+        assert not await engine.health()
+        with pytest.raises(GenerationError, match="not running"):
+            engine.submit(tokenizer.encode("Hello"), params(1))
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+def _futures(*outcomes: object) -> list[asyncio.Future]:
+    loop = asyncio.get_running_loop()
+    futures = []
+    for outcome in outcomes:
+        future = loop.create_future()
+        if outcome == "cancelled":
+            future.cancel()
+        elif isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        futures.append(future)
+    return futures
+
+
+async def test_rank_replies_agree_or_diverge() -> None:
+    assert agreed_step_reply(_futures("r0", "r1")) == "r0"
+    with pytest.raises(ShardError, match="rank 0"):  # every rank refused: an ordinary failed step
+        agreed_step_reply(_futures(ShardError(0, "INVALID_ARGUMENT", "bad plan"),
+                                   ShardError(1, "INVALID_ARGUMENT", "bad plan")))
+    with pytest.raises(ShardDivergence, match=r"ranks \[0\] ran it; rank 1"):
+        agreed_step_reply(_futures("r0", ShardError(1, "INTERNAL", "out of memory")))
+    with pytest.raises(ShardDivergence, match="rank 1"):  # stuck in a collective after rank 0 failed
+        agreed_step_reply(_futures(ShardError(0, "INTERNAL", "boom"), "cancelled"))
+
+
+async def test_router_exits_non_zero_when_ranks_diverge(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
+
+    async def diverging_step(plan: StepPlan) -> StepResult:
+        raise ShardDivergence("tensor-parallel ranks diverged on a step (ranks [1] ran it; rank 0: boom)")
+
+    backend.step = diverging_step  # type: ignore[method-assign]
+    monkeypatch.setattr(main, "ShardClient", lambda paths: backend)
+    monkeypatch.setattr(main, "load_tokenizer", lambda model_id: tokenizer)
+    config = router_config(hostname="127.0.0.1", port=free_port())
+    serving = asyncio.create_task(main.serve(config))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}", timeout=30) as client:
+        while True:
+            assert not serving.done(), "the router stopped before serving"
+            try:
+                await client.get("/health")
+                break
+            except httpx.TransportError:
+                await asyncio.sleep(0.05)
+        response = await client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert response.status_code == 424 and "diverged" in response.json()["error"]
+    assert await asyncio.wait_for(serving, 30) == main.EXIT_ENGINE_FAILED
+    assert "ranks diverged" in caplog.text

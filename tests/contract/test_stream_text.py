@@ -1,0 +1,150 @@
+"""Streamed text in every API is the text each token adds: UTF-8 safe, leading spaces kept,
+joining to the whole text (byte-level BPE and SentencePiece); and the character cap on inputs."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from api_fakes import FakeShardClient
+from test_api import Harness, router_config, sse_payloads
+
+from loom_router.api import create_app
+from loom_router.engine import Engine
+from loom_router.tokenizer import Tokenizer, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))
+from sentencepiece_tokenizer import write_sentencepiece_tokenizer  # noqa: E402
+
+ANSWER = " 日本語のテキスト café naïve 😀👍🏽 ok"
+SP_ANSWER = " the lazy dog 日本 jumps over"
+
+
+@pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
+def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    if request.param == "byte-level":
+        return load_tokenizer("")
+    return load_tokenizer(str(write_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp"))))
+
+
+async def _harness(tokenizer: Tokenizer, **config: object) -> AsyncIterator[Harness]:
+    backend = FakeShardClient(tokenizer.encode("the"), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
+    answer = SP_ANSWER if _is_sentencepiece(tokenizer) else ANSWER
+    backend.script = tokenizer.encode(answer, add_special_tokens=False)
+    cfg = router_config(**config)
+    engine = Engine(cfg, backend, tokenizer)
+    await engine.start()
+    app = create_app(engine, cfg)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as client:
+        yield Harness(client, engine, backend, tokenizer)
+    await engine.stop(drain_timeout_s=1.0)
+
+
+@pytest.fixture
+async def harness(tokenizer: Tokenizer) -> AsyncIterator[Harness]:
+    async for h in _harness(tokenizer):
+        yield h
+
+
+def _script_text(h: Harness) -> str:
+    assert h.backend.script is not None
+    return h.tokenizer.decode(h.backend.script, skip_special_tokens=True)
+
+
+async def test_tgi_stream_token_texts_join_to_generated_text(harness: Harness) -> None:
+    script = harness.backend.script
+    assert script and any("\ufffd" in harness.tokenizer.decode([i]) for i in script)  # split characters
+    body = {"inputs": "the", "parameters": {"max_new_tokens": len(script), "details": True}}
+    events = sse_payloads((await harness.client.post("/generate_stream", json=body)).text)
+    texts = [e["token"]["text"] for e in events]
+    assert "".join(texts) == events[-1]["generated_text"]
+    assert not any("\ufffd" in t for t in texts) and "" in texts  # held bytes come with the next token
+    if not _is_sentencepiece(harness.tokenizer):
+        assert events[-1]["generated_text"] == ANSWER
+    else:  # SentencePiece: the first word's leading space is kept, as every later one
+        assert events[-1]["generated_text"].startswith("  the lazy dog") and " jumps" in texts
+
+
+async def test_tgi_details_and_prefill_follow_the_same_rule(harness: Harness) -> None:
+    script = harness.backend.script
+    assert script is not None
+    body = {"inputs": "the quick 日本", "parameters": {"max_new_tokens": len(script), "details": True,
+                                                     "decoder_input_details": True}}
+    out = (await harness.client.post("/generate", json=body)).json()
+    assert "".join(t["text"] for t in out["details"]["tokens"]) == out["generated_text"]
+    prompt_ids = harness.tokenizer.encode("the quick 日本")
+    prefill = out["details"]["prefill"]
+    assert [t["id"] for t in prefill] == prompt_ids
+    assert "".join(t["text"] for t in prefill) == harness.tokenizer.decode(prompt_ids)
+    assert not any("\ufffd" in t["text"] for t in prefill)
+
+
+async def test_openai_logprobs_tokens_offsets_and_bytes(harness: Harness) -> None:
+    script = harness.backend.script
+    assert script is not None
+    body = {"prompt": "the", "max_tokens": len(script), "logprobs": 1}
+    choice = (await harness.client.post("/v1/completions", json=body)).json()["choices"][0]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert "".join(tokens) == choice["text"]
+    assert all(choice["text"][o:].startswith(t) for t, o in zip(tokens, offsets))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(script), "logprobs": True}
+    response = await harness.client.post("/v1/chat/completions", json=body)
+    if response.status_code == 422:  # the SentencePiece fixture has no chat template
+        return
+    choice = response.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    raw = b"".join(bytes(c["bytes"]) for c in content)
+    assert raw.decode() == choice["message"]["content"]  # the pieces of split characters, whole again
+
+
+async def test_openai_stream_echo_offsets(harness: Harness) -> None:
+    script = harness.backend.script
+    assert script is not None
+    body = {"prompt": "the 日本", "max_tokens": len(script), "logprobs": 0, "echo": True}
+    choice = (await harness.client.post("/v1/completions", json=body)).json()["choices"][0]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert "".join(tokens) == choice["text"]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+async def test_inputs_over_the_character_cap_are_refused_before_tokenizing(tokenizer: Tokenizer) -> None:
+    async for h in _harness(tokenizer, max_input_chars=100):
+        calls: list[str] = []
+        original = h.tokenizer.encode
+        h.tokenizer.encode = lambda text, *a, **k: calls.append(text) or original(text, *a, **k)  # type: ignore
+        try:
+            for path, body in [("/generate", {"inputs": "x" * 101}), ("/tokenize", {"inputs": "x" * 101}),
+                               ("/v1/completions", {"prompt": "x" * 101}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 101}]})]:
+                response = await h.client.post(path, json=body)
+                assert response.status_code == 422, (path, response.text)
+                assert "100 characters" in response.text
+            assert calls == []
+            assert (await h.client.post("/tokenize", json={"inputs": "x" * 100})).status_code == 200
+        finally:
+            del h.tokenizer.encode
+
+
+def _is_sentencepiece(tokenizer: Tokenizer) -> bool:
+    return tokenizer.chat_template is None  # the embedded (byte-level) model has a template
+
+
+async def test_truncate_keeps_the_models_bos(harness: Harness) -> None:
+    tok = harness.tokenizer
+    full = tok.encode("the quick brown fox jumps")
+    body = {"inputs": "the quick brown fox jumps",
+            "parameters": {"truncate": 3, "max_new_tokens": 1, "details": True, "decoder_input_details": True}}
+    prefill = (await harness.client.post("/generate", json=body)).json()["details"]["prefill"]
+    spans = (await harness.client.post("/tokenize", json={"inputs": "the quick brown fox jumps",
+                                                           "parameters": {"truncate": 3}})).json()
+    if _is_sentencepiece(tok):  # adds BOS: it stays first, then the last 2 text tokens
+        assert full[0] == tok.bos_token_id
+        expected = [tok.bos_token_id, *full[-2:]]
+    else:  # no BOS added: just the last 3 tokens
+        expected = full[-3:]
+    assert [t["id"] for t in prefill] == expected
+    assert [s["id"] for s in spans] == expected
