@@ -123,6 +123,7 @@ def _plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         swap_out=_pairs_to_pb(plan.swap_out),
         swap_in=_pairs_to_pb(plan.swap_in),
         copies=_pairs_to_pb(plan.copies),
+        allowed_token_masks=plan.allowed_token_masks,
     )
 
 
@@ -207,6 +208,7 @@ def _plan_from_pb(m: pb.StepPlan) -> StepPlan:
         swap_out=_pairs_from_pb(m.swap_out),
         swap_in=_pairs_from_pb(m.swap_in),
         copies=_pairs_from_pb(m.copies),
+        allowed_token_masks=dict(m.allowed_token_masks),
     )
 
 

@@ -95,6 +95,9 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block)
+    # Constrained sequences: request id -> packed int32 bitmask of the tokens it may sample
+    # (bit t % 32 of little-endian word t // 32; ids past the end are disallowed).
+    allowed_token_masks: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:
