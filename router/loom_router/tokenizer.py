@@ -72,6 +72,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as Hugging Face tokenizer.json text (what grammar engines load)."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
