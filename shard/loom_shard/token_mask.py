@@ -8,11 +8,7 @@ is set; ids past the mask's end are disallowed.
 
 from __future__ import annotations
 
-import sys
-
 import torch
-
-_BITS = 32
 
 
 def check_mask(request_id: int, mask: bytes) -> None:
@@ -21,19 +17,41 @@ def check_mask(request_id: int, mask: bytes) -> None:
         raise ValueError(f"request {request_id}: allowed-token mask of {len(mask)} bytes is not whole int32 words")
 
 
+def mask_bias(masks: list[bytes], vocab_size: int, device: torch.device,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed bitmasks -> [len(masks), vocab_size] additive bias: 0 allowed, -inf not.
+
+    Little-endian int32 words make token t bit t % 8 of byte t // 8, so a table from a byte
+    to its 8 biases unpacks every mask with one index_select (no per-token Python). Adding
+    a bias is several times faster on the CPU than masked_fill with a bool mask.
+    """
+    num_bytes = max(len(m) for m in masks)
+    packed = b"".join(m.ljust(num_bytes, b"\x00") for m in masks)
+    data = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(device)  # [rows * num_bytes]
+    bias = _byte_bias(device, dtype).index_select(0, data.long()).view(len(masks), num_bytes * 8)
+    if bias.shape[1] >= vocab_size:
+        return bias[:, :vocab_size]
+    pad = torch.full((len(masks), vocab_size - bias.shape[1]), float("-inf"), dtype=dtype, device=device)
+    return torch.cat([bias, pad], dim=1)
+
+
 def unpack_masks(masks: list[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Packed bitmasks -> bool [len(masks), vocab_size], True = allowed (no per-token Python)."""
-    num_words = max(len(m) for m in masks) // 4
-    packed = b"".join(m.ljust(num_words * 4, b"\x00") for m in masks)
-    assert sys.byteorder == "little", "masks are little-endian int32 words"
-    words = torch.frombuffer(bytearray(packed), dtype=torch.int32).to(device)  # [rows * num_words]
-    words = words.view(len(masks), num_words, 1)
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=device)  # [32]
-    bits = ((words >> shifts) & 1).view(len(masks), num_words * _BITS).bool()  # [rows, num_words * 32]
-    if bits.shape[1] >= vocab_size:
-        return bits[:, :vocab_size]
-    pad = torch.zeros(len(masks), vocab_size - bits.shape[1], dtype=torch.bool, device=device)
-    return torch.cat([bits, pad], dim=1)
+    """Packed bitmasks -> bool [len(masks), vocab_size], True = allowed."""
+    return mask_bias(masks, vocab_size, device) == 0
+
+
+_BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: 0 where bit j of byte value b is set, else -inf (built once per device and dtype)."""
+    table = _BYTE_BIAS.get((device, dtype))
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32).unsqueeze(1)  # [256, 1]
+        bits = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool()  # [256, 8], least significant first
+        table = torch.zeros(256, 8, dtype=dtype).masked_fill(~bits, float("-inf")).to(device)
+        _BYTE_BIAS[(device, dtype)] = table
+    return table
 
 
 def apply_allowed_masks(logits: torch.Tensor, masks: list[bytes | None]) -> torch.Tensor:
@@ -48,8 +66,10 @@ def apply_allowed_masks(logits: torch.Tensor, masks: list[bytes | None]) -> torc
     rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return logits
-    allowed = unpack_masks([masks[i] for i in rows], logits.shape[1], logits.device)  # [rows, vocab]
+    bias = mask_bias([masks[i] for i in rows], logits.shape[1], logits.device, logits.dtype)  # [rows, vocab]
+    if len(rows) == len(masks):  # every row constrained: one add, no gather/scatter
+        return logits + bias
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     masked = logits.clone()
-    masked[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    masked[index] = logits.index_select(0, index) + bias
     return masked
