@@ -14,7 +14,8 @@ from loom_shard.token_mask import apply_allowed_masks, check_mask, unpack_masks
 VOCAB = 70  # not a multiple of 32: the last word is partly used
 
 
-def pack(allowed: set[int], num_words: int = 3) -> bytes:
+def pack(allowed: set[int], num_words: int | None = None) -> bytes:
+    num_words = num_words or max(3, max(allowed, default=0) // 32 + 1)
     words = [0] * num_words
     for t in allowed:
         words[t // 32] |= 1 << (t % 32)
@@ -70,3 +71,41 @@ def test_a_seeded_masked_draw_is_deterministic() -> None:
 def test_malformed_masks_are_rejected(mask: bytes) -> None:
     with pytest.raises(ValueError, match="int32 words"):
         check_mask(4, mask)
+
+
+# ---- through the runner: new, running and forked sequences -------------------------------
+
+
+@pytest.fixture()
+def runner(llama_pair):  # noqa: ANN001, ANN201
+    from loom_proto.config import ShardConfig
+    from loom_shard.runner import ModelRunner
+
+    r = ModelRunner(ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=4), model=llama_pair.loom)
+    r.allocate_kv_cache(num_blocks=32, num_host_blocks=4)
+    return r
+
+
+def test_runner_samples_inside_each_sequences_mask(runner) -> None:  # noqa: ANN001
+    from loom_proto.step import Fork, NewRequest, RunningRequest, StepPlan
+    from tests.unit.shard.conftest import random_tokens
+
+    prompt = random_tokens(6, 21)
+    sampling = SamplingParams(seed=1, do_sample=True)
+    new = NewRequest(1, prompt, 6, 0, 6, [0, 1], sampling, forks=[Fork(2, SamplingParams(seed=2), [0, 2])])
+    plain = NewRequest(3, prompt, 6, 0, 6, [3, 4], SamplingParams(seed=0))
+    masks = {1: pack({10, 11}), 2: pack({12})}
+    out = {o.request_id: o.token_id for o in runner.step(StepPlan([new, plain], allowed_token_masks=masks)).outputs}
+    assert out[1] in {10, 11} and out[2] == 12
+    free = runner.step(StepPlan(running_requests=[RunningRequest(3, 1)])).outputs[0].token_id
+    step = StepPlan(running_requests=[RunningRequest(1, 1), RunningRequest(2, 1)],
+                    allowed_token_masks={1: pack({40}), 2: pack({41, free})})
+    out = {o.request_id: o.token_id for o in runner.step(step).outputs}
+    assert out[1] == 40 and out[2] in {41, free}
+
+
+def test_a_mask_for_a_request_outside_the_step_is_refused(runner) -> None:  # noqa: ANN001
+    from loom_proto.step import StepPlan
+
+    with pytest.raises(ValueError, match="not in the step"):
+        runner.step(StepPlan(allowed_token_masks={9: pack({1})}))
