@@ -206,3 +206,13 @@ async def test_preempted_constrained_requests_resume_exactly(tokenizer: Tokenize
     assert list(crowded) == alone
     for text in alone:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+async def test_a_prefix_cache_hit_gives_the_same_constrained_output(harness: Harness) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    first = await chat(harness, response_format=fmt, seed=11)
+    cached_before = harness.engine.stats().prompt_tokens_cached
+    second = await chat(harness, response_format=fmt, seed=11)
+    assert harness.engine.stats().prompt_tokens_cached > cached_before
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+    jsonschema.validate(json.loads(first["choices"][0]["message"]["content"]), SCHEMA)
