@@ -17,8 +17,10 @@ import httpx
 import jsonschema
 import pytest
 from api_fakes import WORDS, FakeShardClient
+from fake_shard import FakeShard
 
 from loom_proto.config import RouterConfig
+from loom_proto.step import WarmupResult
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer, load_tokenizer
@@ -36,6 +38,9 @@ SCHEMA = {
     "required": ["color", "ok", "code", "tags", "inner"],
     "additionalProperties": False,
 }
+LONG_SCHEMA = {"type": "object", "properties": {"digits": {"type": "string", "pattern": "^[0-9]{50}$"},
+                                              "color": {"enum": ["red", "green"]}},
+               "required": ["digits", "color"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "city": {"enum": ["Paris", "Oslo"]}},
     "required": ["unit", "city"], "additionalProperties": False}}}
@@ -58,9 +63,23 @@ def tokenizer() -> Tokenizer:
     return load_tokenizer("")
 
 
-async def start(tokenizer: Tokenizer, num_blocks: int = 256) -> tuple[Engine, httpx.AsyncClient, FakeShardClient]:
-    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
-                              num_blocks=num_blocks, max_position_embeddings=512)
+class SwappingShardClient(FakeShardClient):
+    """The fake shard with a host-RAM pool, so preemption swaps instead of recomputing."""
+
+    def __init__(self, *args: object, num_host_blocks: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard = FakeShard(self.shard.block_size, len(self.shard.device), num_host_blocks)
+
+    async def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult:
+        return WarmupResult(self.num_blocks, len(self.shard.host), self.block_size)
+
+
+async def start(tokenizer: Tokenizer, num_blocks: int = 256,
+                num_host_blocks: int = 0) -> tuple[Engine, httpx.AsyncClient, FakeShardClient]:
+    kind = SwappingShardClient if num_host_blocks else FakeShardClient
+    extra = {"num_host_blocks": num_host_blocks} if num_host_blocks else {}
+    backend = kind(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
+                   num_blocks=num_blocks, max_position_embeddings=512, **extra)
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_concurrent_requests=8,
                           max_total_tokens=512, max_n=4)
     engine = Engine(config, backend, tokenizer)
@@ -185,27 +204,30 @@ async def test_streamed_tool_calls_reassemble_to_the_same_call(harness: Harness)
     assert finish == "tool_calls" and calls == {0: {"name": expected["name"], "arguments": expected["arguments"]}}
 
 
-async def test_preempted_constrained_requests_resume_exactly(tokenizer: Tokenizer) -> None:
-    """Under KV pressure requests are preempted and recomputed; their matchers must follow."""
-    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+@pytest.mark.parametrize("num_host_blocks, kind", [(0, "recompute"), (64, "swap")])
+async def test_preempted_constrained_requests_resume_exactly(tokenizer: Tokenizer, num_host_blocks: int,
+                                                             kind: str) -> None:
+    """Under KV pressure requests are preempted (recomputed or swapped); their matchers must follow."""
+    fmt = {"type": "json_schema", "json_schema": {"schema": LONG_SCHEMA}}
 
     async def run(client: httpx.AsyncClient, seed: int) -> str:
         response = await client.post("/v1/chat/completions", json={
-            "messages": MESSAGES, "max_tokens": 60, "seed": seed, "response_format": fmt})
+            "messages": MESSAGES, "max_tokens": 90, "seed": seed, "response_format": fmt})
         return response.json()["choices"][0]["message"]["content"]
 
     engine, client, _ = await start(tokenizer)
     async with client:
         alone = [await run(client, seed) for seed in range(4)]
     await engine.stop(drain_timeout_s=1.0)
-    engine, client, _ = await start(tokenizer, num_blocks=40)  # 4 blocks of 4 tokens per ~36-token request
+    # ~36-token prompts + >= 55 tokens each (single-digit tokens): 40 blocks of 4 cannot hold all four
+    engine, client, _ = await start(tokenizer, num_blocks=40, num_host_blocks=num_host_blocks)
     async with client:
         crowded = await asyncio.gather(*(run(client, seed) for seed in range(4)))
-    assert engine.stats().preemptions_recompute > 0
+    assert getattr(engine.stats(), f"preemptions_{kind}") > 0
     await engine.stop(drain_timeout_s=1.0)
     assert list(crowded) == alone
     for text in alone:
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(text), LONG_SCHEMA)
 
 
 async def test_a_prefix_cache_hit_gives_the_same_constrained_output(harness: Harness) -> None:
