@@ -238,3 +238,14 @@ async def test_a_prefix_cache_hit_gives_the_same_constrained_output(harness: Har
     assert harness.engine.stats().prompt_tokens_cached > cached_before
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
     jsonschema.validate(json.loads(first["choices"][0]["message"]["content"]), SCHEMA)
+
+
+async def test_grammar_composes_with_choice_params_and_stop_sequences(harness: Harness) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    out = await chat(harness, response_format=fmt, n=2, seed=2, choice_params=[{"temperature": 0.5}, {"seed": 99}])
+    for choice in out["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    response = await harness.client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 30, "seed": 4, "structured_outputs": {"regex": "a{3}[0-9]{5}"}, "stop": ["aa"]})
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "" and choice["finish_reason"] == "stop"  # the stop sequence cuts "aa"
