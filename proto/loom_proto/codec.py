@@ -122,6 +122,7 @@ def _plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         released_ids=plan.released_ids,
         swap_out=_pairs_to_pb(plan.swap_out),
         swap_in=_pairs_to_pb(plan.swap_in),
+        allowed_token_masks=plan.allowed_token_masks,
     )
 
 
@@ -205,6 +206,7 @@ def _plan_from_pb(m: pb.StepPlan) -> StepPlan:
         released_ids=list(m.released_ids),
         swap_out=_pairs_from_pb(m.swap_out),
         swap_in=_pairs_from_pb(m.swap_in),
+        allowed_token_masks=dict(m.allowed_token_masks),
     )
 
 

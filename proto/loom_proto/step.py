@@ -96,6 +96,9 @@ class StepPlan:
     released_ids: list[int] = field(default_factory=list)  # drop their shard state first
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Constrained sequences: request id -> packed int32 bitmask of the tokens it may sample
+    # (bit t % 32 of little-endian word t // 32; ids past the end are disallowed).
+    allowed_token_masks: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

@@ -31,6 +31,7 @@ from loom_router.http_common import (
     tracked,
 )
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
+from loom_router.structured import compile_constraint, tgi_constraint_spec
 from loom_router.text import token_spans, token_texts
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
@@ -206,7 +207,9 @@ async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[lis
     check_tgi(params, body.inputs, stream, limits)
     ids = await encode(state, body.inputs, truncate=params.truncate)  # TGI keeps the end of the input
     max_new_tokens = state.engine.validate_lengths(len(ids), params.max_new_tokens, params.best_of or 1)
-    return ids, tgi_generation_params(params, max_new_tokens, limits)
+    gen_params = tgi_generation_params(params, max_new_tokens, limits)
+    gen_params.grammar = await compile_constraint(state.engine, tgi_constraint_spec(params.grammar))
+    return ids, gen_params
 
 
 async def _generate(state: AppState, request: Request, body: TGIRequest) -> dict[str, Any]:

@@ -16,11 +16,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupResult
+from loom_router.grammar import GrammarCompiler, MaskFiller, Matcher
 from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
 from loom_router.stream import DONE, GenerationStream
@@ -71,6 +72,7 @@ class _Active:
     arrival: float
     prompt_logprobs: list[float | None]  # filled chunk by chunk when asked for
     hold_blocks: bool = False  # keep the finished sequence's blocks (see GenerationStream.held)
+    matchers: dict[int, Matcher] = field(default_factory=dict)  # by seq_id, for constrained requests
 
 
 class Engine:
@@ -96,6 +98,8 @@ class Engine:
         # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
+        self.grammars = GrammarCompiler(tokenizer)
+        self._masks = MaskFiller(self.grammars)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -201,6 +205,8 @@ class Engine:
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
         self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
                                          hold_blocks)
+        if params.grammar is not None:
+            self._active[group_id].matchers = {seq.seq_id: params.grammar.new_matcher() for seq in group.seqs}
         self._pending_adds.append(group)
         self._wakeup.set()
         return stream
@@ -245,6 +251,7 @@ class Engine:
                         await self._wakeup.wait()
                     continue
                 self._mark_scheduled(plan)
+                self._masks.fill(plan, self._matcher_of)
                 result = await self._step(plan)
                 if result is not None:
                     for seq, out in self.scheduler.update(plan, result):
@@ -360,6 +367,8 @@ class Engine:
         delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
         emitted, stopped = text.stop.feed(delta)
         reason = self._finish_reason(seq, active.params, token_id, stopped)
+        if self._grammar_ended(active, seq, token_id) and reason is None:
+            reason = FinishReason.EOS  # the grammar allows nothing more: the output is complete
         if reason is not None and reason is not FinishReason.STOP:
             held = text.detokenizer.flush()
             delta += held
@@ -376,6 +385,20 @@ class Engine:
         active.stream.put(ChoiceEvent(seq.index, token, emitted, reason, seq.num_generated))
         if reason is not None:
             self._finish(active, seq, reason)
+
+    def _matcher_of(self, seq_id: int) -> Matcher | None:
+        active = self._active.get(self._group_of(seq_id))
+        return active.matchers.get(seq_id) if active is not None else None
+
+    def _grammar_ended(self, active: _Active, seq: Sequence, token_id: int) -> bool:
+        """Advance a constrained sequence's matcher; True when its grammar is complete."""
+        matcher = active.matchers.get(seq.seq_id)
+        if matcher is None:
+            return False
+        if not matcher.consume(token_id):  # the shard ignored the mask: a bug, not the client's
+            log.error("sequence %d sampled token %d outside its grammar: %s", seq.seq_id, token_id, matcher.error)
+            return True
+        return matcher.is_finished
 
     def _finish_reason(self, seq: Sequence, params: GenerationParams, token_id: int,
                        stopped: bool) -> FinishReason | None:

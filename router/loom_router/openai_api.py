@@ -25,7 +25,10 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
+from loom_router.structured import compile_constraint
 from loom_router.text import token_texts
+from loom_router.tool_stream import tool_chunks
+from loom_router.tools import ToolMode, ToolPlan, chat_constraint_spec, chat_message, plan_tools, template_inputs
 from loom_router.types import (
     ChoiceEvent,
     GeneratedToken,
@@ -96,6 +99,7 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
     ids = await _completion_prompt_ids(state, body)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
+    params.grammar = await compile_constraint(state.engine, body.constraint_spec())
     reply = _Reply("text", state.model_name, body.logprobs is not None, body.include_usage)
     if body.echo:  # the prompt's token texts, off the loop (a long prompt is many tokens)
         reply.echo_ids = ids
@@ -113,22 +117,28 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
     limits = state.limits()
     check_openai(body, limits)
-    messages = [m.as_template_message() for m in body.messages]
-    check_input_chars(state, sum(len(m["content"]) for m in messages), "messages")
-    prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True)
+    tool_plan = plan_tools(body)
+    spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
+    messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
+    check_input_chars(state, sum(len(str(m.get("content") or "")) for m in messages), "messages")
+    prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True, **extra)
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
+    params.grammar = await compile_constraint(state.engine, spec)
     reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
     if body.stream:
-        return _stream(state, reply, ids, params)
+        return _stream(state, reply, ids, params, tool_plan)
     generation = await generate(state, request, ids, params)
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": {"content": [_chat_logprob(state, t) for t in c.tokens]} if reply.logprobs else None,
-        "finish_reason": c.finish_reason.openai if c.finish_reason else None,
-    } for c in generation.choices]
+    choices = []
+    for c in generation.choices:
+        message, finish = chat_message(tool_plan, c.text, c.finish_reason)
+        choices.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": {"content": [_chat_logprob(state, t) for t in c.tokens]} if reply.logprobs else None,
+            "finish_reason": finish,
+        })
     return {**reply.envelope("chat.completion", choices), "usage": _usage(generation.prompt, generation)}
 
 
@@ -153,9 +163,13 @@ async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> li
 # ---- streaming --------------------------------------------------------------------------
 
 
-def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams) -> Response:
+def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams,
+            tool_plan: ToolPlan | None = None) -> Response:
     stream = state.engine.submit(ids, params)
     timer = state.metrics.start_request(len(ids), stream, state.engine)
+    if tool_plan is not None and tool_plan.mode is not ToolMode.NONE:
+        chunks = tool_chunks(reply, tool_plan, params.n, stream, tracked(stream, timer), _usage_counts)
+        return EventStreamResponse(chunks, stream.cancel)
     return EventStreamResponse(_chunks(state, reply, params.n, stream, tracked(stream, timer)), stream.cancel)
 
 

@@ -113,6 +113,10 @@ class Tokenizer:
             return bytes([int(match.group(1), 16)])
         return piece.replace("▁", " ").encode()
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as Hugging Face tokenizer.json text (what grammar engines load)."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 

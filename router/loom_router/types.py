@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loom_proto.step import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from loom_router.grammar import Grammar
 
 
 class FinishReason(enum.Enum):
@@ -32,6 +36,7 @@ class GenerationParams:
     stop_sequences: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
+    grammar: Grammar | None = None  # constrained decoding: every choice gets its own matcher
 
     @property
     def n(self) -> int:

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loom_proto.step import SamplingParams
+from loom_router.structured import ConstraintFields
+from loom_router.tools import ToolFields
 from loom_router.types import GenerationParams, ValidationError
 
 SEED_LIMIT = 2**63  # seeds are 63-bit so that seed + choice index stays a valid int64
@@ -103,8 +105,6 @@ def check_tgi(params: TGIParameters, inputs: str, stream: bool, limits: Limits) 
     """The TGI checks that depend on the server or span fields. Raises ValidationError."""
     if not inputs:
         raise ValidationError("`inputs` cannot be empty")
-    if params.grammar is not None:
-        raise ValidationError("`grammar` is not supported")
     if len(params.stop) > limits.max_stop_sequences:
         raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
                               f"Given: {len(params.stop)}")
@@ -166,7 +166,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class OpenAISampling(ChoiceOverride):
+class OpenAISampling(ChoiceOverride, ConstraintFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -215,16 +215,24 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         """The message as the chat template expects it; `developer` is OpenAI's new `system`."""
         role = "system" if self.role == "developer" else self.role
         if isinstance(self.content, list):
-            return {"role": role, "content": "".join(part.text for part in self.content)}
-        return {"role": role, "content": self.content or ""}
+            message: dict[str, Any] = {"role": role, "content": "".join(part.text for part in self.content)}
+        else:
+            message = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ChatCompletionRequest(OpenAISampling):
+class ChatCompletionRequest(OpenAISampling, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False

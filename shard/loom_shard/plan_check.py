@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from loom_proto.step import NewRequest, RunningRequest, StepPlan
 from loom_shard.kv_cache import PagedKVCache
+from loom_shard.token_mask import check_mask
 
 if TYPE_CHECKING:
     from loom_shard.runner import RequestState
@@ -42,6 +43,10 @@ class PlanCheck:
             for fork in running.forks:
                 self._fresh_id(fork.request_id, kept, seen)
                 self._blocks(fork.request_id, fork.block_table, len(state.token_ids))
+        for request_id, mask in plan.allowed_token_masks.items():
+            if request_id not in seen:
+                raise ValueError(f"request {request_id}: an allowed-token mask for a request not in the step")
+            check_mask(request_id, mask)
 
     @staticmethod
     def _fresh_id(request_id: int, kept: set[int], seen: set[int]) -> None:

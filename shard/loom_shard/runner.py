@@ -203,7 +203,7 @@ class ModelRunner:
         kv.swap_in(plan.swap_in)
         scheduled = self._admit(plan)
         forward_start = time.perf_counter()
-        outputs = self._execute(scheduled) if scheduled else []
+        outputs = self._execute(scheduled, plan.allowed_token_masks) if scheduled else []
         end = time.perf_counter()
         return StepResult(outputs, forward_ms=(end - forward_start) * 1e3, total_ms=(end - start) * 1e3)
 
@@ -236,20 +236,20 @@ class ModelRunner:
         self.requests[new.request_id] = state
         return state
 
-    def _execute(self, scheduled: list[_Scheduled]) -> list[SeqOutput]:
+    def _execute(self, scheduled: list[_Scheduled], masks: dict[int, bytes]) -> list[SeqOutput]:
         input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
         hidden = self._forward(input_ids, [s.span for s in scheduled])
         rows, sample_rows, logprob_rows = _logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
-        samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing])
+        samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing], masks)
         outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
         for (i, s), smp in zip(finishing, samples):
             outputs[i] = _output(s.state.request_id, smp, prompt_logprobs[i])
         for s in scheduled:
             s.state.num_computed += s.num_compute
-        fork_outputs = self._fork_all(logits, finishing, sample_rows)
+        fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)
         for (i, s), smp in zip(finishing, samples):
             s.state.token_ids.append(smp.token_id)
         return outputs + fork_outputs
@@ -266,21 +266,24 @@ class ModelRunner:
     def _cache(self) -> torch.Tensor:
         return self._require_cache().device_blocks
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], states: list[RequestState]) -> list[Sample]:
+    def _sample(self, logits: torch.Tensor, rows: list[int], states: list[RequestState],
+                masks: dict[int, bytes]) -> list[Sample]:
         if not rows:
             return []
-        sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
+        sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens, masks.get(s.request_id))
+                           for s in states]
         return sample(_select_rows(logits, rows), sampling_states)
 
     def _fork_all(
-        self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None]
+        self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None],
+        masks: dict[int, bytes],
     ) -> list[SeqOutput]:
         """Create the forks of every parent whose prompt completed; sample their first tokens."""
         parents = [(i, s.state) for i, s in finishing if s.state.pending_forks]
         forks = [(sample_rows[i], self._create_fork(parent, fork)) for i, parent in parents for fork in parent.pending_forks]
         for _, parent in parents:
             parent.pending_forks = []
-        samples = self._sample(logits, [row for row, _ in forks], [state for _, state in forks])
+        samples = self._sample(logits, [row for row, _ in forks], [state for _, state in forks], masks)
         for (_, state), smp in zip(forks, samples):
             state.token_ids.append(smp.token_id)
         return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]

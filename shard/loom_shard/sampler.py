@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from loom_proto.step import SamplingParams, TokenLogprob
+from loom_shard.token_mask import apply_allowed_masks
 
 _MASK64 = (1 << 64) - 1
 _TWO_POW_MINUS_53 = 2.0**-53
@@ -24,6 +25,7 @@ class SeqSamplingState:
     params: SamplingParams
     token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
+    allowed_mask: bytes | None = None  # constrained decoding: packed bitmask from the router
 
     @property
     def num_generated(self) -> int:
@@ -61,6 +63,7 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[Sample]
     assert logits.dim() == 2 and logits.shape[0] == len(states)
     logits = logits.float()
     processed = process_logits(logits, states)
+    processed = apply_allowed_masks(processed, [s.allowed_mask for s in states])
     token_ids = _choose_tokens(processed, states)  # [num_seqs]
     return _build_samples(logits, token_ids, states)
 

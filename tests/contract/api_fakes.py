@@ -79,16 +79,18 @@ class FakeShardClient:
         self.num_steps += 1
         for out in result.outputs:
             if out.token_id is not None:
-                self._as_word(out)
+                self._as_word(out, keep_token=out.request_id in plan.allowed_token_masks)
         return result
 
-    def _as_word(self, out) -> None:  # noqa: ANN001 (a SeqOutput)
+    def _as_word(self, out, keep_token: bool = False) -> None:  # noqa: ANN001 (a SeqOutput)
+        """keep_token: a constrained sequence keeps the token its grammar allowed."""
         state = self.shard.states[out.request_id]
         index = len(state.token_ids) - state.num_prompt_tokens - 1  # of this token among the generated
-        token_id = self.eos_id if index == self.eos_at else self.words[out.token_id % len(self.words)]
-        if self.script is not None and index != self.eos_at:
-            token_id = self.script[index % len(self.script)]
-        state.token_ids[-1] = out.token_id = token_id
+        if not keep_token:
+            token_id = self.eos_id if index == self.eos_at else self.words[out.token_id % len(self.words)]
+            if self.script is not None and index != self.eos_at:
+                token_id = self.script[index % len(self.script)]
+            state.token_ids[-1] = out.token_id = token_id
         out.logprob = -0.1 * (1 + state.sampling.seed % 5)  # seeds differ in score: best_of has a winner
         out.top_tokens = [TokenLogprob(self.words[(index + k) % len(self.words)], -1.0 - k)
                           for k in range(state.sampling.top_n_tokens)]

@@ -65,6 +65,7 @@ def sample_plan() -> StepPlan:
         released_ids=[1, 2],
         swap_out=[(6, 0)],
         swap_in=[(1, 8), (2, 9)],
+        allowed_token_masks={3: b"\x01\x00\x00\x80", 13: b"\xff" * 8},
     )
 
 

@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from loom_proto.step import Fork, NewRequest, SamplingParams, SeqOutput, StepPlan, StepResult
 from loom_router.request import Sequence
 from loom_router.scheduler import Scheduler
@@ -23,6 +25,13 @@ def fake_sample(seed: int, context: list[int]) -> int:
     """The deterministic 'model': the next token of a context for a seed."""
     digest = hashlib.blake2b(repr((seed, tuple(context))).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % VOCAB_SIZE
+
+
+def fake_constrained_sample(seed: int, context: list[int], mask: bytes) -> int:
+    """The fake model under a grammar: a hash-picked token among those the mask allows."""
+    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little"))
+    digest = hashlib.blake2b(repr((seed, tuple(context), "masked")).encode(), digest_size=8).digest()
+    return int(allowed[int.from_bytes(digest, "little") % len(allowed)])
 
 
 def fake_prompt_logprob(token_id: int) -> float:
@@ -70,9 +79,11 @@ class FakeShard:
         # Fault injection: the next step matching fail_when raises at fail_at (then both reset).
         self.fail_when: Callable[[StepPlan], bool] | None = None
         self.fail_at = FailAt.START
+        self.masks: dict[int, bytes] = {}  # this step's allowed-token masks (constrained decoding)
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        self.masks = plan.allowed_token_masks
         failing = self.fail_when is not None and self.fail_when(plan)
         if failing:
             self.fail_when = None
@@ -143,7 +154,7 @@ class FakeShard:
         if state.num_computed < len(state.token_ids):
             return [out]
         context = self._read(state, state.num_computed)
-        out.token_id, out.logprob = fake_sample(state.sampling.seed, context), -0.5
+        out.token_id, out.logprob = self._sample(item.request_id, state.sampling.seed, context), -0.5
         outputs = [out]
         for fork in item.forks:
             outputs.append(self._fork(state, fork, context))
@@ -159,10 +170,16 @@ class FakeShard:
         child = _State(parent.token_ids[:num_prompt], num_prompt, list(fork.block_table),
                        num_prompt, fork.sampling, False)
         assert self._read(child, num_prompt) == context, "fork's blocks differ from the parent's"
-        token_id = fake_sample(fork.sampling.seed, context)
+        token_id = self._sample(fork.request_id, fork.sampling.seed, context)
         child.token_ids.append(token_id)
         self.states[fork.request_id] = child
         return SeqOutput(fork.request_id, token_id, -0.5)
+
+    def _sample(self, request_id: int, seed: int, context: list[int | None]) -> int:
+        mask = self.masks.get(request_id)
+        if mask is None:
+            return fake_sample(seed, context)
+        return fake_constrained_sample(seed, context, mask)
 
     def _read(self, state: _State, num_tokens: int) -> list[int | None]:
         bs = self.block_size

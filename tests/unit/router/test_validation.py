@@ -80,7 +80,6 @@ def test_tgi_accepts_what_the_official_client_sends() -> None:
     ({"best_of": 2}, "x", False, "you must use sampling"),
     ({"best_of": 2, "do_sample": True}, "x", True, "not supported when streaming"),
     ({"decoder_input_details": True}, "x", True, "not supported when streaming"),
-    ({"grammar": {"type": "json", "value": {}}}, "x", False, "`grammar` is not supported"),
 ])
 def test_tgi_server_limits(params: dict, inputs: str, stream: bool, message: str) -> None:
     with pytest.raises(ValidationError, match=message):

@@ -1,0 +1,251 @@
+"""Constrained decoding and tool calling through the router's HTTP APIs (real Engine, fake shard).
+
+The fake shard samples a hash-picked token among those its step's mask allows, so every
+output below is a random walk through the grammar: it can only be valid if the router's
+masks, matchers and finish logic are right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import jsonschema
+import pytest
+from api_fakes import WORDS, FakeShardClient
+from fake_shard import FakeShard
+
+from loom_proto.config import RouterConfig
+from loom_proto.step import WarmupResult
+from loom_router.api import create_app
+from loom_router.engine import Engine
+from loom_router.tokenizer import Tokenizer, load_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "code": {"type": "string", "pattern": "^[a-z]{3}$"},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 2},
+        "inner": {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+                  "additionalProperties": False},
+    },
+    "required": ["color", "ok", "code", "tags", "inner"],
+    "additionalProperties": False,
+}
+LONG_SCHEMA = {"type": "object", "properties": {"digits": {"type": "string", "pattern": "^[0-9]{50}$"},
+                                              "color": {"enum": ["red", "green"]}},
+               "required": ["digits", "color"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["unit", "city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@dataclass
+class Harness:
+    client: httpx.AsyncClient
+    engine: Engine
+    backend: FakeShardClient
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")
+
+
+class SwappingShardClient(FakeShardClient):
+    """The fake shard with a host-RAM pool, so preemption swaps instead of recomputing."""
+
+    def __init__(self, *args: object, num_host_blocks: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard = FakeShard(self.shard.block_size, len(self.shard.device), num_host_blocks)
+
+    async def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult:
+        return WarmupResult(self.num_blocks, len(self.shard.host), self.block_size)
+
+
+async def start(tokenizer: Tokenizer, num_blocks: int = 256,
+                num_host_blocks: int = 0) -> tuple[Engine, httpx.AsyncClient, FakeShardClient]:
+    kind = SwappingShardClient if num_host_blocks else FakeShardClient
+    extra = {"num_host_blocks": num_host_blocks} if num_host_blocks else {}
+    backend = kind(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
+                   num_blocks=num_blocks, max_position_embeddings=512, **extra)
+    config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_concurrent_requests=8,
+                          max_total_tokens=512, max_n=4)
+    engine = Engine(config, backend, tokenizer)
+    await engine.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, config)), base_url="http://loom")
+    return engine, client, backend
+
+
+@pytest.fixture
+async def harness(tokenizer: Tokenizer) -> AsyncIterator[Harness]:
+    engine, client, backend = await start(tokenizer)
+    async with client:
+        yield Harness(client, engine, backend)
+    await engine.stop(drain_timeout_s=1.0)
+
+
+async def chat(h: Harness, **body: object) -> dict:
+    response = await h.client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_json_schema_on_chat_validates_for_every_choice(harness: Harness) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    out = await chat(harness, response_format=fmt, n=4, seed=3, temperature=1.0)
+    texts = [c["message"]["content"] for c in out["choices"]]
+    for choice, text in zip(out["choices"], texts):
+        assert choice["finish_reason"] == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1  # each choice walks its own matcher
+    plans = harness.backend.shard.plans
+    assert any(plan.allowed_token_masks for plan in plans)
+
+
+@pytest.mark.parametrize("body", [
+    {"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}},
+    {"guided_regex": "[0-9]{3}-[a-c]{2}"},
+])
+async def test_regex_on_completions(harness: Harness, body: dict) -> None:
+    response = await harness.client.post("/v1/completions", json={"prompt": "id:", "max_tokens": 30, **body})
+    choice = response.json()["choices"][0]
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", choice["text"]) and choice["finish_reason"] == "stop"
+
+
+async def test_choice_and_lark_grammar(harness: Harness) -> None:
+    out = await chat(harness, structured_outputs={"choice": ["yes", "no", "maybe"]})
+    assert out["choices"][0]["message"]["content"] in {"yes", "no", "maybe"}
+    out = await chat(harness, structured_outputs={"grammar": 'start: "a" ("b" | "c")+ "!"'}, max_tokens=40)
+    text = out["choices"][0]["message"]["content"]
+    assert re.fullmatch("a[bc]+!", text) or out["choices"][0]["finish_reason"] == "length", text
+
+
+async def test_tgi_grammar_json_and_regex(harness: Harness) -> None:
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    for grammar, check in [({"type": "json", "value": schema}, lambda t: jsonschema.validate(json.loads(t), schema)),
+                           ({"type": "regex", "value": "[xy]{4}"}, lambda t: re.fullmatch("[xy]{4}", t) or 1 / 0)]:
+        response = await harness.client.post("/generate", json={
+            "inputs": "go", "parameters": {"max_new_tokens": 30, "grammar": grammar, "details": True}})
+        assert response.status_code == 200, response.text
+        check(response.json()["generated_text"])
+        assert response.json()["details"]["finish_reason"] == "eos_token"
+
+
+async def test_length_cut_keeps_finish_reason_length(harness: Harness) -> None:
+    out = await chat(harness, response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}, max_tokens=3)
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "json_schema"),
+    ({"structured_outputs": {"regex": "[a-"}}, "unclosed character class"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "undefined_rule"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "only one"),
+    ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in `tools`"),
+])
+async def test_bad_constraints_are_422_and_the_server_stays_healthy(harness: Harness, body: dict, reason: str) -> None:
+    steps_before = harness.backend.num_steps
+    response = await harness.client.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
+    assert response.status_code == 422, response.text
+    assert reason in response.json()["error"]["message"]
+    assert harness.backend.num_steps == steps_before  # refused before any compute
+    assert (await harness.client.get("/health")).status_code == 200
+    bad_tgi = await harness.client.post("/generate", json={"inputs": "x", "parameters": {
+        "grammar": {"type": "regex", "value": "(("}}})
+    assert bad_tgi.status_code == 422 and "regex" in bad_tgi.json()["error"]
+    out = await chat(harness, max_tokens=2)
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+async def test_forced_tool_calls_validate(harness: Harness, tool_choice: object, names: set[str]) -> None:
+    for seed in range(3):
+        out = await chat(harness, tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=False, seed=seed)
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS[call["function"]["name"]])
+
+
+async def test_streamed_tool_calls_reassemble_to_the_same_call(harness: Harness) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 80, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "parallel_tool_calls": False, "seed": 5}
+    whole = (await harness.client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    response = await harness.client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in response.text.split("\n\n") if line.startswith("data: {")]
+    calls: dict[int, dict] = {}
+    finish = None
+    for event in events:
+        choice = event["choices"][0]
+        finish = choice["finish_reason"] or finish
+        for delta in choice["delta"].get("tool_calls", []):
+            call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+            call["name"] += delta.get("function", {}).get("name", "")
+            call["arguments"] += delta.get("function", {}).get("arguments", "")
+    expected = whole["message"]["tool_calls"][0]["function"]
+    assert finish == "tool_calls" and calls == {0: {"name": expected["name"], "arguments": expected["arguments"]}}
+
+
+@pytest.mark.parametrize("num_host_blocks, kind", [(0, "recompute"), (64, "swap")])
+async def test_preempted_constrained_requests_resume_exactly(tokenizer: Tokenizer, num_host_blocks: int,
+                                                             kind: str) -> None:
+    """Under KV pressure requests are preempted (recomputed or swapped); their matchers must follow."""
+    fmt = {"type": "json_schema", "json_schema": {"schema": LONG_SCHEMA}}
+
+    async def run(client: httpx.AsyncClient, seed: int) -> str:
+        response = await client.post("/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 90, "seed": seed, "response_format": fmt})
+        return response.json()["choices"][0]["message"]["content"]
+
+    engine, client, _ = await start(tokenizer)
+    async with client:
+        alone = [await run(client, seed) for seed in range(4)]
+    await engine.stop(drain_timeout_s=1.0)
+    # ~36-token prompts + >= 55 tokens each (single-digit tokens): 40 blocks of 4 cannot hold all four
+    engine, client, _ = await start(tokenizer, num_blocks=40, num_host_blocks=num_host_blocks)
+    async with client:
+        crowded = await asyncio.gather(*(run(client, seed) for seed in range(4)))
+    assert getattr(engine.stats(), f"preemptions_{kind}") > 0
+    await engine.stop(drain_timeout_s=1.0)
+    assert list(crowded) == alone
+    for text in alone:
+        jsonschema.validate(json.loads(text), LONG_SCHEMA)
+
+
+async def test_a_prefix_cache_hit_gives_the_same_constrained_output(harness: Harness) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    first = await chat(harness, response_format=fmt, seed=11)
+    cached_before = harness.engine.stats().prompt_tokens_cached
+    second = await chat(harness, response_format=fmt, seed=11)
+    assert harness.engine.stats().prompt_tokens_cached > cached_before
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+    jsonschema.validate(json.loads(first["choices"][0]["message"]["content"]), SCHEMA)
+
+
+async def test_grammar_composes_with_choice_params_and_stop_sequences(harness: Harness) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    out = await chat(harness, response_format=fmt, n=2, seed=2, choice_params=[{"temperature": 0.5}, {"seed": 99}])
+    for choice in out["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    response = await harness.client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 30, "seed": 4, "structured_outputs": {"regex": "a{3}[0-9]{5}"}, "stop": ["aa"]})
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "" and choice["finish_reason"] == "stop"  # the stop sequence cuts "aa"
