@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from loom_proto.config import RouterConfig
-from loom_router import openai_api, snapshots
+from loom_router import guard, openai_api, snapshots
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -27,6 +27,7 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
+from loom_router.lifecycle import add_readiness_routes
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
@@ -82,9 +83,12 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
     app.state.loom = AppState(config, engine, metrics, served_model_name(config))
     _add_error_handlers(app)
     _add_tgi_routes(app)
+    add_readiness_routes(app)
     app.include_router(openai_api.router)
-    app.include_router(snapshots.build_router())
+    if config.snapshot_routes:
+        app.include_router(snapshots.build_router())
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    guard.install(app, config, engine)  # outside the metrics: API keys, size limit, CORS
     return app
 
 

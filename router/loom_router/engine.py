@@ -23,6 +23,7 @@ from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupResult
 from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
+from loom_router.shard_client import ShardError
 from loom_router.stream import DONE, GenerationStream
 from loom_router.text import IncrementalDetokenizer, StopMatcher
 from loom_router.tokenizer import Tokenizer
@@ -40,6 +41,7 @@ from loom_router.types import (
 log = logging.getLogger("loom.engine")
 
 T = TypeVar("T")
+DRAIN_ABORT_TIMEOUT_S = 5.0
 
 
 class ShardBackend(Protocol):
@@ -89,6 +91,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
+        self._shard_down = False  # a shard stopped answering: nothing can be served any more
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
 
@@ -127,6 +130,40 @@ class Engine:
                 pass
         for _, future in self._between_steps:
             future.cancel()
+
+    @property
+    def accepting(self) -> bool:
+        """Ready for new requests: warmed up, not draining, the loop running, every shard up."""
+        return self.scheduler is not None and not self._draining and not self._shard_down and self._loop_alive()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (readiness fails at once)."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let in-flight requests finish within `timeout_s`; the rest then end with an error event."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline and self._loop_alive():
+            await asyncio.sleep(0.05)
+        if not self._active:
+            return
+        log.warning("%d request(s) still running after %g s of draining: ending them", len(self._active), timeout_s)
+        error = GenerationError(f"the server shut down before this request finished "
+                                f"(--graceful-termination-timeout {timeout_s:g} s)")
+        try:  # between steps, so that no step's output lands on a request that is gone
+            await asyncio.wait_for(self.run_between_steps(lambda scheduler: self._abort_all(scheduler, error)),
+                                   timeout=DRAIN_ABORT_TIMEOUT_S)
+        except (asyncio.TimeoutError, GenerationError):  # the loop is stuck in a step, or gone
+            self._fail_all(error)
+
+    def _abort_all(self, scheduler: Scheduler, error: GenerationError) -> None:
+        for group_id in list(self._active):
+            if self._active[group_id].group not in self._pending_adds:
+                scheduler.abort(group_id)
+            self._count_finish("error")
+        self._pending_adds.clear()
+        self._fail_all(error)
 
     async def health(self) -> bool:
         if not self._loop_alive():
@@ -191,7 +228,7 @@ class Engine:
             first_seq_id=group_id * self.config.max_n,
             prompt_logprobs=params.prompt_logprobs,
         )
-        stream = GenerationStream(self.cancel, group_id, len(prompt_ids))
+        stream = GenerationStream(self.cancel, group_id, len(prompt_ids), self.config.stream_buffer_events)
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
         self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
                                          hold_blocks)
@@ -286,6 +323,8 @@ class Engine:
             result = await self.client.step(plan)
         except Exception as err:
             log.error("step failed: %s", err)
+            if isinstance(err, ShardError) and err.code == "UNAVAILABLE":
+                self._shard_down = True  # new requests get 503 at the door (loom_router.guard)
             group_ids = {self._group_of(r.request_id) for r in (*plan.new_requests, *plan.running_requests)}
             for group_id in group_ids:
                 active = self._active.pop(group_id, None)
