@@ -11,7 +11,16 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, serve
-from loom_proto.config import LauncherSettings, RouterConfig, ShardConfig, parse_config, public_json, secrets_json
+from loom_proto.config import (
+    SECRET_FIELDS,
+    LauncherSettings,
+    RouterConfig,
+    ShardConfig,
+    env_var,
+    parse_config,
+    public_json,
+    secrets_json,
+)
 
 SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom_shard.server"
@@ -48,8 +57,11 @@ def threads_per_shard(settings: LauncherSettings, num_cpus: int) -> int:
 
 
 def child_env(environ: Mapping[str, str], num_threads: int) -> dict[str, str]:
-    # Unbuffered output so readiness lines and errors reach the launcher at once.
-    return {**environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
+    # Unbuffered output so readiness lines and errors reach the launcher at once. The
+    # secrets' variables stay here: the router gets the keys on stdin, the shards not at all.
+    secret_vars = {env_var(name) for name in SECRET_FIELDS}
+    kept = {name: value for name, value in environ.items() if name not in secret_vars}
+    return {**kept, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
             "MKL_NUM_THREADS": str(num_threads)}
 
 

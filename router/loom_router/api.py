@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from loom_proto.config import RouterConfig
-from loom_router import guard, openai_api, snapshots
+from loom_router import guard, openai_api, openapi_errors, snapshots
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -82,6 +82,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
                   description="LLM serving: text-generation-inference and OpenAI compatible APIs")
     app.state.loom = AppState(config, engine, metrics, served_model_name(config))
     _add_error_handlers(app)
+    openapi_errors.install(app)  # documents every error status; FastAPI's own errors in Loom's shapes
     _add_tgi_routes(app)
     add_readiness_routes(app)
     app.include_router(openai_api.router)

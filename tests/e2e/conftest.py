@@ -6,6 +6,7 @@ launcher to stop or break. Logs go to a file, printed when a test fails.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -68,7 +69,8 @@ class Launcher:
             if b"loom_router.main" in cmdline:
                 pids["router"] = pid
             elif b"loom_shard.server" in cmdline:
-                pids[f"shard {cmdline[cmdline.index(b'--rank') + 1].decode()}"] = pid
+                config = json.loads(cmdline[cmdline.index(b"--config-json") + 1])
+                pids[f"shard {config['rank']}"] = pid
         return pids
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loom_launcher.cli import load_settings, router_spec
+from loom_launcher.cli import child_env, load_settings, router_spec
 from loom_launcher.supervisor import ProcessSpec, Supervisor
 from loom_proto.config import RouterConfig, parse_config, secrets_json
 
@@ -52,3 +52,8 @@ def test_the_supervisor_writes_stdin_text_to_the_child(tmp_path: Path) -> None:
     child = supervisor.spawn(ProcessSpec("child", (sys.executable, "-c", script), {}, stdin_text='{"k": 1}\n'))
     assert child.process.wait(timeout=30) == 0
     assert out.read_text() == '{"k": 1}\n'
+
+
+def test_the_key_variable_is_not_handed_down_to_the_children() -> None:
+    env = child_env({"LOOM_API_KEY": KEYS[0], "LOOM_PORT": "1", "PATH": "/bin"}, num_threads=1)
+    assert "LOOM_API_KEY" not in env and env["PATH"] == "/bin"
