@@ -88,8 +88,9 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
     app.include_router(openai_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
+    guard.install(app, config, engine)  # API keys, size limit, draining: counted by the metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    guard.install(app, config, engine)  # outside the metrics: API keys, size limit, CORS
+    guard.install_cors(app, config)  # outermost: a browser's preflight carries no key
     return app
 
 

@@ -1,7 +1,7 @@
 """The router's front door, one ASGI middleware ahead of every route: API keys, the request
 size limit, and refusing new work while the engine drains or a shard is down. CORS sits
-outside it (a browser's preflight carries no key) and the metrics inside (they count what
-the routes answered)."""
+outside it (a browser's preflight carries no key), and so do the metrics (they count the
+guard's refusals too)."""
 
 from __future__ import annotations
 
@@ -48,11 +48,15 @@ def load_api_keys(config: RouterConfig) -> tuple[bytes, ...]:
 
 
 def install(app: FastAPI, config: RouterConfig, engine: Any) -> None:
-    """Adds the guard, then CORS outside it (call after every other middleware)."""
+    """Adds the guard (before the metrics middleware, which then counts its answers too)."""
     open_paths = HEALTH_PATHS if config.metrics_require_api_key else HEALTH_PATHS | {METRICS_PATH}
     policy = GuardPolicy(load_api_keys(config), open_paths, config.payload_limit,
                          is_accepting=lambda: getattr(engine, "accepting", True))
     app.add_middleware(Guard, policy=policy)
+
+
+def install_cors(app: FastAPI, config: RouterConfig) -> None:
+    """CORS, outside everything else (add it last)."""
     if config.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origin),
                            allow_methods=CORS_METHODS, allow_headers=CORS_HEADERS)

@@ -298,3 +298,12 @@ async def test_a_stream_nobody_reads_is_cancelled_at_its_buffer_bound(serve: Ser
             pass
     assert stream.overflowed and engine.stats().num_blocks_used == 0
     assert engine.stats().requests_finished.get("cancelled") == 1
+
+
+async def test_the_metrics_count_the_guards_refusals(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS, payload_limit=100)
+    await client.post("/generate", json=GENERATE)
+    await client.post("/generate", json={"inputs": "x" * 200}, headers=bearer(KEYS[0]))
+    metrics = (await client.get("/metrics")).text
+    assert 'loom_http_requests_total{route="unmatched",status="401"} 1.0' in metrics
+    assert 'loom_http_requests_total{route="unmatched",status="413"} 1.0' in metrics
