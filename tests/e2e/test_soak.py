@@ -68,7 +68,7 @@ class Traffic:
         if response.status_code not in ALLOWED:
             self.failures.append(f"{what}: {response.status_code} {response.text[:300]}")
         if response.status_code == 429:  # as a polite client does: back off a little
-            time.sleep(self.rng.uniform(0.1, 0.4))
+            time.sleep(self.rng.uniform(0.3, 1.0))
 
     def generate(self) -> None:
         body = {"inputs": f"Tell me about number {self.rng.randint(1, 99)}.",
@@ -154,7 +154,17 @@ def test_mixed_traffic_above_the_concurrency_limit_leaves_nothing_behind(
             except httpx.HTTPError as error:  # a timeout or a reset is a request left unanswered
                 traffic.failures.append(f"no answer: {error!r}")
 
+    probes: Counter[str] = Counter()
+
+    def probe() -> None:  # liveness answers while the engine is busy; readiness stays up
+        with httpx.Client(base_url=launcher.base_url, timeout=10) as client:
+            while time.monotonic() < stop_at:
+                for path in ("/health", "/ready"):
+                    probes[f"{path} {client.get(path).status_code}"] += 1
+                time.sleep(0.5)
+
     threads = [threading.Thread(target=drive, args=(traffic,)) for traffic in clients]
+    threads.append(threading.Thread(target=probe))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -166,6 +176,7 @@ def test_mixed_traffic_above_the_concurrency_limit_leaves_nothing_behind(
     sent = sum((traffic.sent for traffic in clients), Counter())
     print(f"soak: {sum(statuses.values())} requests, statuses {sorted(statuses.items())}")
     assert not failures, "\n".join(failures[:20])
+    assert set(probes) == {"/health 200", "/ready 200"} and probes["/health 200"] > 10, probes
     assert statuses[200] > 20 and statuses[429] > 0, statuses  # it served, and it was overloaded
 
     metrics = wait_idle(launcher)
