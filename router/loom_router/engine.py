@@ -323,8 +323,6 @@ class Engine:
             result = await self.client.step(plan)
         except Exception as err:
             log.error("step failed: %s", err)
-            if isinstance(err, ShardError) and err.code == "UNAVAILABLE":
-                self._shard_down = True  # new requests get 503 at the door (loom_router.guard)
             group_ids = {self._group_of(r.request_id) for r in (*plan.new_requests, *plan.running_requests)}
             for group_id in group_ids:
                 active = self._active.pop(group_id, None)
@@ -334,9 +332,21 @@ class Engine:
                     active.stream.closed = True
                     active.stream.put(GenerationError(f"Request failed during generation: {err}"))
                     self._count_finish("error")
+            await self._check_shards_after(err)  # the streams got their error first
             return None
         self._counters.steps += 1
         return result
+
+    async def _check_shards_after(self, err: Exception) -> None:
+        """A shard that is unreachable, or fails Health after a failed step, is down: new
+        requests then get 503 at the door (loom_router.guard) until the launcher restarts all."""
+        if isinstance(err, ShardError) and err.code == "UNAVAILABLE":
+            self._shard_down = True
+            return
+        try:
+            self._shard_down = not await self.client.health()
+        except Exception:
+            self._shard_down = True
 
     def _group_of(self, seq_id: int) -> int:
         return seq_id // self.config.max_n

@@ -307,3 +307,16 @@ async def test_the_metrics_count_the_guards_refusals(serve: Serve) -> None:
     metrics = (await client.get("/metrics")).text
     assert 'loom_http_requests_total{route="unmatched",status="401"} 1.0' in metrics
     assert 'loom_http_requests_total{route="unmatched",status="413"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+async def test_after_a_failed_step_a_failing_health_check_turns_new_requests_away(
+        serve: Serve, backend: FakeShardClient, healthy: bool) -> None:
+    client, engine = await serve()
+    backend.fail_steps = True  # not UNAVAILABLE: e.g. a collective broken by a peer's death
+    backend.healthy = healthy
+    response = await client.post("/generate", json=GENERATE)
+    assert response.status_code == 424
+    backend.fail_steps = False
+    assert (await client.post("/generate", json=GENERATE)).status_code == (200 if healthy else 503)
+    assert engine.accepting is healthy
