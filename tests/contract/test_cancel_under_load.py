@@ -1,12 +1,15 @@
 """A client that hangs up has its request's shard work stopped before the next step, also
-when many streams share the batch: the router served by uvicorn (real Engine, fake shard
-that records which requests every step carried)."""
+when many streams share the batch, and a client that never reads is cancelled at its
+stream's buffer bound: the router served by uvicorn (real Engine, fake shard that records
+which requests every step carried)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -43,6 +46,22 @@ class RecordingShard(FakeShardClient):
         return await super().step(plan)
 
 
+@asynccontextmanager
+async def serving(config: RouterConfig, backend: FakeShardClient) -> AsyncIterator[tuple[str, Engine]]:
+    engine = Engine(config, backend, load_tokenizer(""))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host=config.hostname,
+                                           port=config.port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "the server did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{config.port}", engine
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[str, Engine, RecordingShard]]:
     tokenizer = load_tokenizer("")
@@ -51,16 +70,8 @@ async def served() -> AsyncIterator[tuple[str, Engine, RecordingShard]]:
     backend = RecordingShard(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
                              max_n=config.max_n)
     backend.step_delay_s = 0.005
-    engine = Engine(config, backend, tokenizer)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host=config.hostname,
-                                           port=config.port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    yield f"http://127.0.0.1:{config.port}", engine, backend
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+    async with serving(config, backend) as (url, engine):
+        yield url, engine, backend
 
 
 async def test_hung_up_streams_leave_the_batch_before_the_next_step(
@@ -102,3 +113,36 @@ async def test_hung_up_streams_leave_the_batch_before_the_next_step(
         assert cancelled_at[group] + 1 < len(backend.step_groups)  # the others kept stepping
     assert engine.stats().num_blocks_used == 0
     assert engine.stats().requests_finished["cancelled"] == len(HANG_UP_AFTER)
+
+
+@pytest.mark.slow  # ~10 s: megabytes of events must fill the socket buffers first
+async def test_a_client_that_never_reads_is_cancelled_and_holds_nothing() -> None:
+    """A real socket left unread: the server's writes stall on TCP back-pressure, the
+    stream's buffer fills, the request is cancelled and its blocks freed while the client
+    still holds the connection; a second client is served meanwhile."""
+    tokenizer = load_tokenizer("")
+    config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port(),
+                          max_total_tokens=8192, stream_buffer_events=16, max_top_n_tokens=5)
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
+                              num_blocks=4096, max_position_embeddings=8192)
+    async with serving(config, backend) as (url, engine):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.connect(("127.0.0.1", config.port))
+        _, writer = await asyncio.open_connection(sock=sock)
+        body = json.dumps({"inputs": "the quick",  # ~500-byte events: MBs in all, more than the buffers
+                           "parameters": {"max_new_tokens": 8000, "top_n_tokens": 5}}).encode()
+        writer.write(b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        for _ in range(3000):  # never read: wait for the cancellation
+            if engine.stats().requests_finished.get("cancelled"):
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().requests_finished.get("cancelled") == 1, engine.stats()
+        assert engine.stats().num_blocks_used == 0 and engine.stats().num_running == 0
+        assert engine.stats().generated_tokens < 8000
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            response = await client.post("/generate", json={"inputs": "the", "parameters": {"max_new_tokens": 3}})
+            assert response.status_code == 200
+        writer.close()
