@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-COMPONENTS := proto router shard launcher
+COMPONENTS := proto router shard launcher bench
 
 $(STAMP): pyproject.toml $(COMPONENTS:%=%/pyproject.toml) proto/setup.py proto/shard.proto proto/generate.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -94,6 +94,11 @@ class RouterFlags(ModelFlags):
         30.0, description="seconds in-flight requests may take to finish after SIGTERM; the rest then end "
         "with an error event")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="router log level")
+    json_output: bool = Field(False, description="router logs as one JSON object per line")
+    prometheus_port: int | None = Field(None, ge=0, lt=65536, description="also serve /metrics on this port; "
+                                        "unset: only on the HTTP port")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
+                                      "http://collector:4318): a span per request; needs the SDK installed")
     api_key: SecretList = Field((), description="a client must send `Authorization: Bearer <key>` with one of "
                                 "these keys (repeat the flag; env: comma-separated); /health and /ready stay open")
     api_key_file: str | None = Field(None, description="file of API keys, one per line, read by the router at start")
@@ -201,6 +206,9 @@ def build_parser(model: type[BaseModel], prog: str, description: str) -> argpars
         if get_origin(field.annotation) is tuple:
             parser.add_argument(option(name.removesuffix("s")), dest=name, action="append",
                                 default=argparse.SUPPRESS, help=help_text)
+        elif field.annotation is bool:  # a switch, as TGI's: `--json-output` or `--json-output false`
+            parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS, nargs="?", const="true",
+                                help=help_text)
         else:
             parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS,
                                 choices=_choices(field.annotation), help=help_text)

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from loom_proto.config import RouterConfig
-from loom_router import guard, openai_api, openapi_errors, snapshots
+from loom_router import guard, openai_api, openapi_errors, playground, snapshots
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -67,6 +67,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
             stops (the server's lifespan); tests that start the engine themselves leave it off.
     """
     metrics = metrics or RouterMetrics(engine.stats)
+    metrics.bind_engine(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -88,6 +89,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
     app.include_router(openai_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
+    app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
     guard.install(app, config, engine)  # API keys, size limit, draining: counted by the metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     guard.install_cors(app, config)  # outermost: a browser's preflight carries no key
@@ -193,7 +195,10 @@ def _add_tgi_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
     async def metrics_route(request: Request) -> Response:
-        content, content_type = get_state(request).metrics.render()
+        state = get_state(request)
+        if hasattr(state.engine, "health"):
+            await state.engine.health()  # refreshes loom_shard_healthy (a cheap RPC per rank)
+        content, content_type = state.metrics.render()
         return Response(content, media_type=content_type)
 
 
@@ -249,7 +254,7 @@ def _sequence(state: AppState, params: TGIParameters, gen_params: GenerationPara
 async def _generate_stream(state: AppState, body: TGIRequest) -> Response:
     ids, gen_params = await _prepare(state, body, stream=True)
     stream = state.engine.submit(ids, gen_params)
-    timer = state.metrics.start_request(len(ids))
+    timer = state.metrics.start_request(len(ids), stream, state.engine)
     return EventStreamResponse(_tgi_events(state, body, ids, gen_params, tracked(stream, timer)), stream.cancel)
 
 

@@ -35,6 +35,7 @@ from loom_router.types import (
     GenerationError,
     GenerationParams,
     OverloadedError,
+    StepRecord,
     ValidationError,
 )
 
@@ -94,6 +95,7 @@ class Engine:
         self._shard_down = False  # a shard stopped answering: nothing can be served any more
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
+        self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -158,10 +160,10 @@ class Engine:
             self._fail_all(error)
 
     def _abort_all(self, scheduler: Scheduler, error: GenerationError) -> None:
-        for group_id in list(self._active):
-            if self._active[group_id].group not in self._pending_adds:
+        for group_id, active in list(self._active.items()):
+            if active.group not in self._pending_adds:
                 scheduler.abort(group_id)
-            self._count_finish("error")
+            self._count_finish("error", active)
         self._pending_adds.clear()
         self._fail_all(error)
 
@@ -229,6 +231,7 @@ class Engine:
             prompt_logprobs=params.prompt_logprobs,
         )
         stream = GenerationStream(self.cancel, group_id, len(prompt_ids), self.config.stream_buffer_events)
+        stream.max_new_tokens = params.max_new_tokens
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
         self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
                                          hold_blocks)
@@ -275,6 +278,7 @@ class Engine:
                     if not (self._pending_adds or self._pending_aborts or self._between_steps):
                         await self._wakeup.wait()
                     continue
+                self._mark_scheduled(plan)
                 result = await self._step(plan)
                 if result is not None:
                     for seq, out in self.scheduler.update(plan, result):
@@ -301,7 +305,7 @@ class Engine:
                 self.scheduler.abort(group_id)
             active.stream.closed = True
             active.stream.put(DONE)
-            self._count_finish("cancelled")
+            self._count_finish("cancelled", active)
         self._pending_aborts.clear()
         for group in self._pending_adds:
             self.scheduler.add(group)
@@ -319,9 +323,11 @@ class Engine:
 
     async def _step(self, plan: StepPlan) -> StepResult | None:
         """One step on the shards; a failure fails the requests in it, not the server."""
+        start = time.perf_counter()
         try:
             result = await self.client.step(plan)
         except Exception as err:
+            self._observe_step(plan, time.perf_counter() - start, None)
             log.error("step failed: %s", err)
             group_ids = {self._group_of(r.request_id) for r in (*plan.new_requests, *plan.running_requests)}
             for group_id in group_ids:
@@ -331,10 +337,11 @@ class Engine:
                     self.scheduler.abort(group_id)
                     active.stream.closed = True
                     active.stream.put(GenerationError(f"Request failed during generation: {err}"))
-                    self._count_finish("error")
+                    self._count_finish("error", active)
             await self._check_shards_after(err)  # the streams got their error first
             return None
         self._counters.steps += 1
+        self._observe_step(plan, time.perf_counter() - start, result)
         return result
 
     async def _check_shards_after(self, err: Exception) -> None:
@@ -347,6 +354,26 @@ class Engine:
             self._shard_down = not await self.client.health()
         except Exception:
             self._shard_down = True
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        """The first step that runs a request ends its queue time (TGI's queue duration)."""
+        now = time.perf_counter()
+        for new in plan.new_requests:
+            active = self._active.get(self._group_of(new.request_id))
+            if active is not None and active.stream.scheduled_at is None:
+                active.stream.scheduled_at = now
+
+    def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
+        if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
+            return
+        prefill = bool(plan.new_requests) or any(r.num_compute > 1 for r in plan.running_requests)
+        record = StepRecord(
+            method="prefill" if prefill else "decode", ok=result is not None, duration_s=duration_s,
+            forward_s=result.forward_ms / 1000.0 if result is not None else None,
+            rank_total_s=[ms / 1000.0 for ms in getattr(self.client, "last_step_ms_by_rank", [])] if result else [],
+        )
+        for observe in self.step_observers:
+            observe(record)
 
     def _group_of(self, seq_id: int) -> int:
         return seq_id // self.config.max_n
@@ -411,7 +438,7 @@ class Engine:
             seq.block_table = held_table  # freed by release_held
             active.stream.held = seq
         active.num_open -= 1
-        self._count_finish(reason.value)
+        self._count_finish(reason.value, active)
         if active.num_open == 0:
             self._active.pop(active.group.group_id, None)
             active.stream.closed = True
@@ -427,9 +454,10 @@ class Engine:
                 future.set_exception(err)
         self._between_steps.clear()
 
-    def _count_finish(self, key: str) -> None:
+    def _count_finish(self, key: str, active: _Active) -> None:
         counts = self._counters.requests_finished
         counts[key] = counts.get(key, 0) + 1
+        active.stream.outcome = key
 
     # ---- metrics ---------------------------------------------------------------------
 
@@ -452,6 +480,12 @@ class Engine:
             stats.preemptions_swap = s.preemptions_swap
             stats.preemptions_recompute = s.preemptions_recompute
             stats.swapped_bytes = s.swapped_blocks * self._bytes_per_block()
+            blocks = self.scheduler.block_manager
+            stats.num_host_blocks_total = blocks.num_host_blocks
+            stats.num_host_blocks_used = blocks.num_host_blocks - blocks.num_free_host_blocks
+            stats.block_size = blocks.block_size
+            stats.max_batch_total_tokens = self.max_batch_total_tokens
+        stats.shard_healthy = list(getattr(self.client, "healthy_by_rank", []))
         return stats
 
     def _bytes_per_block(self) -> int:

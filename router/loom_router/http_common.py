@@ -105,7 +105,7 @@ async def generate(state: AppState, request: Request, prompt_ids: list[int],
     and ClientDisconnected.
     """
     stream = state.engine.submit(prompt_ids, params)
-    timer = state.metrics.start_request(len(prompt_ids))
+    timer = state.metrics.start_request(len(prompt_ids), stream, state.engine)
     choices = [ChoiceResult(i) for i in range(params.n)]
 
     async def consume() -> None:

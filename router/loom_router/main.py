@@ -18,8 +18,12 @@ from loom_proto.config import RouterConfig, parse_config
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.lifecycle import CLOSE_CONNECTIONS_TIMEOUT_S, DrainingServer
+from loom_router.metrics import RouterMetrics
+from loom_router.metrics_server import start_metrics_server
+from loom_router.request_log import configure_logging
 from loom_router.shard_client import ShardClient
 from loom_router.tokenizer import load_tokenizer
+from loom_router.tracing import configure_tracing
 
 log = logging.getLogger("loom_router")
 
@@ -34,12 +38,24 @@ async def serve(config: RouterConfig) -> int:
     try:
         await client.wait_ready(config.shard_ready_timeout)
         engine = Engine(config, client, tokenizer)
-        app = create_app(engine, config, manage_engine=True)  # the engine starts before the port opens
+        tracer = configure_tracing(config.otlp_endpoint)
+        metrics = RouterMetrics(engine.stats, tracer)
+        app = create_app(engine, config, metrics, manage_engine=True)  # the engine starts before the port opens
+        metrics_server = None
+        if config.prometheus_port is not None:
+            metrics_server = await start_metrics_server(metrics, config.hostname, config.prometheus_port)
         server = DrainingServer(uvicorn.Config(
             app, host=config.hostname, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT_S, access_log=config.log_level == "debug",
+            **({"log_config": None} if config.json_output else {}),  # uvicorn's lines go through the JSON handler
         ), engine, config.graceful_termination_timeout)
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            if metrics_server is not None:
+                metrics_server.close()
+            if tracer is not None:
+                await asyncio.to_thread(tracer.shutdown)
         return 0 if server.started else 1
     finally:
         await client.close()
@@ -47,7 +63,7 @@ async def serve(config: RouterConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(RouterConfig, argv, "loom-router", DESCRIPTION)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.json_output)
     try:
         return asyncio.run(serve(config))
     except Exception as error:  # startup failures: one clear line, not a traceback

@@ -149,7 +149,7 @@ async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> li
 
 def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams) -> Response:
     stream = state.engine.submit(ids, params)
-    timer = state.metrics.start_request(len(ids))
+    timer = state.metrics.start_request(len(ids), stream, state.engine)
     return EventStreamResponse(_chunks(state, reply, params.n, stream, tracked(stream, timer)), stream.cancel)
 
 

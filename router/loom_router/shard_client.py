@@ -7,6 +7,7 @@ surfaces as a `ShardError` naming the rank and the shard's own message.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -69,6 +70,8 @@ class ShardClient:
     def __init__(self, uds_paths: Sequence[str]) -> None:
         if not uds_paths:
             raise ValueError("ShardClient needs at least one shard socket")
+        self.healthy_by_rank: list[bool] = []  # the last health check's answers
+        self.last_step_ms_by_rank: list[float] = []  # the last step's wall time per rank, for the metrics
         self._uds_paths = list(uds_paths)
         # Channels bind to the event loop they are made in: open them on first use.
         self._ranks: list[_Rank] | None = None
@@ -129,12 +132,17 @@ class ShardClient:
         return from_pb(await self._on_rank0(lambda r: r.stub.Info(pb.InfoRequest())))
 
     async def health(self) -> bool:
-        """True when every rank answers Health in time."""
-        try:
-            replies = await self._on_all(lambda r: r.stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_S))
-        except ShardError:
-            return False
-        return all(reply.ok for reply in replies)
+        """True when every rank answers Health in time; each rank's answer stays in
+        `healthy_by_rank` for the metrics."""
+
+        async def ask(r: _Rank) -> bool:
+            try:
+                return bool((await r.stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_S)).ok)
+            except grpc.aio.AioRpcError:
+                return False
+
+        self.healthy_by_rank = list(await asyncio.gather(*(ask(r) for r in self._all_ranks())))
+        return all(self.healthy_by_rank)
 
     async def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult:
         """Warm every rank up together (the forward has collectives); the pool is the smallest rank's."""
@@ -151,8 +159,16 @@ class ShardClient:
     async def step(self, plan: StepPlan) -> StepResult:
         """Send the same plan to every rank at once; return rank 0's result."""
         data = to_pb(plan).SerializeToString()
-        replies = await self._on_all(lambda r: r.step(data))
-        return from_pb(replies[0])
+
+        async def timed(r: _Rank) -> tuple[Any, float]:
+            # Other ranks' replies stay undecoded bytes: their wall time is what the metrics get.
+            start = time.perf_counter()
+            reply = await r.step(data)
+            return reply, (time.perf_counter() - start) * 1000.0
+
+        replies = await self._on_all(timed)
+        self.last_step_ms_by_rank = [ms for _, ms in replies]
+        return from_pb(replies[0][0])
 
     async def release(self, request_ids: Sequence[int]) -> None:
         request = pb.ReleaseRequest(request_ids=request_ids)

@@ -31,6 +31,7 @@ from loom_proto.snapshot import Manifest, SnapshotError, SnapshotReply, Snapshot
 from loom_proto.step import SamplingParams
 from loom_router.block_manager import CachedFill
 from loom_router.http_common import AppState, encode, get_state
+from loom_router.metrics import note_snapshot_failure
 from loom_router.scheduler import Scheduler
 from loom_router.shard_client import ShardError
 from loom_router.types import GenerationParams
@@ -345,6 +346,7 @@ def _error(error: SnapshotHTTPError | ShardError) -> JSONResponse:
     """The JSON error; a shard that failed the RPC itself (crashed, unreachable) is a 500."""
     if isinstance(error, ShardError):
         error = SnapshotHTTPError(500, f"the shards failed: {error}", "failed")
+    note_snapshot_failure(error.error_type)
     return JSONResponse({"error": error.message, "error_type": error.error_type}, status_code=error.status)
 
 

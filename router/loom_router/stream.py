@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 from loom_router.request import Sequence
@@ -28,6 +29,11 @@ class GenerationStream:
         # With hold_blocks: the finished sequence, still holding its blocks until
         # `Engine.release_held` (its KV stays valid for a snapshot to copy).
         self.held: Sequence | None = None
+        # For the metrics and the request log (perf_counter seconds):
+        self.submitted_at = time.perf_counter()
+        self.scheduled_at: float | None = None  # set by the engine's first step that runs it
+        self.max_new_tokens: int | None = None
+        self.outcome: str | None = None  # the last finish reason, "cancelled" or "error"
 
     def put(self, item: object) -> None:
         if self.overflowed:

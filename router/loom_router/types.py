@@ -89,6 +89,22 @@ class EngineStats:
     swapped_bytes: int = 0
     steps: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason / "cancelled" / "error"
+    num_host_blocks_total: int = 0  # the host-RAM swap pool
+    num_host_blocks_used: int = 0
+    block_size: int = 0
+    max_batch_total_tokens: int = 0
+    shard_healthy: list[bool] = field(default_factory=list)  # by rank, as the last health check saw it
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step as the metrics see it (handed to `Engine.step_observers`)."""
+
+    method: str  # "prefill" when the step computed prompt tokens, else "decode" (TGI's label)
+    ok: bool
+    duration_s: float  # as the router waited for it
+    forward_s: float | None  # rank 0's forward pass, None when the step failed
+    rank_total_s: list[float] = field(default_factory=list)  # each rank's whole step
 
 
 class ValidationError(ValueError):

@@ -373,3 +373,15 @@ def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
     assert stopped
+
+
+def test_boolean_flags_are_switches_that_also_take_a_value() -> None:
+    from loom_proto.config import RouterConfig, parse_config
+
+    def json_output(*argv: str) -> bool:
+        return parse_config(RouterConfig, ["--shard-uds-path", "s", *argv], "loom-router", "").json_output
+
+    assert json_output("--json-output") is True
+    assert json_output("--json-output", "true") is True
+    assert json_output("--json-output", "false") is False
+    assert json_output() is False

@@ -18,7 +18,15 @@ DASHBOARD_METRICS = {
     "loom_prompt_tokens_cached_total", "loom_generated_tokens_total", "loom_preemptions_total",
     "loom_swapped_bytes_total", "loom_request_duration_seconds",
     "loom_time_to_first_token_seconds", "loom_inter_token_latency_seconds",
-    "loom_http_requests_total", "loom_requests_finished_total",
+    "loom_http_requests_total", "loom_requests_finished_total", "loom_host_blocks_total", "loom_host_blocks_used",
+    "loom_shard_healthy", "loom_shard_step_seconds", "loom_snapshot_operations_total",
+    "loom_snapshot_failures_total",
+}
+# TGI's names, so the panels also read what a TGI deployment's scrape holds.
+DASHBOARD_TGI_METRICS = {
+    "tgi_request_success", "tgi_request_failure", "tgi_request_queue_duration", "tgi_request_inference_duration",
+    "tgi_request_mean_time_per_token_duration", "tgi_batch_forward_duration", "tgi_queue_size",
+    "tgi_batch_current_size", "tgi_batch_current_max_tokens", "tgi_batch_max_total_tokens",
 }
 
 
@@ -68,21 +76,25 @@ def test_grafana_provisioning_points_at_the_mounted_dashboards() -> None:
 
 
 def test_dashboard_covers_exactly_the_documented_metrics() -> None:
-    used = {re.sub(r"_(bucket|sum|count)$", "", name)
-            for expr in dashboard_exprs() for name in re.findall(r"loom_\w+", expr)}
-    assert used == DASHBOARD_METRICS
+    for prefix, documented in (("loom_", DASHBOARD_METRICS), ("tgi_", DASHBOARD_TGI_METRICS)):
+        used = {re.sub(r"_(bucket|sum|count)$", "", name)
+                for expr in dashboard_exprs() for name in re.findall(prefix + r"\w+", expr)}
+        assert used == documented
 
 
 def test_dashboard_metrics_are_what_the_router_exports() -> None:
     from loom_router.metrics import RouterMetrics
-    from loom_router.types import EngineStats
+    from loom_router.types import EngineStats, StepRecord
 
-    metrics = RouterMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}))
+    metrics = RouterMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}, shard_healthy=[True]))
     metrics.requests.labels(route="/generate", status="200").inc()
+    metrics.on_step(StepRecord("prefill", True, 0.1, 0.05, [0.1]))
+    metrics.snapshot_operations.labels(op="save", result="error").inc()
+    metrics.snapshot_failures.labels(op="save", reason="disabled").inc()
     exposition, _ = metrics.render()
     exported = {re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split(" ")[0])
                 for line in exposition.decode().splitlines() if not line.startswith("#")}
-    assert DASHBOARD_METRICS <= exported
+    assert DASHBOARD_METRICS | DASHBOARD_TGI_METRICS <= exported
 
 
 def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:

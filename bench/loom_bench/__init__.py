@@ -1,0 +1,1 @@
+"""loom-bench: load generation against Loom, TGI or any OpenAI-compatible server."""
