@@ -25,6 +25,8 @@ WITH_BODY = {400: "the body cannot be parsed", 413: "the body is larger than --p
              422: "invalid parameters"}
 GENERATION = {424: "the generation failed on the shards", 429: "too many requests in flight"}
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions"})
+# GET / is the playground for a browser; an API client gets TGI's 405 (POST / generates).
+EXTRA = {("get", "/"): {405: "not a browser (Accept without text/html): only POST generates here"}}
 SNAPSHOTS = {400: "invalid snapshot name", 404: "no such snapshot", 409: "the snapshot does not fit this model",
              501: "snapshots are off (no --snapshot-dir)"}
 
@@ -55,8 +57,9 @@ def _document(app: FastAPI) -> dict[str, Any]:
             errors = dict(ANY_ROUTE)
             if method in ("post", "put", "patch"):
                 errors |= WITH_BODY
-            if path in GENERATION_PATHS:
+            if path in GENERATION_PATHS and method == "post":
                 errors |= GENERATION
+            errors |= EXTRA.get((method, path), {})
             if path.startswith("/snapshots"):
                 errors |= SNAPSHOTS | {503: "not enough free KV blocks, or draining"}
             responses = operation.setdefault("responses", {})
