@@ -140,6 +140,7 @@ def test_mixed_traffic_above_the_concurrency_limit_leaves_nothing_behind(
     warm = Traffic(launcher.base_url, seed=0)
     for kind in warm.kinds:  # every path once, so lazily made things exist before the baseline
         kind()
+    warm.client.close()  # its keep-alive connection would count as the router's file handle
     wait_idle(launcher)
     before = {role: process_usage(pid) for role, pid in pids.items()}
     metrics_before = httpx.get(f"{launcher.base_url}/metrics", timeout=30).text
@@ -171,6 +172,8 @@ def test_mixed_traffic_above_the_concurrency_limit_leaves_nothing_behind(
         thread.join(timeout=SOAK_SECONDS + 180)
     assert not any(thread.is_alive() for thread in threads), "a client hung"
 
+    for traffic in clients:
+        traffic.client.close()
     failures = [failure for traffic in clients for failure in traffic.failures]
     statuses = sum((traffic.statuses for traffic in clients), Counter())
     sent = sum((traffic.sent for traffic in clients), Counter())
@@ -188,6 +191,7 @@ def test_mixed_traffic_above_the_concurrency_limit_leaves_nothing_behind(
         delta = sum(value - counted_before.get(labels, 0.0) for labels, value in counted.items()
                     if f'route="{route}"' in labels)
         assert delta == count, (route, delta, count)
+    time.sleep(1.0)  # the router closes the clients' sockets once it reads their EOF
     after = {role: process_usage(pid) for role, pid in pids.items()}
     for role in pids:
         (fds0, threads0, rss0), (fds1, threads1, rss1) = before[role], after[role]
