@@ -11,7 +11,16 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, serve
-from loom_proto.config import LauncherSettings, RouterConfig, ShardConfig, parse_config
+from loom_proto.config import (
+    SECRET_FIELDS,
+    LauncherSettings,
+    RouterConfig,
+    ShardConfig,
+    env_var,
+    parse_config,
+    public_json,
+    secrets_json,
+)
 
 SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom_shard.server"
@@ -27,13 +36,18 @@ def load_settings(argv: Sequence[str] | None) -> LauncherSettings:
 
 
 def shard_spec(config: ShardConfig, env: Mapping[str, str]) -> ProcessSpec:
-    argv = (sys.executable, "-m", SHARD_MODULE, "--config-json", config.model_dump_json())
+    argv = (sys.executable, "-m", SHARD_MODULE, "--config-json", public_json(config))
     return ProcessSpec(f"shard {config.rank}", argv, env, ready_marker=SHARD_READY_MARKER)
 
 
 def router_spec(config: RouterConfig, env: Mapping[str, str]) -> ProcessSpec:
-    argv = (sys.executable, "-m", ROUTER_MODULE, "--config-json", config.model_dump_json())
-    return ProcessSpec("router", argv, env)
+    """The router's argv holds no secret (any user may read a command line): the API keys
+    go to its stdin."""
+    argv = (sys.executable, "-m", ROUTER_MODULE, "--config-json", public_json(config))
+    secrets = secrets_json(config)
+    if secrets is None:
+        return ProcessSpec("router", argv, env)
+    return ProcessSpec("router", (*argv, "--secrets-on-stdin"), env, stdin_text=secrets + "\n")
 
 
 def threads_per_shard(settings: LauncherSettings, num_cpus: int) -> int:
@@ -43,8 +57,11 @@ def threads_per_shard(settings: LauncherSettings, num_cpus: int) -> int:
 
 
 def child_env(environ: Mapping[str, str], num_threads: int) -> dict[str, str]:
-    # Unbuffered output so readiness lines and errors reach the launcher at once.
-    return {**environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
+    # Unbuffered output so readiness lines and errors reach the launcher at once. The
+    # secrets' variables stay here: the router gets the keys on stdin, the shards not at all.
+    secret_vars = {env_var(name) for name in SECRET_FIELDS}
+    kept = {name: value for name, value in environ.items() if name not in secret_vars}
+    return {**kept, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
             "MKL_NUM_THREADS": str(num_threads)}
 
 
@@ -70,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(shards=[shard_spec(settings.shard_config(rank), env) for rank in range(settings.num_shard)],
                  router=router_spec(router, env), health_url=health_url(router),
                  startup_timeout=settings.startup_timeout,
-                 shutdown_timeout=settings.shutdown_timeout + ROUTER_EXIT_MARGIN_S, stop=stop)
+                 shutdown_timeout=settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S, stop=stop)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class ProcessSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     ready_marker: str | None = None  # a stdout line starting with this says "serving"
+    stdin_text: str | None = None  # written to the child's stdin, then closed (secrets: not on argv)
 
 
 @dataclass(slots=True)
@@ -118,9 +119,12 @@ class Supervisor:
         # A new session keeps a terminal's Ctrl-C away from the children: the launcher
         # alone decides the order in which they stop.
         process = subprocess.Popen(
-            spec.argv, env=dict(spec.env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
+            spec.argv, env=dict(spec.env), stdin=subprocess.DEVNULL if spec.stdin_text is None else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
             start_new_session=True, preexec_fn=self._before_exec)
+        if process.stdin is not None:
+            with process.stdin:  # a few bytes: fits the pipe, never blocks
+                process.stdin.write(spec.stdin_text or "")
         child = Child(spec, process)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True,
                                       name=f"pump {spec.name}")
@@ -191,6 +195,7 @@ class Supervisor:
                 self.log(f"[launcher] {child.name} did not stop in {timeout:.0f}s, killing it")
                 child.process.kill()
                 child.process.wait()
+            self.log(f"[launcher] {child.name} exited with code {child.process.returncode}")
         for child in children:
             if child.pump is not None:
                 child.pump.join(timeout=2.0)

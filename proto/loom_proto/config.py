@@ -11,13 +11,15 @@ once, and handed to each process as JSON (`--config-json`), never re-parsed from
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import types
 import typing
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "LOOM_"
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
@@ -25,6 +27,12 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 Positive = Annotated[int, Field(gt=0)]
 Seconds = Annotated[float, Field(gt=0)]
+# A list flag also read from one environment variable as comma-separated values.
+StrList = Annotated[tuple[str, ...], NoDecode]
+SecretList = Annotated[tuple[SecretStr, ...], NoDecode]
+# Never on a command line (`ps` shows it to every user): the launcher hands these on stdin.
+SECRET_FIELDS = frozenset({"api_key"})
+DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, as TGI
 
 
 class Frozen(BaseModel):
@@ -87,13 +95,33 @@ class RouterFlags(ModelFlags):
     served_model_name: str | None = Field(None, description="model name in OpenAI responses; "
                                           "default: derived from model-id")
     shard_ready_timeout: Seconds = Field(600.0, description="seconds the router waits for every shard's Health")
-    shutdown_timeout: Seconds = Field(30.0, description="seconds the router may take to drain on SIGTERM")
+    graceful_termination_timeout: Seconds = Field(
+        30.0, description="seconds in-flight requests may take to finish after SIGTERM; the rest then end "
+        "with an error event")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="router log level")
     json_output: bool = Field(False, description="router logs as one JSON object per line")
     prometheus_port: int | None = Field(None, ge=0, lt=65536, description="also serve /metrics on this port; "
                                         "unset: only on the HTTP port")
     otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
                                       "http://collector:4318): a span per request; needs the SDK installed")
+    api_key: SecretList = Field((), description="a client must send `Authorization: Bearer <key>` with one of "
+                                "these keys (repeat the flag; env: comma-separated); /health and /ready stay open")
+    api_key_file: str | None = Field(None, description="file of API keys, one per line, read by the router at start")
+    metrics_require_api_key: bool = Field(False, description="true: /metrics asks for the API key too")
+    payload_limit: Positive = Field(DEFAULT_PAYLOAD_LIMIT, description="largest request body in bytes (413 past it)")
+    cors_allow_origin: StrList = Field((), description="origins browsers may call from (repeat the flag; "
+                                       "env: comma-separated); none: no CORS headers")
+    snapshot_routes: bool = Field(True, description="false: no /snapshots routes even with --snapshot-dir")
+    stream_buffer_events: Positive = Field(
+        1024, description="events a stream may queue for a client that reads slowly; past it the request "
+        "is cancelled")
+
+    @field_validator("api_key", "cors_allow_origin", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from an environment variable
+            return tuple(item.strip() for item in value.split(",") if item.strip())
+        return value
 
     @model_validator(mode="after")
     def _token_limits(self) -> RouterFlags:
@@ -192,15 +220,31 @@ def build_parser(model: type[BaseModel], prog: str, description: str) -> argpars
     return parser
 
 
+def public_json(config: BaseModel) -> str:
+    """The config as JSON for a child's argv: every field but the secrets."""
+    return config.model_dump_json(exclude=set(SECRET_FIELDS))
+
+
+def secrets_json(config: BaseModel) -> str | None:
+    """The secrets the argv leaves out, as JSON for the child's stdin; None when there are none."""
+    secrets = {name: [item.get_secret_value() for item in getattr(config, name)]
+               for name in sorted(SECRET_FIELDS) if getattr(config, name, ())}
+    return json.dumps(secrets) if secrets else None
+
+
 def parse_config(model: type[M], argv: Sequence[str] | None, prog: str, description: str) -> M:
-    """The model from flags (or --config-json); exits with status 2 and one line on bad input."""
+    """The model from flags (or --config-json, plus the secrets as JSON on stdin with
+    --secrets-on-stdin); exits with status 2 and one line on bad input."""
     parser = build_parser(model, prog, description)
+    parser.add_argument("--secrets-on-stdin", action="store_true", default=argparse.SUPPRESS,
+                        help="read the secret fields (API keys) as one JSON object from stdin")
     args = vars(parser.parse_args(argv))
     config_json = args.pop("config_json", None)
+    secrets = json.loads(sys.stdin.readline()) if args.pop("secrets_on_stdin", False) else {}
     try:
         if config_json is not None:
-            return model.model_validate_json(config_json)
-        return model(**args)
+            return model.model_validate({**json.loads(config_json), **secrets})
+        return model(**args, **secrets)
     except ValidationError as error:
         parser.error(validation_message(error))
     raise AssertionError("unreachable")  # parser.error exits

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from loom_proto.config import RouterConfig
-from loom_router import openai_api, playground, snapshots
+from loom_router import guard, openai_api, openapi_errors, playground, snapshots
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -30,6 +30,7 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
+from loom_router.lifecycle import add_readiness_routes
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
 from loom_router.structured import compile_constraint, tgi_constraint_spec
 from loom_router.text import token_spans, token_texts
@@ -87,11 +88,16 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
                   description="LLM serving: text-generation-inference and OpenAI compatible APIs")
     app.state.loom = AppState(config, engine, metrics, served_model_name(config))
     _add_error_handlers(app)
+    openapi_errors.install(app)  # documents every error status; FastAPI's own errors in Loom's shapes
     _add_tgi_routes(app)
+    add_readiness_routes(app)
     app.include_router(openai_api.router)
-    app.include_router(snapshots.build_router())
+    if config.snapshot_routes:
+        app.include_router(snapshots.build_router())
     app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
+    guard.install(app, config, engine)  # API keys, size limit, draining: counted by the metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    guard.install_cors(app, config)  # outermost: a browser's preflight carries no key
     return app
 
 

@@ -24,6 +24,7 @@ from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupRe
 from loom_router.grammar import GrammarCompiler, MaskFiller, Matcher
 from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
+from loom_router.shard_client import ShardError
 from loom_router.stream import DONE, GenerationStream
 from loom_router.text import IncrementalDetokenizer, StopMatcher
 from loom_router.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ from loom_router.types import (
 log = logging.getLogger("loom.engine")
 
 T = TypeVar("T")
+DRAIN_ABORT_TIMEOUT_S = 5.0
 
 
 class ShardBackend(Protocol):
@@ -93,6 +95,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
+        self._shard_down = False  # a shard stopped answering: nothing can be served any more
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
         # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
@@ -136,6 +139,40 @@ class Engine:
                 pass
         for _, future in self._between_steps:
             future.cancel()
+
+    @property
+    def accepting(self) -> bool:
+        """Ready for new requests: warmed up, not draining, the loop running, every shard up."""
+        return self.scheduler is not None and not self._draining and not self._shard_down and self._loop_alive()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (readiness fails at once)."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let in-flight requests finish within `timeout_s`; the rest then end with an error event."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline and self._loop_alive():
+            await asyncio.sleep(0.05)
+        if not self._active:
+            return
+        log.warning("%d request(s) still running after %g s of draining: ending them", len(self._active), timeout_s)
+        error = GenerationError(f"the server shut down before this request finished "
+                                f"(--graceful-termination-timeout {timeout_s:g} s)")
+        try:  # between steps, so that no step's output lands on a request that is gone
+            await asyncio.wait_for(self.run_between_steps(lambda scheduler: self._abort_all(scheduler, error)),
+                                   timeout=DRAIN_ABORT_TIMEOUT_S)
+        except (asyncio.TimeoutError, GenerationError):  # the loop is stuck in a step, or gone
+            self._fail_all(error)
+
+    def _abort_all(self, scheduler: Scheduler, error: GenerationError) -> None:
+        for group_id, active in list(self._active.items()):
+            if active.group not in self._pending_adds:
+                scheduler.abort(group_id)
+            self._count_finish("error", active)
+        self._pending_adds.clear()
+        self._fail_all(error)
 
     async def health(self) -> bool:
         if not self._loop_alive():
@@ -200,7 +237,7 @@ class Engine:
             first_seq_id=group_id * self.config.max_n,
             prompt_logprobs=params.prompt_logprobs,
         )
-        stream = GenerationStream(self.cancel, group_id, len(prompt_ids))
+        stream = GenerationStream(self.cancel, group_id, len(prompt_ids), self.config.stream_buffer_events)
         stream.max_new_tokens = params.max_new_tokens
         texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
         self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
@@ -315,6 +352,7 @@ class Engine:
                             "recomputing their KV", requeued)
             for group_id in failed:
                 self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
+            await self._check_shards_after(err)  # the streams got their error first
             return None
         self._counters.steps += 1
         self._observe_step(plan, time.perf_counter() - start, result)
@@ -326,6 +364,17 @@ class Engine:
             active.stream.closed = True
             active.stream.put(error)
             self._count_finish("error", active)
+
+    async def _check_shards_after(self, err: Exception) -> None:
+        """A shard that is unreachable, or fails Health after a failed step, is down: new
+        requests then get 503 at the door (loom_router.guard) until the launcher restarts all."""
+        if isinstance(err, ShardError) and err.code == "UNAVAILABLE":
+            self._shard_down = True
+            return
+        try:
+            self._shard_down = not await self.client.health()
+        except Exception:
+            self._shard_down = True
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         """The first step that runs a request ends its queue time (TGI's queue duration)."""

@@ -1,7 +1,8 @@
 """`loom-router`: parse a RouterConfig from flags, connect to the shards, serve the HTTP API.
 
-SIGINT/SIGTERM stop it gracefully: uvicorn stops accepting connections and lets the
-in-flight requests finish (within --shutdown-timeout), then the engine drains and stops.
+SIGINT/SIGTERM stop it gracefully (loom_router.lifecycle): readiness fails and new requests
+get 503 at once, in-flight requests finish within --graceful-termination-timeout (the rest
+end with an error event), then the server and the engine stop and the process exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uvicorn
 from loom_proto.config import RouterConfig, parse_config
 from loom_router.api import create_app
 from loom_router.engine import Engine
+from loom_router.lifecycle import CLOSE_CONNECTIONS_TIMEOUT_S, DrainingServer
 from loom_router.metrics import RouterMetrics
 from loom_router.metrics_server import start_metrics_server
 from loom_router.request_log import configure_logging
@@ -43,11 +45,11 @@ async def serve(config: RouterConfig) -> int:
         metrics_server = None
         if config.prometheus_port is not None:
             metrics_server = await start_metrics_server(metrics, config.hostname, config.prometheus_port)
-        server = uvicorn.Server(uvicorn.Config(
+        server = DrainingServer(uvicorn.Config(
             app, host=config.hostname, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=int(config.shutdown_timeout), access_log=config.log_level == "debug",
+            timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT_S, access_log=config.log_level == "debug",
             **({"log_config": None} if config.json_output else {}),  # uvicorn's lines go through the JSON handler
-        ))
+        ), engine, config.graceful_termination_timeout)
         fatal: list[BaseException] = []
         engine.on_fatal = lambda error: (fatal.append(error), setattr(server, "should_exit", True))
         try:

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from loom_router.request import Sequence
-from loom_router.types import ChoiceEvent, PromptInfo
+from loom_router.types import ChoiceEvent, GenerationError, PromptInfo
 
 DONE = object()  # the stream's end marker
 
@@ -15,8 +15,13 @@ DONE = object()  # the stream's end marker
 class GenerationStream:
     """The events of one request's n choices, interleaved, as the engine produces them."""
 
-    def __init__(self, on_cancel: Callable[[int], None], group_id: int, num_prompt_tokens: int) -> None:
+    def __init__(self, on_cancel: Callable[[int], None], group_id: int, num_prompt_tokens: int,
+                 max_buffered: int | None = None) -> None:
         self._on_cancel = on_cancel
+        # A client that does not read must not grow the router's memory: past this many
+        # unread events the request is cancelled (None: unbounded).
+        self.max_buffered = max_buffered
+        self.overflowed = False
         self.group_id = group_id
         self.prompt = PromptInfo(num_prompt_tokens=num_prompt_tokens)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
@@ -31,6 +36,16 @@ class GenerationStream:
         self.outcome: str | None = None  # the last finish reason, "cancelled" or "error"
 
     def put(self, item: object) -> None:
+        if self.overflowed:
+            return
+        if isinstance(item, ChoiceEvent) and self.max_buffered is not None \
+                and self._queue.qsize() >= self.max_buffered:
+            self.overflowed = True
+            self._queue.put_nowait(GenerationError(
+                f"the client read too slowly: {self.max_buffered} events unread, request cancelled "
+                "(--stream-buffer-events)"))
+            self._on_cancel(self.group_id)
+            return
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:

@@ -8,13 +8,21 @@ itself is the contract's (loom_proto.snapshot).
 
 Called from an I/O thread (never the step thread): reading, hashing and writing whole files
 there lets steps continue.
+
+Confinement: names are NFC-normalised (two spellings of one name are one snapshot), and
+symbolic links inside the directory are never followed: files are opened through a handle
+on their folder taken with O_NOFOLLOW, so a folder swapped for a link after the name was
+checked still receives (or gives) nothing outside. Case-insensitive filesystems (names that
+differ only in case) are out of scope.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import threading
+import unicodedata
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -52,23 +60,52 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_dir(path: Path) -> int:
+    """A handle on the folder itself, refusing a symbolic link (OSError ELOOP or ENOTDIR):
+    what goes through it stays in that folder even if its name is swapped afterwards."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
 def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     """Write chunks to path all at once or not at all: a temporary file in the same folder,
-    fsync, rename, fsync the folder. Returns the bytes written."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    fsync, rename, fsync the folder; all through one handle on the folder (see open_dir).
+    Returns the bytes written."""
+    tmp = f".{path.name}.tmp-{uuid.uuid4().hex}"
+    dir_fd = open_dir(path.parent)
     size = 0
     try:
-        with open(tmp, "xb") as f:
-            for chunk in chunks:
-                size += f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
+            with open(fd, "wb") as f:
+                for chunk in chunks:
+                    size += f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            raise
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return size
+
+
+def read_confined(path: Path) -> bytes:
+    """A regular file's bytes, neither it nor its folder a symbolic link (OSError otherwise;
+    FileNotFoundError when missing). A fifo or device cannot block or flood the reader."""
+    dir_fd = open_dir(path.parent)
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        return f.read()
 
 
 def write_part(path: Path, header: PartHeader, kv: memoryview) -> int:
@@ -79,15 +116,11 @@ def write_part(path: Path, header: PartHeader, kv: memoryview) -> int:
 def read_part(path: Path) -> tuple[PartHeader, memoryview]:
     """Read and verify a part file. Raises SnapshotError (NOT_FOUND, DAMAGED, MISMATCH)."""
     try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            num_read = f.readinto(data)
+        data = bytearray(read_confined(path))
     except FileNotFoundError:
         raise SnapshotError(SnapshotStatus.NOT_FOUND, f"part file {path.name} is missing") from None
     except OSError as error:
         raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is unreadable: {error}") from None
-    if num_read != len(data):
-        raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is damaged: truncated")
     return parse_part(data, path.name)
 
 
@@ -99,6 +132,7 @@ def resolve_inside(root: Path, name: str) -> Path:
 
     The router validates user-given names strictly first; this is the shard's own guard.
     """
+    name = unicodedata.normalize("NFC", name)  # one folder for every spelling of a name
     if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} is not a single folder name")
     base = root.resolve()
@@ -117,7 +151,7 @@ def read_manifest(folder: Path) -> Manifest:
     if not folder.is_dir():
         raise SnapshotError(SnapshotStatus.NOT_FOUND, f"snapshot {folder.name!r} does not exist")
     try:
-        data = (folder / MANIFEST).read_bytes()
+        data = read_confined(folder / MANIFEST)
     except OSError as error:
         raise SnapshotError(SnapshotStatus.DAMAGED, f"snapshot {folder.name!r} is damaged: manifest: {error}") from None
     return Manifest.from_json(data, folder.name)

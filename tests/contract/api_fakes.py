@@ -73,6 +73,8 @@ class FakeShardClient:
         if self.step_delay_s:
             await asyncio.sleep(self.step_delay_s)
         if self.fail_steps:
+            # The plan reached the shard (its ids may be released later, as the real one allows).
+            self.shard.known_ids.update(r.request_id for r in plan.new_requests)
             raise RuntimeError("fake shard failure")
         result = self.shard.step(plan)
         self.shard.verify()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib.resources import files
 
 from fastapi import APIRouter, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
 
 # The page's own files, by the name the page asks for; anything else is a 404.
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
@@ -40,8 +40,9 @@ def build_router() -> APIRouter:
                 response_class=HTMLResponse)
     async def page(request: Request) -> Response:
         if not wants_html(request):
-            # What GET / answered before the playground: only POST (TGI's generate) is allowed.
-            return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": "POST"})
+            # What GET / answered before the playground: only POST (TGI's generate) is allowed
+            # (raised, so the error reads as every other 405: loom_router.openapi_errors).
+            raise HTTPException(status_code=405, detail="Method Not Allowed", headers={"Allow": "POST"})
         return HTMLResponse(_read("index.html"), headers={"Cache-Control": "no-cache"})
 
     @router.get(ASSET_PREFIX + "{name}", include_in_schema=False)

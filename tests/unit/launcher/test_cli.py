@@ -196,7 +196,7 @@ def test_invalid_combinations_are_rejected(argv: list[str], capsys: pytest.Captu
 
 def test_children_get_their_config_as_json() -> None:
     args = settings("--num-shard", "2", "--device", "cpu", "--port", "3100",
-                    "--max-total-tokens", "512", "--master-port", "29600", "--shutdown-timeout", "7")
+                    "--max-total-tokens", "512", "--master-port", "29600", "--graceful-termination-timeout", "7")
     shard = shard_spec(args.shard_config(1), {}).argv
     assert shard[1:4] == ("-m", "loom_shard.server", "--config-json")
     sent = json.loads(shard[4])
@@ -209,7 +209,7 @@ def test_children_get_their_config_as_json() -> None:
     assert sent["shard_uds_paths"] == ["/tmp/loom-server-0", "/tmp/loom-server-1"]
     assert sent["port"] == 3100 and sent["max_total_tokens"] == 512
     assert sent["max_input_tokens"] is None
-    assert sent["shutdown_timeout"] == 7.0
+    assert sent["graceful_termination_timeout"] == 7.0
 
 
 def test_child_env_sets_threads_and_keeps_the_rest() -> None:
@@ -351,11 +351,11 @@ def test_router_parses_back_the_exact_config() -> None:
 
     args = settings("--num-shard", "2", "--device", "cpu", "--port", "3100", "--max-total-tokens", "512",
                     "--max-input-tokens", "300", "--served-model-name", "smol", "--snapshot-dir", "/tmp/s",
-                    "--shutdown-timeout", "5")
+                    "--graceful-termination-timeout", "5")
     config = args.router_config()
     parsed = parse_config(RouterConfig, list(router_spec(config, {}).argv[3:]), "loom-router", DESCRIPTION)
     assert parsed == config
-    assert parsed.shutdown_timeout == 5.0
+    assert parsed.graceful_termination_timeout == 5.0
 
 
 def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:

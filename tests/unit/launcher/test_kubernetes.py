@@ -50,7 +50,7 @@ def test_deployment_probes_ports_and_shutdown_follow_the_flags(name: str, monkey
     assert annotations["prometheus.io/path"] == "/metrics"
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep"
-    budget = float(command[1]) + settings.shutdown_timeout + ROUTER_EXIT_MARGIN_S
+    budget = float(command[1]) + settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S
     assert pod["spec"]["terminationGracePeriodSeconds"] >= budget
     shm = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"}
     assert [v["emptyDir"]["medium"] for v in pod["spec"]["volumes"] if v["name"] in shm] == ["Memory"]

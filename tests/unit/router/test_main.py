@@ -26,7 +26,7 @@ CONFIG = RouterConfig(model_id="/models/x.gguf", shard_uds_paths=("/tmp/a.sock",
                       hostname="127.0.0.1", port=8080, max_concurrent_requests=7, max_input_tokens=100,
                       max_total_tokens=200, max_batch_prefill_tokens=512, max_batch_total_tokens=4096,
                       max_stop_sequences=3, max_n=2, max_top_n_tokens=4, snapshot_dir="/snaps",
-                      served_model_name="smol", shard_ready_timeout=9.0, shutdown_timeout=4.0,
+                      served_model_name="smol", shard_ready_timeout=9.0, graceful_termination_timeout=4.0,
                       log_level="debug")
 
 

@@ -1,0 +1,334 @@
+"""The router's front door (loom_router.guard) and life cycle (loom_router.lifecycle) against a
+real Engine driving a fake shard: API keys, payload limit, CORS, readiness, drain, dead
+shards, and slow stream readers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from api_fakes import WORDS, FakeShardClient
+
+from loom_proto.config import RouterConfig
+from loom_proto.step import SamplingParams
+from loom_router import guard
+from loom_router.api import create_app
+from loom_router.engine import Engine
+from loom_router.shard_client import ShardError
+from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.types import GenerationError, GenerationParams
+
+KEYS = ("sk-first-key-0123", "sk-second-key-4567")
+GENERATE = {"inputs": "the quick", "parameters": {"max_new_tokens": 4}}
+COMPLETION = {"prompt": "the quick", "max_tokens": 4}
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer("")
+
+
+@pytest.fixture
+def backend(tokenizer: Tokenizer) -> FakeShardClient:
+    return FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
+
+
+def router_config(**overrides: Any) -> RouterConfig:
+    fields: dict[str, Any] = dict(model_id="", shard_uds_paths=("fake.sock",), max_concurrent_requests=8,
+                                  max_total_tokens=64, max_n=4)
+    return RouterConfig(**{**fields, **overrides})
+
+
+Serve = Callable[..., Any]
+
+
+@pytest.fixture
+async def serve(backend: FakeShardClient, tokenizer: Tokenizer) -> AsyncIterator[Serve]:
+    """serve(**config) -> (client, engine), the engine started unless start=False."""
+    engines: list[Engine] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def start(start: bool = True, **overrides: Any) -> tuple[httpx.AsyncClient, Engine]:
+        config = router_config(**overrides)
+        engine = Engine(config, backend, tokenizer)
+        if start:
+            await engine.start()
+        engines.append(engine)
+        app = create_app(engine, config)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom")
+        clients.append(client)
+        return client, engine
+
+    yield start
+    for client in clients:
+        await client.aclose()
+    for engine in engines:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# ---- API keys -----------------------------------------------------------------------------
+
+
+async def test_every_route_but_health_and_readiness_needs_a_key(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS)
+    for method, path, body in [("POST", "/generate", GENERATE), ("POST", "/v1/completions", COMPLETION),
+                               ("GET", "/info", None), ("GET", "/v1/models", None), ("GET", "/docs", None),
+                               ("GET", "/openapi.json", None), ("POST", "/tokenize", {"inputs": "hi"})]:
+        response = await client.request(method, path, json=body)
+        assert response.status_code == 401, path
+        assert response.headers["www-authenticate"] == "Bearer"
+        if path.startswith("/v1/"):
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        else:
+            assert response.json()["error_type"] == "unauthorized"
+    for path in ("/health", "/ready", "/v2/health/ready", "/metrics"):
+        assert (await client.get(path)).status_code == 200, path
+
+
+async def test_the_playground_page_loads_without_a_key_but_generation_does_not(serve: Serve) -> None:
+    """A browser cannot send a key before it has the page; the page sends it with each API call."""
+    client, _ = await serve(api_key=KEYS)
+    html = {"Accept": "text/html"}
+    assert (await client.get("/", headers=html)).status_code == 200
+    for asset in ("/playground/app.js", "/playground/style.css"):
+        assert (await client.get(asset)).status_code == 200, asset
+    assert (await client.get("/playground/secret.txt")).status_code == 401  # only the page's own files
+    assert (await client.post("/", json=GENERATE)).status_code == 401  # POST / is TGI's generate
+    assert (await client.post("/", json=GENERATE, headers=bearer(KEYS[0]))).status_code == 200
+
+
+async def test_each_key_opens_the_routes_and_a_wrong_one_does_not(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS)
+    for key in KEYS:
+        response = await client.post("/generate", json=GENERATE, headers=bearer(key))
+        assert response.status_code == 200, response.text
+    for headers in (bearer("sk-first-key-012"), bearer(KEYS[0] + "x"), {"Authorization": KEYS[0]},
+                    {"Authorization": f"Basic {KEYS[0]}"}, bearer("")):
+        assert (await client.post("/generate", json=GENERATE, headers=headers)).status_code == 401
+
+
+async def test_keys_from_a_file_and_the_flag_together(serve: Serve, tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# ops keys\n\n  sk-from-file  \n")
+    client, _ = await serve(api_key=KEYS[:1], api_key_file=str(key_file))
+    for key in (KEYS[0], "sk-from-file"):
+        assert (await client.get("/info", headers=bearer(key))).status_code == 200
+    assert (await client.get("/info", headers=bearer("# ops keys"))).status_code == 401
+
+
+async def test_metrics_can_require_the_key(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS, metrics_require_api_key=True)
+    assert (await client.get("/metrics")).status_code == 401
+    assert (await client.get("/metrics", headers=bearer(KEYS[1]))).status_code == 200
+
+
+async def test_every_key_is_compared_in_constant_time(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[tuple[bytes, bytes]] = []
+    real = guard.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(guard.hmac, "compare_digest", spy)
+    client, _ = await serve(api_key=KEYS)
+    assert (await client.get("/info", headers=bearer(KEYS[0]))).status_code == 200
+    # no early exit on the first match: the time does not tell which key matched
+    assert compared == [(KEYS[0].encode(), key.encode()) for key in KEYS]
+
+
+async def test_keys_never_reach_the_logs(serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    client, _ = await serve(api_key=KEYS)
+    await client.post("/generate", json=GENERATE, headers=bearer(KEYS[0]))
+    await client.post("/generate", json=GENERATE, headers=bearer("sk-wrong-guess-999"))
+    assert caplog.records  # something was logged, and no key in it
+    assert not any(secret in caplog.text for secret in (*KEYS, "sk-wrong-guess-999"))
+    assert KEYS[0] not in repr(router_config(api_key=KEYS)) and KEYS[0] not in router_config(
+        api_key=KEYS).model_dump_json()
+
+
+# ---- payload limit, CORS, snapshot routes -------------------------------------------------
+
+
+async def test_a_body_past_the_payload_limit_gets_413_in_each_api_shape(serve: Serve) -> None:
+    client, _ = await serve(payload_limit=1000)
+    big = {"inputs": "the " * 300, "parameters": {"max_new_tokens": 2}}
+    response = await client.post("/generate", json=big)
+    assert response.status_code == 413 and response.json()["error_type"] == "payload_too_large"
+    response = await client.post("/v1/completions", json={"prompt": "the " * 300})
+    assert response.status_code == 413 and "--payload-limit" in response.json()["error"]["message"]
+    assert (await client.post("/generate", json=GENERATE)).status_code == 200
+
+
+async def _run_guard(headers: list[tuple[bytes, bytes]], chunks: list[bytes], limit: int) -> tuple[int, int]:
+    """Drives the bare middleware: (status sent, body chunks it read)."""
+    read = 0
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        read += 1
+        return {"type": "http.request", "body": chunks[read - 1], "more_body": read < len(chunks)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("the app must not run")
+
+    policy = guard.GuardPolicy((), frozenset(), limit, lambda: True)
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": headers}
+    await guard.Guard(app, policy)(scope, receive, send)
+    return sent[0]["status"], read
+
+
+async def test_the_limit_stops_reading_before_the_whole_body() -> None:
+    # Content-Length announces too much: nothing is read at all
+    assert await _run_guard([(b"content-length", b"1000000000")], [b"x" * 1000] * 1000, 4000) == (413, 0)
+    # chunked, no length: reading stops at the chunk that passes the limit
+    assert await _run_guard([], [b"x" * 1000] * 1000, 4000) == (413, 5)
+
+
+async def test_cors_answers_preflight_for_allowed_origins_even_with_keys(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS, cors_allow_origin=("https://app.example",))
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    response = await client.options("/generate", headers=preflight)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    response = await client.post("/generate", json=GENERATE,
+                                 headers={"Origin": "https://app.example", **bearer(KEYS[0])})
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    response = await client.options("/generate", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+async def test_no_cors_headers_unless_asked(serve: Serve) -> None:
+    client, _ = await serve()
+    response = await client.post("/generate", json=GENERATE, headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+async def test_snapshot_routes_can_be_turned_off(serve: Serve, tmp_path: Path) -> None:
+    client, _ = await serve(snapshot_dir=str(tmp_path), snapshot_routes=False)
+    assert (await client.get("/snapshots")).status_code == 404
+    assert not any(path.startswith("/snapshots") for path in (await client.get("/openapi.json")).json()["paths"])
+    client, _ = await serve(snapshot_dir=str(tmp_path))
+    assert any(path.startswith("/snapshots") for path in (await client.get("/openapi.json")).json()["paths"])
+
+
+# ---- readiness, drain, dead shards --------------------------------------------------------
+
+
+async def test_ready_fails_before_warmup_and_from_the_first_instant_of_a_drain(serve: Serve) -> None:
+    client, engine = await serve(start=False)
+    for path in ("/ready", "/v2/health/ready"):
+        assert (await client.get(path)).status_code == 503
+    await engine.start()
+    assert (await client.get("/ready")).status_code == 200
+    engine.begin_drain()
+    assert (await client.get("/ready")).status_code == 503
+    assert (await client.get("/v2/health/ready")).json()["error_type"] == "unavailable"
+    response = await client.post("/generate", json=GENERATE)
+    assert response.status_code == 503 and response.json()["error_type"] == "unavailable"
+    assert (await client.post("/v1/completions", json=COMPLETION)).json()["error"]["type"] == "server_error"
+    assert (await client.get("/health")).status_code == 200  # alive, just not taking work
+
+
+async def test_drain_lets_in_flight_streams_finish(serve: Serve, backend: FakeShardClient) -> None:
+    client, engine = await serve()
+    backend.step_delay_s = 0.01
+    body = {"inputs": "the quick", "parameters": {"max_new_tokens": 20}}
+    stream = asyncio.create_task(client.post("/generate_stream", json=body))
+    while not engine.stats().num_running:
+        await asyncio.sleep(0.005)
+    await engine.drain(timeout_s=30)
+    events = [json.loads(line[5:]) for line in (await stream).text.splitlines() if line.startswith("data:")]
+    assert len(events) == 20 and events[-1]["generated_text"] is not None
+    assert engine.stats().num_blocks_used == 0
+
+
+async def test_past_the_drain_timeout_streams_end_with_an_error_event(serve: Serve, backend: FakeShardClient) -> None:
+    client, engine = await serve()
+    backend.step_delay_s = 0.05
+    body = {"inputs": "the quick", "parameters": {"max_new_tokens": 50}}
+    streams = [asyncio.create_task(client.post("/generate_stream", json=body)),
+               asyncio.create_task(client.post("/v1/completions", json={**COMPLETION, "max_tokens": 50,
+                                                                         "stream": True}))]
+    while engine.stats().num_running < 2:
+        await asyncio.sleep(0.005)
+    await engine.drain(timeout_s=0.2)
+    tgi, openai = [(await s).text for s in streams]
+    assert "--graceful-termination-timeout" in json.loads(tgi.strip().splitlines()[-1][5:])["error"]
+    assert "--graceful-termination-timeout" in openai
+    assert engine.stats().num_blocks_used == 0 and engine.stats().requests_finished["error"] == 2
+
+
+async def test_a_dead_shard_ends_streams_and_turns_new_requests_away(serve: Serve,
+                                                                     backend: FakeShardClient) -> None:
+    client, engine = await serve()
+    backend.step_delay_s = 0.01
+    stream = asyncio.create_task(client.post("/generate_stream", json={
+        "inputs": "the quick", "parameters": {"max_new_tokens": 40}}))
+    while not engine.stats().num_running:
+        await asyncio.sleep(0.005)
+
+    async def dead(plan: Any) -> Any:
+        raise ShardError(0, "UNAVAILABLE", "failed to connect to all addresses")
+
+    backend.step = dead  # type: ignore[method-assign]
+    last = json.loads((await stream).text.strip().splitlines()[-1][5:])
+    assert last["error_type"] == "generation" and "UNAVAILABLE" in last["error"]
+    assert (await client.post("/generate", json=GENERATE)).status_code == 503
+    assert (await client.get("/ready")).status_code == 503
+
+
+# ---- slow readers ---------------------------------------------------------------------------
+
+
+async def test_a_stream_nobody_reads_is_cancelled_at_its_buffer_bound(serve: Serve) -> None:
+    _, engine = await serve(stream_buffer_events=8)
+    params = GenerationParams(max_new_tokens=40, choices=[SamplingParams(seed=1)], ignore_eos=True)
+    stream = engine.submit([1, 2, 3], params)  # never read while it runs
+    other = engine.submit([1, 2, 3], GenerationParams(max_new_tokens=40, choices=[SamplingParams(seed=2)], ignore_eos=True))
+    events = [event async for event in other]  # another stream is not held back
+    assert len(events) == 40
+    with pytest.raises(GenerationError, match="read too slowly"):
+        async for _ in stream:
+            pass
+    assert stream.overflowed and engine.stats().num_blocks_used == 0
+    assert engine.stats().requests_finished.get("cancelled") == 1
+
+
+async def test_the_metrics_count_the_guards_refusals(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS, payload_limit=100)
+    await client.post("/generate", json=GENERATE)
+    await client.post("/generate", json={"inputs": "x" * 200}, headers=bearer(KEYS[0]))
+    metrics = (await client.get("/metrics")).text
+    assert 'loom_http_requests_total{route="unmatched",status="401"} 1.0' in metrics
+    assert 'loom_http_requests_total{route="unmatched",status="413"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+async def test_after_a_failed_step_a_failing_health_check_turns_new_requests_away(
+        serve: Serve, backend: FakeShardClient, healthy: bool) -> None:
+    client, engine = await serve()
+    backend.fail_steps = True  # not UNAVAILABLE: e.g. a collective broken by a peer's death
+    backend.healthy = healthy
+    response = await client.post("/generate", json=GENERATE)
+    assert response.status_code == 424
+    backend.fail_steps = False
+    assert (await client.post("/generate", json=GENERATE)).status_code == (200 if healthy else 503)
+    assert engine.accepting is healthy

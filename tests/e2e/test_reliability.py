@@ -1,0 +1,117 @@
+"""The real launcher under access control, SIGTERM past the drain timeout, and a shard
+killed mid-stream with two shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from test_snapshots_e2e import save_tiny_llama
+
+if TYPE_CHECKING:  # conftest is pytest's to import, not ours
+    from conftest import StartLauncher
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-e2e-secret-7f3a9c"
+COUNTING_PROMPT = "Count from 1 to 200, separated by commas: 1, 2, 3, 4, 5,"
+
+
+def stream_until_end(client: httpx.Client, url: str, body: dict[str, Any], started: threading.Event,
+                     events: list[dict[str, Any]], headers: dict[str, str] | None = None) -> None:
+    with client.stream("POST", url, json=body, headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                if line != "data: [DONE]":
+                    events.append(json.loads(line[len("data:"):]))
+                started.set()
+
+
+def test_api_key_from_the_environment_guards_the_routes_and_shows_nowhere(
+        start_launcher: StartLauncher, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOM_API_KEY", API_KEY)
+    launcher = start_launcher()
+    base = launcher.base_url
+    assert httpx.post(f"{base}/generate", json={"inputs": "Hi"}, timeout=30).status_code == 401
+    assert httpx.get(f"{base}/ready", timeout=30).status_code == 200
+    response = httpx.post(f"{base}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    from openai import OpenAI  # the official client sends the key as a Bearer token
+
+    models = OpenAI(base_url=f"{base}/v1", api_key=API_KEY).models.list()
+    assert models.data
+    for role, pid in launcher.child_pids().items():
+        proc = Path(f"/proc/{pid}")
+        assert API_KEY.encode() not in (proc / "cmdline").read_bytes(), role  # what `ps` shows
+        assert API_KEY.encode() not in (proc / "environ").read_bytes(), role
+    assert API_KEY not in launcher.log()
+    assert launcher.stop() == 0
+
+
+def test_sigterm_drains_then_errors_the_rest_and_every_process_exits_0(
+        start_launcher: StartLauncher) -> None:
+    launcher = start_launcher("--graceful-termination-timeout", "3")
+    base = launcher.base_url
+    short: list[dict[str, Any]] = []
+    long: list[dict[str, Any]] = []
+    started = [threading.Event(), threading.Event()]
+    bodies = [{"inputs": COUNTING_PROMPT, "parameters": {"max_new_tokens": 8}},
+              {"inputs": COUNTING_PROMPT, "parameters": {"max_new_tokens": 400}}]
+    with httpx.Client(timeout=120) as client:
+        threads = [threading.Thread(target=stream_until_end,
+                                    args=(client, f"{base}/generate_stream", body, event, events))
+                   for body, event, events in zip(bodies, started, (short, long))]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(timeout=120)
+        launcher.process.send_signal(signal.SIGTERM)
+        ready = httpx.get(f"{base}/ready", timeout=10)
+        refused = httpx.post(f"{base}/generate", json={"inputs": "Hi"}, timeout=10)
+        for thread in threads:
+            thread.join(timeout=60)
+    assert ready.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+    assert short[-1]["generated_text"] is not None and len(short) == 8  # finished within the timeout
+    assert "--graceful-termination-timeout" in long[-1]["error"]  # an error event, not silence
+    assert launcher.wait(timeout=60) == 0
+    log = launcher.log()
+    assert "router exited with code 0" in log and "shard 0 exited with code 0" in log
+
+
+@pytest.mark.parametrize("num_shard", [1, 2])
+def test_a_shard_killed_mid_stream_ends_it_with_an_error_and_stops_the_launcher(
+        start_launcher: StartLauncher, e2e_dir: Path, num_shard: int) -> None:
+    # A tiny random Llama (2 kv heads) splits over 2 shards; the embedded model does not.
+    model = save_tiny_llama(e2e_dir / "tiny-llama-faults")
+    launcher = start_launcher("--model-id", str(model), "--dtype", "float32", "--num-shard", str(num_shard))
+    base = launcher.base_url
+    events: list[dict[str, Any]] = []
+    started = threading.Event()
+    body = {"prompt": "w1 w2 w3", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        thread = threading.Thread(target=stream_until_end,
+                                  args=(client, f"{base}/v1/completions", body, started, events))
+        thread.start()
+        assert started.wait(timeout=120)
+        victim = f"shard {num_shard - 1}"
+        os.kill(launcher.child_pids()[victim], signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the stream hung after its shard died"
+        try:  # the launcher may have stopped the router already: refused, but never a hang
+            status = client.post(f"{base}/v1/completions", json={"prompt": "w1"}, timeout=30).status_code
+        except httpx.TransportError:
+            status = None
+    assert events[-1]["error"]["type"] == "server_error", events[-1]
+    assert len(events) < 480
+    assert status in (503, None)
+    assert launcher.wait(timeout=60) != 0
+    assert f"{victim} exited with code -9" in launcher.log()
