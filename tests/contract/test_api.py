@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from api_fakes import WORDS, FakeShardClient
+from api_fakes import FakeShardClient
 
 from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 
 MAX_TOTAL_TOKENS = 64
 
@@ -25,16 +25,6 @@ class Harness:
     engine: Engine
     backend: FakeShardClient
     tokenizer: Tokenizer
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
-
-
-@pytest.fixture
-def backend(tokenizer: Tokenizer) -> FakeShardClient:
-    return FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
 
 
 def router_config(**overrides: object) -> RouterConfig:

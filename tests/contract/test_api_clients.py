@@ -19,7 +19,7 @@ from api_fakes import WORDS, FakeShardClient
 from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 
 
 @dataclass
@@ -28,11 +28,6 @@ class Served:
     engine: Engine
     backend: FakeShardClient
     tokenizer: Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
 
 
 def free_port() -> int:

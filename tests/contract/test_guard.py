@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import WORDS, FakeShardClient
+from api_fakes import FakeShardClient
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import SamplingParams
@@ -21,22 +21,12 @@ from loom_router import guard
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.shard_client import ShardError
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams
 
 KEYS = ("sk-first-key-0123", "sk-second-key-4567")
 GENERATE = {"inputs": "the quick", "parameters": {"max_new_tokens": 4}}
 COMPLETION = {"prompt": "the quick", "max_tokens": 4}
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
-
-
-@pytest.fixture
-def backend(tokenizer: Tokenizer) -> FakeShardClient:
-    return FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
 
 
 def router_config(**overrides: Any) -> RouterConfig:

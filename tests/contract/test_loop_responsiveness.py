@@ -21,7 +21,7 @@ from api_fakes import WORDS, FakeShardClient
 from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 
 CONTEXT = 8192
 # A text of many short tokens (the worst case for per-token work) with non-ASCII characters.
@@ -32,11 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 from prometheus_client.utils import floatToGoString
-from test_api import Harness, backend, harness, tokenizer  # noqa: F401 (fixtures)
+from test_api import Harness, harness  # noqa: F401 (fixture)
 
 from loom_proto.step import StepPlan, StepResult
 from loom_router.metrics import RouterMetrics

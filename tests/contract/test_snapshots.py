@@ -18,15 +18,10 @@ from loom_proto.config import RouterConfig
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_router.api import create_app
 from loom_router.engine import Engine
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 from loom_shard.snapshot import PartStore
 
 BLOCK_SIZE = 4
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
 
 
 class SnapshotFakeClient(FakeShardClient):

@@ -15,14 +15,9 @@ from loom_proto.step import StepPlan, StepResult
 from loom_router import main
 from loom_router.engine import Engine
 from loom_router.shard_client import ShardError, agreed_step_reply
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams, ShardDivergence
 from loom_router.validation import Limits, TGIParameters, tgi_generation_params
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
 
 
 def params(seed: int, max_new_tokens: int = 4) -> GenerationParams:

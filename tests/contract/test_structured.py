@@ -23,7 +23,7 @@ from loom_proto.config import RouterConfig
 from loom_proto.step import WarmupResult
 from loom_router.api import create_app
 from loom_router.engine import Engine
-from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -56,11 +56,6 @@ class Harness:
     client: httpx.AsyncClient
     engine: Engine
     backend: FakeShardClient
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer("")
 
 
 class SwappingShardClient(FakeShardClient):

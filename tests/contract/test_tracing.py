@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from api_fakes import FakeShardClient
-from test_api import backend, router_config, tokenizer  # noqa: F401 (fixtures)
+from test_api import router_config
 
 from loom_router.api import create_app
 from loom_router.engine import Engine
