@@ -41,6 +41,7 @@ from loom_router.types import (
     GenerationError,
     GenerationParams,
     OverloadedError,
+    UnavailableError,
     ValidationError,
 )
 from loom_router.validation import (
@@ -153,6 +154,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GenerationError)
     async def _failed(request: Request, exc: GenerationError) -> JSONResponse:
         return error_response(request, 424, str(exc), "generation")
+
+    @app.exception_handler(UnavailableError)
+    async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
+        return error_response(request, 503, str(exc), "unavailable")
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

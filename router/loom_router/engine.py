@@ -38,6 +38,7 @@ from loom_router.types import (
     OverloadedError,
     ShardDivergence,
     StepRecord,
+    UnavailableError,
     ValidationError,
 )
 
@@ -225,6 +226,8 @@ class Engine:
             raise OverloadedError("the server is shutting down")
         if not self._loop_alive():
             raise GenerationError(f"the engine loop is not running: {self._loop_error!r}")
+        if self._shard_down:
+            raise UnavailableError("a shard is down; retry on another replica")
         if len(self._active) >= self.config.max_concurrent_requests:
             raise OverloadedError(f"Model is overloaded: {len(self._active)} requests in flight "
                                   f"(--max-concurrent-requests {self.config.max_concurrent_requests})")
@@ -370,11 +373,14 @@ class Engine:
         requests then get 503 at the door (loom_router.guard) until the launcher restarts all."""
         if isinstance(err, ShardError) and err.code == "UNAVAILABLE":
             self._shard_down = True
-            return
-        try:
-            self._shard_down = not await self.client.health()
-        except Exception:
-            self._shard_down = True
+        else:
+            try:
+                self._shard_down = not await self.client.health()
+            except Exception:
+                self._shard_down = True
+        if self._shard_down and self.scheduler is not None:
+            # Requests admitted meanwhile (and any still running) cannot run either: 503, not 424.
+            self._abort_all(self.scheduler, UnavailableError(f"a shard is down ({err}); retry on another replica"))
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         """The first step that runs a request ends its queue time (TGI's queue duration)."""

@@ -127,3 +127,7 @@ class ShardDivergence(Exception):
 
 class GenerationError(RuntimeError):
     """The shards failed while generating (HTTP 424)."""
+
+
+class UnavailableError(GenerationError):
+    """A shard is down: the request cannot run here (HTTP 503; retry on another replica)."""

@@ -311,6 +311,29 @@ async def test_the_metrics_count_the_guards_refusals(serve: Serve) -> None:
     assert 'loom_http_requests_total{route="unmatched",status="413"} 1.0' in metrics
 
 
+async def test_a_request_admitted_while_the_shard_is_checked_gets_503_not_424(
+        serve: Serve, backend: FakeShardClient) -> None:
+    """After a failed step the engine asks the shards for their health; a request that came in
+    meanwhile cannot run on a dead shard either: it gets 503 (retry elsewhere), holding nothing."""
+    client, engine = await serve()
+    backend.fail_steps = True
+    checking = asyncio.Event()
+
+    async def slow_unhealthy() -> bool:
+        checking.set()
+        await asyncio.sleep(0.5)
+        return False
+
+    backend.health = slow_unhealthy  # type: ignore[method-assign]
+    first = asyncio.create_task(client.post("/generate", json=GENERATE))
+    await asyncio.wait_for(checking.wait(), 10)
+    second = await client.post("/generate", json=GENERATE)
+    assert (await first).status_code == 424
+    assert second.status_code == 503, second.text
+    assert second.json()["error_type"] == "unavailable"
+    assert not engine.accepting and engine.scheduler.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("healthy", [True, False])
 async def test_after_a_failed_step_a_failing_health_check_turns_new_requests_away(
         serve: Serve, backend: FakeShardClient, healthy: bool) -> None:
