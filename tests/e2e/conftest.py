@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 STARTUP_TIMEOUT_S = 300.0
@@ -172,6 +173,17 @@ def fp32_launcher(e2e_dir: Path) -> Iterator[Launcher]:
         yield launcher
     finally:
         launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def server(fp32_launcher: Launcher) -> Launcher:
+    return fp32_launcher
+
+
+@pytest.fixture(scope="module")
+def client(server: Launcher) -> openai.OpenAI:
+    """The official openai client against the float32 launcher."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

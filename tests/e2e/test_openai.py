@@ -15,16 +15,6 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(fp32_launcher: Launcher) -> Launcher:
-    return fp32_launcher
-
-
-@pytest.fixture(scope="module")
-def client(server: Launcher) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120)
-
-
 def counter(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer briefly." for i in range(16)]
 
 
-@pytest.fixture(scope="module")
-def server(fp32_launcher: Launcher) -> Launcher:
-    return fp32_launcher
-
-
 def scrape(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):

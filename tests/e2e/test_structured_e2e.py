@@ -41,16 +41,6 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, 
 TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(fp32_launcher: Launcher) -> Launcher:
-    return fp32_launcher
-
-
-@pytest.fixture(scope="module")
-def client(server: Launcher) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120)
-
-
 def test_json_schema_at_temperature_one_validates(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in range(3):
