@@ -131,6 +131,24 @@ def _validation_message(message: str) -> str:
     return message if message.startswith(prefix) else prefix + message
 
 
+# The engine's errors and the status each maps to (a subclass's entry wins over its base's).
+ENGINE_ERRORS: dict[type[Exception], tuple[int, str]] = {
+    ValidationError: (422, "validation"),
+    ChatTemplateError: (422, "validation"),
+    OverloadedError: (429, "overloaded"),
+    GenerationError: (424, "generation"),
+    UnavailableError: (503, "unavailable"),
+}
+
+
+def _engine_error_handler(status: int, kind: str) -> Any:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        message = _validation_message(str(exc)) if isinstance(exc, ValidationError) else str(exc)
+        return error_response(request, status, message, kind)
+
+    return handle
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -139,25 +157,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             return openai_api.error_response(422, message, param)
         return error_response(request, 422, _validation_message(message), "validation")
 
-    @app.exception_handler(ValidationError)
-    async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(request, 422, _validation_message(str(exc)), "validation")
-
-    @app.exception_handler(ChatTemplateError)
-    async def _template(request: Request, exc: ChatTemplateError) -> JSONResponse:
-        return error_response(request, 422, str(exc), "validation")
-
-    @app.exception_handler(OverloadedError)
-    async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
-        return error_response(request, 429, str(exc), "overloaded")
-
-    @app.exception_handler(GenerationError)
-    async def _failed(request: Request, exc: GenerationError) -> JSONResponse:
-        return error_response(request, 424, str(exc), "generation")
-
-    @app.exception_handler(UnavailableError)
-    async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
-        return error_response(request, 503, str(exc), "unavailable")
+    for error_type, (status, kind) in ENGINE_ERRORS.items():
+        app.add_exception_handler(error_type, _engine_error_handler(status, kind))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
