@@ -1,9 +1,17 @@
-"""RMS normalisation (torch's fused kernel accumulates in float32 for low-precision inputs)."""
+"""RMS normalisation: Loom's CPU kernel where it is built, else torch's fused op.
+
+Both accumulate in float32 for low-precision inputs. In bfloat16 they round once where
+transformers rounds twice (normalised x, then x * weight), which only makes them closer to
+float32. The CPU kernel is one pass per row (4x faster than torch.rms_norm for a decode row)
+and its reduction order does not depend on the batch (`loom_shard.kernels`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from loom_shard import kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +21,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op; in bfloat16 it rounds once where transformers rounds twice
-        # (normalised x, then x * weight), which only makes it closer to float32.
+        if x.is_cpu and x.dtype in kernels.DTYPES and kernels.available():
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -1,0 +1,40 @@
+"""Loom's C++ CPU kernels (`loom_shard.kernels`): correct against torch, and batch-invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom_shard import kernels
+from loom_shard.layers.norm import RMSNorm
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels could not be built here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_float32_torch(dtype: torch.dtype) -> None:
+    x, weight = torch.randn(9, 576).to(dtype), torch.randn(576).to(dtype)
+    expected = torch.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_row_is_bit_identical_at_any_batch(dtype: torch.dtype) -> None:
+    x, weight = torch.randn(64, 576).to(dtype), torch.randn(576).to(dtype)
+    alone = torch.cat([kernels.rms_norm(x[i : i + 1], weight, 1e-6) for i in range(64)])
+    for rows in (1, 7, 64):
+        assert torch.equal(kernels.rms_norm(x[:rows], weight, 1e-6), alone[:rows])
+
+
+def test_rms_norm_module_uses_the_kernel_on_cpu() -> None:
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 576, dtype=torch.bfloat16)
+    norm = norm.to(torch.bfloat16)
+    assert torch.equal(norm(x), kernels.rms_norm(x, norm.weight, 1e-5))
+
+
+def test_rms_norm_rejects_a_wrong_weight() -> None:
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
