@@ -1,8 +1,10 @@
 """Loom's own CPU kernels (C++, `csrc/`), compiled once on the machine that runs them.
 
 They are built with `torch.utils.cpp_extension.load` (ninja) the first time a shard needs them
-(`make setup` builds them ahead: `python -m loom_shard.kernels`), cached by torch under
-`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), and registered as `torch.ops.loom.*`.
+(`make setup` builds them ahead: `python -m loom_shard.kernels`), cached in a folder named by a
+digest of their sources, flags and torch version under `TORCH_EXTENSIONS_DIR` (default
+`~/.cache/torch_extensions`), so checkouts with different sources never rebuild over each other,
+and registered as `torch.ops.loom.*`.
 They are compiled for the host CPU (`-march=native`): the build happens where they run.
 Without a compiler the shard keeps its torch paths and says so in one log line.
 
@@ -14,7 +16,9 @@ is in the batch (issue 14).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -34,16 +38,26 @@ def load() -> bool:
 
     start = time.perf_counter()
     log.info("loading Loom's CPU kernels (%d sources; the first build takes about a minute)", len(SOURCES))
+    build_dir = _build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
             name="loom_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-            is_python_module=False, verbose=False,
+            build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a build error
         log.warning("Loom's CPU kernels are unavailable (%s); the shard uses its torch paths", error)
         return False
     log.info("Loom's CPU kernels ready in %.1f s", time.perf_counter() - start)
     return True
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha256(" ".join([torch.__version__, *CFLAGS]).encode())
+    for source in sorted((Path(__file__).parent / "csrc").iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"loom_kernels_{digest.hexdigest()[:16]}"
 
 
 def available() -> bool:
