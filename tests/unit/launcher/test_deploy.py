@@ -111,6 +111,11 @@ def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
     assert 'ENTRYPOINT ["loom-router"]' in router_only
 
 
+def test_cpu_image_can_build_the_shards_kernels() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"apt-get install .*\bg\+\+", text), "loom_shard.kernels needs a C++ compiler"
+
+
 def test_readme_documents_every_flag_and_the_ci_command() -> None:
     readme = (ROOT / "README.md").read_text()
     rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines()
