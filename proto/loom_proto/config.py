@@ -44,6 +44,9 @@ class ModelFlags(Frozen):
     max_batch_total_tokens: Positive | None = Field(
         None, description="KV cache size in tokens, shared by all requests; default: sized from free memory at warmup")
     snapshot_dir: str | None = Field(None, description="folder for KV snapshots; unset: snapshots off")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
+                                      "http://collector:4318): spans per request and per step, router and "
+                                      "shards; needs the SDK installed (the otel extras)")
 
 
 class ShardFlags(ModelFlags):
@@ -102,8 +105,6 @@ class RouterFlags(ModelFlags):
     json_output: bool = Field(False, description="router logs as one JSON object per line")
     prometheus_port: int | None = Field(None, ge=0, lt=65536, description="also serve /metrics on this port; "
                                         "unset: only on the HTTP port")
-    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
-                                      "http://collector:4318): a span per request; needs the SDK installed")
     api_key: SecretList = Field((), description="a client must send `Authorization: Bearer <key>` with one of "
                                 "these keys (repeat the flag; env: comma-separated); /health and /ready stay open")
     api_key_file: str | None = Field(None, description="file of API keys, one per line, read by the router at start")

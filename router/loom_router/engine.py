@@ -16,8 +16,9 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupResult
@@ -42,7 +43,11 @@ from loom_router.types import (
     ValidationError,
 )
 
+if TYPE_CHECKING:
+    from loom_router.tracing import RequestTracer
+
 log = logging.getLogger("loom.engine")
+_NO_SPAN = nullcontext()  # reusable: no allocation per step while tracing is off
 
 T = TypeVar("T")
 DRAIN_ABORT_TIMEOUT_S = 5.0
@@ -102,6 +107,7 @@ class Engine:
         # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
+        self.tracer: RequestTracer | None = None  # --otlp-endpoint: a `step` span around each step
         self.grammars = GrammarCompiler(tokenizer)
         self._masks = MaskFiller(self.grammars)
 
@@ -342,7 +348,8 @@ class Engine:
         (ShardDivergence) are fatal and propagate."""
         start = time.perf_counter()
         try:
-            result = await self.client.step(plan)
+            with self._step_span(plan):
+                result = await self.client.step(plan)
         except ShardDivergence:
             raise
         except Exception as err:
@@ -360,6 +367,12 @@ class Engine:
         self._counters.steps += 1
         self._observe_step(plan, time.perf_counter() - start, result)
         return result
+
+    def _step_span(self, plan: StepPlan) -> AbstractContextManager[None]:
+        if self.tracer is None:
+            return _NO_SPAN
+        seq_ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running_requests]
+        return self.tracer.step(plan, sorted({self._group_of(seq_id) for seq_id in seq_ids}))
 
     def _fail(self, group_id: int, error: GenerationError) -> None:
         active = self._active.pop(group_id, None)

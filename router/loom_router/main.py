@@ -40,6 +40,9 @@ async def serve(config: RouterConfig) -> int:
         await client.wait_ready(config.shard_ready_timeout)
         engine = Engine(config, client, tokenizer)
         tracer = configure_tracing(config.otlp_endpoint)
+        if tracer is not None:  # each step a span, its context sent to the shards
+            engine.tracer = tracer
+            client.trace_metadata = tracer.grpc_metadata
         metrics = RouterMetrics(engine.stats, tracer)
         app = create_app(engine, config, metrics, manage_engine=True)  # the engine starts before the port opens
         metrics_server = None

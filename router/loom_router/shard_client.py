@@ -37,6 +37,7 @@ HEALTH_TIMEOUT_S = 2.0
 DIVERGENCE_GRACE_S = 0.5  # every rank checks a plan before running it: a refusal is quick
 
 T = TypeVar("T")
+Metadata = tuple[tuple[str, str], ...]
 
 
 class ShardError(Exception):
@@ -76,9 +77,15 @@ class ShardClient:
             raise ValueError("ShardClient needs at least one shard socket")
         self.healthy_by_rank: list[bool] = []  # the last health check's answers
         self.last_step_ms_by_rank: list[float] = []  # the last step's wall time per rank, for the metrics
+        # --otlp-endpoint: the current span's trace context as call metadata (RequestTracer.grpc_metadata),
+        # sent with Step and the snapshot calls so that the shards' spans join the router's trace.
+        self.trace_metadata: Callable[[], Metadata | None] | None = None
         self._uds_paths = list(uds_paths)
         # Channels bind to the event loop they are made in: open them on first use.
         self._ranks: list[_Rank] | None = None
+
+    def _metadata(self) -> Metadata | None:
+        return None if self.trace_metadata is None else self.trace_metadata()
 
     @property
     def world_size(self) -> int:
@@ -168,11 +175,12 @@ class ShardClient:
         after the first failure (a rank stuck in a collective): that group cannot go on.
         """
         data = to_pb(plan).SerializeToString()
+        metadata = self._metadata()
 
         async def timed(r: _Rank) -> tuple[Any, float]:
             # Other ranks' replies stay undecoded bytes: their wall time is what the metrics get.
             start = time.perf_counter()
-            reply = await r.step(data)
+            reply = await r.step(data, metadata=metadata)
             return reply, (time.perf_counter() - start) * 1000.0
 
         ranks = self._all_ranks()
@@ -207,18 +215,24 @@ class ShardClient:
         """Each rank copies the blocks' KV and writes its part into the staging folder dir_name."""
         request = pb.SaveSnapshotRequest(dir_name=dir_name, block_ids=block_ids, token_ids=token_ids,
                                          tokenizer_hash=tokenizer_hash)
-        return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.SaveSnapshot(request))]
+        metadata = self._metadata()
+        replies = await self._on_all(lambda r: r.stub.SaveSnapshot(request, metadata=metadata))
+        return [snapshot_reply_from_pb(m) for m in replies]
 
     async def load_snapshot(self, dir_name: str, load_id: str, tokenizer_hash: str) -> list[SnapshotReply]:
         """Each rank reads and verifies its part, keeping its KV under load_id."""
         request = pb.LoadSnapshotRequest(dir_name=dir_name, load_id=load_id, tokenizer_hash=tokenizer_hash)
-        return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.LoadSnapshot(request))]
+        metadata = self._metadata()
+        replies = await self._on_all(lambda r: r.stub.LoadSnapshot(request, metadata=metadata))
+        return [snapshot_reply_from_pb(m) for m in replies]
 
     async def fill_snapshot(self, load_id: str, block_ids: Sequence[int],
                             block_indices: Sequence[int]) -> list[SnapshotReply]:
         """Each rank writes the loaded KV into the blocks (none: forgets it)."""
         request = pb.FillSnapshotRequest(load_id=load_id, block_ids=block_ids, block_indices=block_indices)
-        return [snapshot_reply_from_pb(m) for m in await self._on_all(lambda r: r.stub.FillSnapshot(request))]
+        metadata = self._metadata()
+        replies = await self._on_all(lambda r: r.stub.FillSnapshot(request, metadata=metadata))
+        return [snapshot_reply_from_pb(m) for m in replies]
 
     # ---- the snapshot folders: rank 0 handles them (the ranks share the directory) ----
 
@@ -227,7 +241,9 @@ class ShardClient:
         """Rank 0 writes the manifest and renames the staging folder to `name`."""
         request = pb.CommitSnapshotRequest(staging_name=staging_name, name=name, token_ids=token_ids,
                                            tokenizer_hash=tokenizer_hash)
-        return snapshot_reply_from_pb(await self._on_rank0(lambda r: r.stub.CommitSnapshot(request)))
+        metadata = self._metadata()
+        reply = await self._on_rank0(lambda r: r.stub.CommitSnapshot(request, metadata=metadata))
+        return snapshot_reply_from_pb(reply)
 
     async def list_snapshots(self, name: str = "") -> tuple[SnapshotReply, list[SnapshotEntry]]:
         """Every snapshot's manifest (or one, by name), each with its status."""

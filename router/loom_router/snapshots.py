@@ -18,6 +18,7 @@ import unicodedata
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 from urllib.parse import unquote_to_bytes
 
@@ -374,13 +375,19 @@ async def snapshot_action(name: str, action: Literal["save", "restore"], request
     try:
         service = _service(request)
         valid_name = validate_name(name_from_request(request))
-        if action == "restore":
-            return await service.restore(valid_name)
-        if body is None:
-            raise SnapshotHTTPError(422, "save needs a body with `inputs`, `messages` or `token_ids`", "validation")
-        return await service.save(valid_name, await _prompt_ids(get_state(request), body))
+        with _span(service, action, valid_name):  # the shards' snapshot spans are its children
+            if action == "restore":
+                return await service.restore(valid_name)
+            if body is None:
+                raise SnapshotHTTPError(422, "save needs a body with `inputs`, `messages` or `token_ids`", "validation")
+            return await service.save(valid_name, await _prompt_ids(get_state(request), body))
     except (SnapshotHTTPError, ShardError) as error:
         return _error(error)
+
+
+def _span(service: Snapshots, action: str, name: str) -> AbstractContextManager[object]:
+    tracer = service.engine.tracer
+    return nullcontext() if tracer is None else tracer.span(f"snapshot.{action}", {"loom.snapshot.name": name})
 
 
 async def delete_snapshot(name: str, request: Request) -> Any:

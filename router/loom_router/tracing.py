@@ -1,34 +1,43 @@
-"""Optional OpenTelemetry tracing (`--otlp-endpoint`): one span per finished request, with its
-queue and inference phases as child spans, exported over OTLP/HTTP. Router-side only: the
-shards' work shows as the inference phase. Nothing happens when the flag is unset, and the
-flag is ignored with a warning when the SDK is missing (`pip install 'loom-router[otel]'`)."""
+"""Optional OpenTelemetry tracing (`--otlp-endpoint`), exported over OTLP/HTTP.
+
+- A finished request is a `generate` span with its `queue` and `inference` phases as children,
+  timed after the fact (one trace per request).
+- Each engine step is a `step` span (one trace per step: a step serves many requests, a request
+  spans many steps). Its context goes to every shard rank as W3C `traceparent` gRPC metadata,
+  so each rank's `shard.step` span (loom_shard.tracing) is its child. The requests it served are
+  its `loom.request_ids` attribute, the ids their `generate` spans carry as `request_id`.
+
+Nothing happens when the flag is unset, and the flag is ignored with a warning when the SDK is
+missing (`pip install 'loom-router[otel]'`)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from loom_proto.step import StepPlan
+from loom_proto.tracing import ATTR_REQUEST_IDS, ROUTER_STEP_SPAN, StepCounts, traces_url
 from loom_router.request_log import RequestSummary
 from loom_router.tgi_metrics import RequestTimes
 
 log = logging.getLogger("loom.tracing")
-TRACES_PATH = "/v1/traces"
+Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata
 
-
-def traces_url(endpoint: str) -> str:
-    """`http://collector:4318` -> `http://collector:4318/v1/traces` (a full URL stays)."""
-    endpoint = endpoint.rstrip("/")
-    return endpoint if endpoint.endswith(TRACES_PATH) else endpoint + TRACES_PATH
+__all__ = ["Metadata", "RequestTracer", "configure_tracing", "traces_url"]
 
 
 class RequestTracer:
-    """Turns a finished request's timeline into spans, timed after the fact."""
+    """The router's spans: a finished request's timeline (after the fact) and each step (live,
+    the current span while the shards run it, so that `grpc_metadata` carries its context)."""
 
     def __init__(self, provider: Any) -> None:
-        from opentelemetry import trace
+        from opentelemetry import propagate, trace
 
         self._trace = trace
+        self._propagate = propagate
         self._provider = provider
         self._tracer = provider.get_tracer("loom_router")
 
@@ -49,6 +58,25 @@ class RequestTracer:
         if summary.finish_reason in ("error", "cancelled"):
             span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, summary.finish_reason))
         span.end(end_time=wall_ns(times.end))
+
+    @contextmanager
+    def step(self, plan: StepPlan, request_ids: list[int]) -> Iterator[None]:
+        """The `step` span around one step on the shards; an exception marks it failed."""
+        attributes: dict[str, Any] = {ATTR_REQUEST_IDS: request_ids, **StepCounts.of(plan).attributes()}
+        with self._tracer.start_as_current_span(ROUTER_STEP_SPAN, attributes=attributes):
+            yield
+
+    def span(self, name: str, attributes: dict[str, Any]) -> AbstractContextManager[object]:
+        """A live span, current in its body (an exception marks it failed): the router's side of
+        an operation whose shard calls carry its context (snapshot save / restore)."""
+        return self._tracer.start_as_current_span(name, attributes=attributes)
+
+    def grpc_metadata(self) -> Metadata | None:
+        """The current span's context as gRPC metadata (W3C `traceparent`, through the global
+        propagator, as the shards extract it); None outside a span."""
+        carrier: dict[str, str] = {}
+        self._propagate.inject(carrier)
+        return tuple(carrier.items()) or None
 
     def shutdown(self) -> None:
         """Exports what is still buffered."""

@@ -42,6 +42,7 @@ from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
 from loom_shard.sampler import Sample, SeqSamplingState, sample
+from loom_shard.tracing import StepPhases
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
 
@@ -193,8 +194,9 @@ class ModelRunner:
         self.requests.clear()
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> StepResult:
-        """Run one plan. Raises ValueError (touching nothing) when the plan is inconsistent."""
+    def step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult:
+        """Run one plan. Raises ValueError (touching nothing) when the plan is inconsistent.
+        `phases` (tracing on) receives the instants of the step's phases."""
         start = time.perf_counter()
         kv = self._require_cache()
         PlanCheck(self.requests, kv, self.model.config.vocab_size).validate(plan)
@@ -203,8 +205,10 @@ class ModelRunner:
         kv.swap_in(plan.swap_in)
         scheduled = self._admit(plan)
         forward_start = time.perf_counter()
-        outputs = self._execute(scheduled, plan.allowed_token_masks) if scheduled else []
+        outputs = self._execute(scheduled, plan.allowed_token_masks, phases) if scheduled else []
         end = time.perf_counter()
+        if phases is not None:
+            phases.start, phases.forward_start, phases.end = start, forward_start, end
         return StepResult(outputs, forward_ms=(end - forward_start) * 1e3, total_ms=(end - start) * 1e3)
 
     def _require_cache(self) -> PagedKVCache:
@@ -236,11 +240,14 @@ class ModelRunner:
         self.requests[new.request_id] = state
         return state
 
-    def _execute(self, scheduled: list[_Scheduled], masks: dict[int, bytes]) -> list[SeqOutput]:
+    def _execute(self, scheduled: list[_Scheduled], masks: dict[int, bytes],
+                 phases: StepPhases | None = None) -> list[SeqOutput]:
         input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
         hidden = self._forward(input_ids, [s.span for s in scheduled])
         rows, sample_rows, logprob_rows = _logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
+        if phases is not None:
+            self._mark_sampling(phases)
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
         samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing], masks)
@@ -253,6 +260,13 @@ class ModelRunner:
         for (i, s), smp in zip(finishing, samples):
             s.state.token_ids.append(smp.token_id)
         return outputs + fork_outputs
+
+    def _mark_sampling(self, phases: StepPhases) -> None:
+        """Where the forward ends and sampling begins; on CUDA only after the forward's kernels
+        finished (one sync more per step, with tracing on only), so that the spans are true."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        phases.sample_start = time.perf_counter()
 
     def _forward(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager."""

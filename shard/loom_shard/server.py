@@ -24,6 +24,7 @@ from loom_proto.config import ShardConfig
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_shard.snapshot import PartStore, clean_leftovers
+from loom_shard.tracing import ShardTracer, StepPhases, configure_tracing
 
 log = logging.getLogger("loom_shard.server")
 
@@ -44,7 +45,7 @@ class Runner(Protocol):
 
     def info(self) -> ModelInfo: ...
     def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult: ...
-    def step(self, plan: StepPlan) -> StepResult: ...
+    def step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult: ...
     def release(self, request_ids: list[int]) -> None: ...
     def clear(self) -> None: ...
     def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]: ...
@@ -66,8 +67,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     """
 
     def __init__(self, runner: Runner, snapshot_dir: str | None = None,
-                 worker: ThreadPoolExecutor | None = None) -> None:
+                 worker: ThreadPoolExecutor | None = None, tracer: ShardTracer | None = None) -> None:
         self._runner = runner
+        self._tracer = tracer  # --otlp-endpoint; None: untraced
         self._worker = worker or new_worker()
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
         info = runner.info()
@@ -106,8 +108,16 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         return to_pb(result)
 
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
-        result = await self._on_worker(context, self._runner.step, from_pb(request))
+        if self._tracer is None:
+            result = await self._on_worker(context, self._runner.step, from_pb(request))
+        else:
+            result = await self._traced_step(self._tracer, from_pb(request), context)
         return to_pb(result)
+
+    async def _traced_step(self, tracer: ShardTracer, plan: StepPlan,
+                           context: grpc.aio.ServicerContext) -> StepResult:
+        with tracer.step(context.invocation_metadata(), plan) as phases:
+            return await self._on_worker(context, self._runner.step, plan, phases)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         await self._on_worker(context, self._runner.release, list(request.request_ids))
@@ -124,7 +134,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def SaveSnapshot(
         self, request: pb.SaveSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveSnapshotResponse:
-        reply = await _snapshot_call("SaveSnapshot", self._save(request))
+        reply = await self._snapshot_call("SaveSnapshot", self._save(request), context)
         return pb.SaveSnapshotResponse(
             status=snapshot_status_to_pb(reply.status), message=reply.message, num_bytes=reply.num_bytes
         )
@@ -132,7 +142,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def LoadSnapshot(
         self, request: pb.LoadSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadSnapshotResponse:
-        reply = await _snapshot_call("LoadSnapshot", self._load(request))
+        reply = await self._snapshot_call("LoadSnapshot", self._load(request), context)
         return pb.LoadSnapshotResponse(
             status=snapshot_status_to_pb(reply.status), message=reply.message,
             token_ids=reply.token_ids, num_bytes=reply.num_bytes,
@@ -141,13 +151,13 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def FillSnapshot(
         self, request: pb.FillSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.FillSnapshotResponse:
-        reply = await _snapshot_call("FillSnapshot", self._fill(request))
+        reply = await self._snapshot_call("FillSnapshot", self._fill(request), context)
         return pb.FillSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message)
 
     async def CommitSnapshot(
         self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitSnapshotResponse:
-        reply = await _snapshot_call("CommitSnapshot", self._commit(request))
+        reply = await self._snapshot_call("CommitSnapshot", self._commit(request), context)
         return pb.CommitSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message,
                                          num_bytes=reply.num_bytes)
 
@@ -174,6 +184,12 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         reply = await _snapshot_call("DeleteSnapshot", run())
         return pb.DeleteSnapshotResponse(status=snapshot_status_to_pb(reply.status), message=reply.message,
                                          token_ids=reply.token_ids)
+
+    async def _snapshot_call(self, rpc: str, call: Awaitable[SnapshotReply],
+                             context: grpc.aio.ServicerContext) -> SnapshotReply:
+        if self._tracer is None:
+            return await _snapshot_call(rpc, call)
+        return await self._tracer.snapshot(rpc, context.invocation_metadata(), _snapshot_call(rpc, call))
 
     async def _run(self, executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
@@ -243,11 +259,12 @@ def new_worker() -> ThreadPoolExecutor:
 
 
 async def start_server(
-    runner: Runner, uds_path: str, snapshot_dir: str | None = None, worker: ThreadPoolExecutor | None = None
+    runner: Runner, uds_path: str, snapshot_dir: str | None = None, worker: ThreadPoolExecutor | None = None,
+    tracer: ShardTracer | None = None,
 ) -> tuple[grpc.aio.Server, ShardServicer]:
     """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    servicer = ShardServicer(runner, snapshot_dir, worker)
+    servicer = ShardServicer(runner, snapshot_dir, worker, tracer)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     try:
         server.add_insecure_port(f"unix://{uds_path}")
@@ -267,12 +284,15 @@ async def serve(runner: Runner, config: ShardConfig, worker: ThreadPoolExecutor 
         Path(config.snapshot_dir).mkdir(parents=True, exist_ok=True)
         if config.rank == 0:
             clean_leftovers(Path(config.snapshot_dir))  # staging and trash folders of a crash
-    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker)
+    tracer = configure_tracing(config.otlp_endpoint, config.rank)
+    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker, tracer)
     print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
     await stop.wait()
     log.info("stopping rank %d", config.rank)
     await server.stop(STOP_GRACE_S)
     servicer.close()
+    if tracer is not None:
+        await asyncio.to_thread(tracer.shutdown)  # the last spans
 
 
 def parse_config(argv: Sequence[str] | None = None) -> ShardConfig:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, TokenLogprob, WarmupResult
+from loom_shard.tracing import StepPhases
 
 BLOCK_SIZE = 4
 
@@ -26,6 +27,7 @@ class FakeRunner:
     num_clears: int = 0
     warmup_args: tuple[int, int | None] | None = None
     max_concurrent_steps: int = 0
+    traced_steps: int = 0  # steps given a StepPhases (the shard's tracing on)
     _active: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -41,7 +43,8 @@ class FakeRunner:
         # Ranks differ so the client's "smallest pool wins" shows.
         return WarmupResult(num_blocks=64 - 8 * self.rank, num_host_blocks=16 + self.rank, block_size=BLOCK_SIZE)
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult:
+        start = time.perf_counter()
         with self._lock:
             self._active += 1
             self.max_concurrent_steps = max(self.max_concurrent_steps, self._active)
@@ -51,6 +54,10 @@ class FakeRunner:
                 error, self.fail_with = self.fail_with, None
                 raise error
             time.sleep(self.step_delay_s)
+            if phases is not None:  # the "forward" is the sleep; no sampling time
+                self.traced_steps += 1
+                phases.start, phases.forward_start = start, start
+                phases.sample_start = phases.end = time.perf_counter()
             return StepResult(outputs=self._outputs(plan), forward_ms=1.5 + self.rank, total_ms=2.5 + self.rank)
         finally:
             with self._lock:
