@@ -7,6 +7,7 @@ import pytest
 from api_fakes import WORDS, FakeShardClient
 
 from loom_router.tokenizer import Tokenizer, load_tokenizer
+from tests.otlp_collector import collector  # noqa: F401 (a fixture: the stand-in OTLP collector)
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -31,31 +29,10 @@ from loom_router.tracing import configure_tracing, traces_url
 from loom_shard.server import ShardServicer, start_server
 from loom_shard.tracing import ShardTracer
 from loom_shard.tracing import configure_tracing as configure_shard_tracing
+from tests.otlp_collector import Collector, attrs, by_name, exported_spans
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra is part of the test extras")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
-
-
-@pytest.fixture
-def collector() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    received: list[tuple[str, bytes]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            received.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", received
-    server.shutdown()
-    server.server_close()
 
 
 def test_traces_url() -> None:
@@ -63,7 +40,7 @@ def test_traces_url() -> None:
     assert configure_tracing(None) is None
 
 
-async def test_a_request_is_exported_as_spans(collector: tuple[str, list[tuple[str, bytes]]],
+async def test_a_request_is_exported_as_spans(collector: Collector,
                                               backend: FakeShardClient, tokenizer: Tokenizer) -> None:  # noqa: F811
     url, received = collector
     tracer = configure_tracing(url)
@@ -80,12 +57,12 @@ async def test_a_request_is_exported_as_spans(collector: tuple[str, list[tuple[s
     assert [path for path, _ in received] == ["/v1/traces"]
     export = ExportTraceServiceRequest.FromString(received[0][1])
     spans = [span for rs in export.resource_spans for ss in rs.scope_spans for span in ss.spans]
-    by_name = {span.name: span for span in spans}
-    assert set(by_name) == {"generate", "queue", "inference"}
-    root = by_name["generate"]
-    assert by_name["queue"].parent_span_id == by_name["inference"].parent_span_id == root.span_id
-    assert root.start_time_unix_nano <= by_name["queue"].start_time_unix_nano
-    assert by_name["inference"].end_time_unix_nano == root.end_time_unix_nano
+    named = {span.name: span for span in spans}
+    assert set(named) == {"generate", "queue", "inference"}
+    root = named["generate"]
+    assert named["queue"].parent_span_id == named["inference"].parent_span_id == root.span_id
+    assert root.start_time_unix_nano <= named["queue"].start_time_unix_nano
+    assert named["inference"].end_time_unix_nano == root.end_time_unix_nano
     attributes = {a.key: a.value for a in root.attributes}
     assert attributes["num_generated_tokens"].int_value == 3
     assert attributes["finish_reason"].string_value == "length"
@@ -94,26 +71,6 @@ async def test_a_request_is_exported_as_spans(collector: tuple[str, list[tuple[s
 
 
 # ---- a real shard process (the embedded model on CPU) behind the real router ----
-
-Collector = tuple[str, list[tuple[str, bytes]]]
-
-
-def exported_spans(received: list[tuple[str, bytes]]) -> list[tuple[str, Any]]:
-    """(service.name, span) of everything the collector got."""
-    spans = []
-    for _, body in received:
-        for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
-            service = {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"]
-            spans += [(service, span) for ss in rs.scope_spans for span in ss.spans]
-    return spans
-
-
-def attrs(span: Any) -> dict[str, Any]:
-    def value(v: Any) -> Any:
-        kind = v.WhichOneof("value")
-        return [value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
-    return {a.key: value(a.value) for a in span.attributes}
-
 
 def start_shard(socket: Path, snapshot_dir: Path, *flags: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
@@ -184,12 +141,11 @@ async def test_a_real_shards_spans_are_children_of_the_routers_spans(
 
 
 def check_spans(exported: list[tuple[str, Any]]) -> None:
-    by_name: dict[str, list[Any]] = {}
     for service, span in exported:
         assert service == ("loom-shard" if span.name.startswith("shard.") else "loom-router"), span.name
-        by_name.setdefault(span.name, []).append(span)
-    router_steps = {span.span_id: span for span in by_name["step"]}
-    shard_steps = {span.span_id: span for span in by_name["shard.step"]}
+    spans = by_name(exported)
+    router_steps = {span.span_id: span for span in spans["step"]}
+    shard_steps = {span.span_id: span for span in spans["shard.step"]}
     # Every step reached the shard, as the child of the router's step span, in its trace.
     assert len(shard_steps) == len(router_steps) >= 3
     for span in shard_steps.values():
@@ -200,7 +156,7 @@ def check_spans(exported: list[tuple[str, Any]]) -> None:
         assert shard.pop("loom.rank") == 0
         assert shard == {k: v for k, v in router.items() if k != "loom.request_ids"}
     # The request's steps name it: its prefill, then one decode token per step.
-    (generate,) = by_name["generate"]
+    (generate,) = spans["generate"]
     request_id = attrs(generate)["request_id"]
     served = [attrs(s) for s in sorted(router_steps.values(), key=lambda s: s.start_time_unix_nano)
               if request_id in attrs(s)["loom.request_ids"]]
@@ -208,17 +164,17 @@ def check_spans(exported: list[tuple[str, Any]]) -> None:
     assert [step["loom.decode_tokens"] for step in served[1:]] == [1, 1]
     # The phases are children of the shard's step; every step that computed has a forward.
     for name in ("shard.prepare", "shard.forward", "shard.sample"):
-        for span in by_name[name]:
+        for span in spans[name]:
             assert shard_steps[span.parent_span_id].trace_id == span.trace_id
     computing = [s for s in shard_steps.values() if attrs(s)["loom.num_sequences"] > 0]
-    assert len(by_name["shard.forward"]) == len(by_name["shard.sample"]) == len(computing)
-    assert len(by_name["shard.prepare"]) == len(shard_steps)
+    assert len(spans["shard.forward"]) == len(spans["shard.sample"]) == len(computing)
+    assert len(spans["shard.prepare"]) == len(shard_steps)
     # Snapshot spans on the shard are children of the router's save / restore spans.
-    (save,), (restore,) = by_name["snapshot.save"], by_name["snapshot.restore"]
+    (save,), (restore,) = spans["snapshot.save"], spans["snapshot.restore"]
     for name, parent in [("shard.snapshot.save", save), ("shard.snapshot.commit", save),
                          ("shard.snapshot.load", restore), ("shard.snapshot.fill", restore)]:
-        assert by_name[name], name
-        for span in by_name[name]:
+        assert spans[name], name
+        for span in spans[name]:
             assert (span.trace_id, span.parent_span_id) == (parent.trace_id, parent.span_id), name
             assert attrs(span)["loom.snapshot.status"] == "ok"
 
@@ -250,9 +206,7 @@ async def test_the_step_context_crosses_grpc(collector: Collector, tmp_path: Pat
     router_tracer.shutdown()
     shard_tracer.shutdown()
     assert runner.traced_steps == 2
-    spans = {}
-    for _, span in exported_spans(received):
-        spans.setdefault(span.name, []).append(span)
+    spans = by_name(exported_spans(received))
     (router_step,) = spans["step"]
     child, root = sorted(spans["shard.step"], key=lambda s: s.start_time_unix_nano)
     assert (child.trace_id, child.parent_span_id) == (router_step.trace_id, router_step.span_id)
