@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 from common import REPO, free_port, launcher, machine
+
 from loom_bench import datasets
 from loom_bench.backends import BACKENDS, BackendOptions
 from loom_bench.runner import Load, run_load
