@@ -78,6 +78,7 @@ class RotaryEmbedding(nn.Module):
         self._half_cos = torch.empty(0)  # float32 [length, head_dim // 2], the kernel's tables
         self._half_sin = torch.empty(0)
         self._initial_len = initial_len
+        self.use_kernel = True  # False: the torch path even where the kernel is built (A/B benches)
 
     def _freqs(self, length: int, device: torch.device) -> torch.Tensor:
         positions = torch.arange(length, dtype=torch.float32, device=device)
@@ -102,7 +103,7 @@ class RotaryEmbedding(nn.Module):
         max_position (known on the host) sizes the table without a device sync.
         """
         needed = max_position + 1
-        if positions.is_cpu and dtype in kernels.DTYPES and kernels.available():
+        if self.use_kernel and positions.is_cpu and dtype in kernels.DTYPES and kernels.available():
             if self._half_cos.shape[0] < needed:
                 self._build_half(max(needed, self._initial_len, 2 * self._half_cos.shape[0]))
             return KernelRope(positions.long(), self._half_cos, self._half_sin)

@@ -23,8 +23,9 @@ def _qkv(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _torch_path(rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    with mock.patch.object(rotary.kernels, "available", return_value=False):
-        gathered = rope.lookup(positions, int(positions.max()), x.dtype)
+    rope.use_kernel = False
+    gathered = rope.lookup(positions, int(positions.max()), x.dtype)
+    rope.use_kernel = True
     assert isinstance(gathered, GatheredRope)
     return gathered.apply(x)
 
@@ -73,6 +74,8 @@ def test_without_kernels_the_torch_path_is_unchanged() -> None:
         gathered = rope.lookup(positions, 6, torch.bfloat16)
     assert isinstance(gathered, GatheredRope)
     assert torch.equal(gathered.apply(qk), apply_rotary(qk, gathered.cos, gathered.signed_sin))
+    rope.use_kernel = False
+    assert isinstance(rope.lookup(positions, 6, torch.bfloat16), GatheredRope)
 
 
 def test_a_position_outside_the_table_is_refused() -> None:
