@@ -33,7 +33,7 @@ from loom_bench import datasets
 from loom_bench.backends import BACKENDS, BackendOptions
 from loom_bench.runner import Load, run_load
 from loom_bench.stats import summarize
-from loom_bench.versus import LOOM, PEER, Measure, Pair, render_table, render_verdicts, verdicts
+from loom_bench.versus import LOOM, PEER, Measure, Pair, render_table, render_verdicts, schedule, verdicts
 from loom_proto.embedded import embedded_model_path
 
 OUTPUT_LEN = 128
@@ -115,22 +115,18 @@ async def compare(args: argparse.Namespace, urls: dict[str, str]) -> tuple[list[
     for name, url in urls.items():  # first requests pay one-time costs (allocations, caches)
         await measure(url, run_requests(args, 1, WARMUP_SEED)[:2], 1, f"{name} warmup")
     pairs, log = [], []
-    for round_ in range(args.rounds):
-        for index, concurrency in enumerate(concurrencies):
-            seed = 1 + 1000 * round_ + concurrency  # fresh prompts per run, the same for both servers
-            order = [LOOM, PEER] if (round_ + index) % 2 == 0 else [PEER, LOOM]
-            measures = {}
-            for name in order:
-                load_before = os.getloadavg()[0]
-                summary = await measure(urls[name], run_requests(args, concurrency, seed), concurrency, name)
-                measures[name] = Measure.of(summary, concurrency, round_)
-                log.append({"server": name, "concurrency": concurrency, "round": round_,
-                            "load_avg_1m_before": load_before, "summary": summary.to_json()})
-                m = measures[name]
-                print(f"round {round_ + 1}/{args.rounds} concurrency {concurrency} {name}: "
-                      f"{m.output_tok_s:.1f} tok/s, TTFT p50 {m.ttft_p50_ms or 0:.0f} ms, "
-                      f"ITL p50 {m.itl_p50_ms or 0:.1f} ms, load avg before {load_before:.2f}", flush=True)
-            pairs.append(Pair(measures[LOOM], measures[PEER]))
+    for spec in schedule(concurrencies, args.rounds):
+        measures = {}
+        for name in spec.order:
+            load_before = os.getloadavg()[0]
+            summary = await measure(urls[name], run_requests(args, spec.concurrency, spec.seed), spec.concurrency, name)
+            measures[name] = m = Measure.of(summary, spec.concurrency, spec.round)
+            log.append({"server": name, "concurrency": spec.concurrency, "round": spec.round,
+                        "load_avg_1m_before": load_before, "summary": summary.to_json()})
+            print(f"round {spec.round + 1}/{args.rounds} concurrency {spec.concurrency} {name}: "
+                  f"{m.output_tok_s:.1f} tok/s, TTFT p50 {m.ttft_p50_ms or 0:.0f} ms, "
+                  f"ITL p50 {m.itl_p50_ms or 0:.1f} ms, load avg before {load_before:.2f}", flush=True)
+        pairs.append(Pair(measures[LOOM], measures[PEER]))
     return pairs, log
 
 

@@ -73,6 +73,29 @@ class Verdict:
     met: bool | None  # None: not measured (or a ratio was undefined)
 
 
+@dataclass(slots=True, frozen=True)
+class RunSpec:
+    """One (round, concurrency): its prompts' seed and which server goes first."""
+
+    round: int
+    concurrency: int
+    seed: int  # fresh prompts per run, the same for both servers of the run
+    order: tuple[str, str]
+
+
+def schedule(concurrencies: list[int], rounds: int) -> list[RunSpec]:
+    """Rounds of every concurrency, the servers' order alternating run by run (and round by
+    round, so each concurrency sees both orders over two rounds); every run's seed distinct."""
+    if len(set(concurrencies)) != len(concurrencies) or any(c < 1 for c in concurrencies) or rounds < 1:
+        raise ValueError("concurrencies must be distinct and positive, rounds at least 1")
+    specs = []
+    for round_ in range(rounds):
+        for index, concurrency in enumerate(concurrencies):
+            order = (LOOM, PEER) if (round_ + index) % 2 == 0 else (PEER, LOOM)
+            specs.append(RunSpec(round_, concurrency, 1 + round_ * (max(concurrencies) + 1) + concurrency, order))
+    return specs
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
+
+from loom_bench import datasets
 from loom_bench.backends import RequestResult
 from loom_bench.stats import summarize
-from loom_bench.versus import TARGETS, Measure, Pair, Target, render_table, span, verdicts
+from loom_bench.versus import (
+    LOOM,
+    PEER,
+    TARGETS,
+    Measure,
+    Pair,
+    Target,
+    render_table,
+    schedule,
+    span,
+    verdicts,
+)
 
 
 def _pair(concurrency: int, round_: int, loom: tuple[float, float, float], peer: tuple[float, float, float]) -> Pair:
@@ -61,3 +75,19 @@ def test_measure_takes_throughput_and_medians_from_a_summary() -> None:
     assert (measure.concurrency, measure.round, measure.failed) == (8, 1, 0)
     assert measure.output_tok_s == 5.0  # 10 tokens in 2 s
     assert abs(measure.ttft_p50_ms - 200.0) < 1e-9 and abs(measure.itl_p50_ms - 20.0) < 1e-9
+
+
+def test_schedule_alternates_the_servers_and_never_repeats_prompts() -> None:
+    specs = schedule([1, 8, 32], rounds=2)
+    assert [(s.round, s.concurrency) for s in specs] == [(0, 1), (0, 8), (0, 32), (1, 1), (1, 8), (1, 32)]
+    assert [s.order[0] for s in specs] == [LOOM, PEER, LOOM, PEER, LOOM, PEER]
+    for concurrency in (1, 8, 32):  # over two rounds each concurrency sees both orders
+        assert {s.order for s in specs if s.concurrency == concurrency} == {(LOOM, PEER), (PEER, LOOM)}
+    prompts = [r.prompt for s in specs for r in datasets.random_requests(2 * s.concurrency, 150, 128, 0.0, s.seed)]
+    assert len(set(prompts)) == len(prompts)
+
+
+def test_schedule_refuses_what_it_cannot_pair() -> None:
+    for concurrencies, rounds in (([1, 1], 2), ([0], 1), ([1], 0)):
+        with pytest.raises(ValueError):
+            schedule(concurrencies, rounds)
