@@ -85,14 +85,23 @@ def _healthy(url: str) -> bool:
     return False
 
 
-def versions(binary: Path, loom_url: str) -> dict[str, str]:
-    peer = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    peer_version = " ".join(line for line in (peer.stdout + peer.stderr).splitlines() if "version" in line)
+def peer_version(binary: Path) -> str:
+    """llama-server's `--version` line; exits saying why when the binary cannot run."""
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as error:
+        sys.exit(f"bench_vs_llamacpp: cannot run {binary}: {error}")
+    output = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        sys.exit(f"bench_vs_llamacpp: `{binary} --version` failed ({done.returncode}): {output[-500:]}")
+    return " ".join(line for line in output.splitlines() if "version" in line).strip()
+
+
+def loom_version(loom_url: str) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     info = httpx.get(f"{loom_url}/info", timeout=10).json()
-    loom = f"commit {commit.stdout.strip()}, " + ", ".join(
+    return f"commit {commit.stdout.strip()}, " + ", ".join(
         f"{k} {info[k]}" for k in ("version", "model_dtype", "model_device_type") if k in info)
-    return {PEER: peer_version.strip(), LOOM: loom}
 
 
 def run_requests(args: argparse.Namespace, concurrency: int, seed: int) -> list[datasets.BenchRequest]:
@@ -133,10 +142,11 @@ async def compare(args: argparse.Namespace, urls: dict[str, str]) -> tuple[list[
 def main() -> int:
     args = build_parser().parse_args()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    server_versions = {PEER: peer_version(args.llama_server)}
     with llama_server(args.llama_server, args.peer_args.split()) as peer_url, \
             launcher(*args.loom_args.split()) as loom_url:
         urls = {LOOM: loom_url, PEER: peer_url}
-        server_versions = versions(args.llama_server, loom_url)
+        server_versions[LOOM] = loom_version(loom_url)
         pairs, log = asyncio.run(compare(args, urls))
     table, checks = render_table(pairs), verdicts(pairs)
     print(f"\n{started}; {machine()}; load average after {os.getloadavg()}")
