@@ -12,7 +12,7 @@ from torch import nn
 from loom_shard.attention import AttentionMetadata, paged_attention
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.norm import RMSNorm
-from loom_shard.layers.rotary import RotaryEmbedding, apply_rotary
+from loom_shard.layers.rotary import Rope, RotaryEmbedding
 from loom_shard.model_config import ModelConfig
 
 
@@ -27,12 +27,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: Rope, kv_layer: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :num_qk_heads], *rope)  # [num_tokens, heads + kv_heads, head_dim]
+        qk = rope.apply(qkv[:, :num_qk_heads])  # [num_tokens, heads + kv_heads, head_dim]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads:]
         return self.o_proj(paged_attention(q, k, v, kv_layer, meta))
@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: Rope, kv_layer: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
