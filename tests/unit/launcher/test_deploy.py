@@ -106,7 +106,9 @@ def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
         assert 'ENTRYPOINT ["loom-launcher"]' in text and "EXPOSE 3000" in text
         for component in ("proto", "router", "shard", "launcher"):
             assert f"COPY {component} ./{component}" in text and f"./{component}" in text.split("pip install", 2)[2]
+        assert '"./router[otel]" "./shard[otel]"' in text, "--otlp-endpoint needs the SDK in the image"
     router_only = (DEPLOY / "Dockerfile.router").read_text()
+    assert '"./router[otel]"' in router_only
     assert "torch" not in router_only.split("FROM", 1)[1].replace("without torch", "")
     assert 'ENTRYPOINT ["loom-router"]' in router_only
 
