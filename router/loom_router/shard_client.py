@@ -37,7 +37,7 @@ HEALTH_TIMEOUT_S = 2.0
 DIVERGENCE_GRACE_S = 0.5  # every rank checks a plan before running it: a refusal is quick
 
 T = TypeVar("T")
-Metadata = tuple[tuple[str, str], ...]
+Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata (the trace context)
 
 
 class ShardError(Exception):

@@ -21,10 +21,10 @@ from typing import Any
 from loom_proto.step import StepPlan
 from loom_proto.tracing import ATTR_REQUEST_IDS, ROUTER_STEP_SPAN, StepCounts, traces_url
 from loom_router.request_log import RequestSummary
+from loom_router.shard_client import Metadata
 from loom_router.tgi_metrics import RequestTimes
 
 log = logging.getLogger("loom.tracing")
-Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata
 
 __all__ = ["Metadata", "RequestTracer", "configure_tracing", "traces_url"]
 
