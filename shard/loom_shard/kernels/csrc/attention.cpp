@@ -78,6 +78,27 @@ void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry&
   });
 }
 
+// Every key a task reads must lie in the cache: a wrong table is an error, never a stray read.
+void check_tables(const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& num_cached,
+                  int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* cached = num_cached.data_ptr<int32_t>();
+  const int64_t num_seqs = num_cached.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens, "paged_attention: query_starts must run from 0 to num_tokens");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = starts[s + 1] - starts[s];
+    TORCH_CHECK(len >= 0 && cached[s] >= 0, "paged_attention: sequence ", s, " has a negative length");
+    if (len == 0) continue;
+    const int64_t last_block = (cached[s] + len - 1) / block_size;
+    TORCH_CHECK(last_block < max_blocks, "paged_attention: sequence ", s, " reaches past its block table");
+    for (int64_t b = 0; b <= last_block; ++b) {
+      const int32_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention: block ", block, " out of range");
+    }
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& query_starts, const at::Tensor& num_cached) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [tokens, heads, head_dim] on CPU");
@@ -90,6 +111,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   const int64_t num_seqs = num_cached.size(0);
   TORCH_CHECK(query_starts.size(0) == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "paged_attention: table shapes disagree");
+  TORCH_CHECK(kv_layer.size(4) > 0 && kv_layer.size(3) > 0, "paged_attention: empty heads");
+  check_tables(block_tables, query_starts, num_cached, q.size(0), kv_layer.size(1), kv_layer.size(2));
   const at::Tensor qc = q.contiguous();
   Geometry g{};
   g.num_heads = q.size(1);
