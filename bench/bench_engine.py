@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.attention_backend import TorchBackend
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
@@ -135,6 +136,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--random-model", action="store_true")
+    parser.add_argument("--attention", nargs="+", default=["default"], choices=["default", "torch"],
+                        help="CPU attention backends to A/B, interleaved (default: select_backend's choice)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each line prints its min")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
@@ -146,15 +150,28 @@ def main() -> None:
     num_blocks = max(args.batches) * -(-(300 + 64) // BLOCK_SIZE) + 64
     for dtype in args.dtypes:
         runner = make_runner(model, dtype, num_blocks)
-        prefill_ms, prefill_cpu_ms = bench_prefill(runner, 512, repeats=2)
-        print(f"{dtype:9s} prefill 512 tokens: {prefill_ms:7.1f} ms = {512 / prefill_ms * 1e3:7.0f} tokens/s "
-              f"(cpu {prefill_cpu_ms:7.1f} ms = {512 / prefill_cpu_ms * 1e3:7.0f} tokens/s)")
-        for batch in args.batches:
-            r = bench_decode(runner, batch, num_steps=max(8, 32 // batch))
-            print(f"{dtype:9s} decode batch {batch:3d}: {r.step_ms:7.2f} ms/step = {1e3 / r.step_ms:6.1f} steps/s, "
-                  f"{r.tokens_per_s:7.1f} tokens/s (cpu {r.cpu_ms:7.2f} ms/step = {r.batch / r.cpu_ms * 1e3:7.1f} tokens/s)")
+        backends = {name: runner.attention if name == "default" else TorchBackend(runner.device) for name in args.attention}
+        prefill: dict[str, tuple[float, float]] = {}
+        decode: dict[tuple[str, int], DecodeResult] = {}
+        for _ in range(args.rounds):  # interleaved A/B, min over rounds
+            for name, backend in backends.items():
+                runner.attention = backend
+                p = bench_prefill(runner, 512, repeats=2)
+                prefill[name] = min(prefill.get(name, p), p)
+                for batch in args.batches:
+                    r = bench_decode(runner, batch, num_steps=max(8, 32 // batch))
+                    if (name, batch) not in decode or r.step_ms < decode[name, batch].step_ms:
+                        decode[name, batch] = r
+        for name, backend in backends.items():
+            label = f"{dtype:9s} [{backend.kind.value}]"
+            prefill_ms, prefill_cpu_ms = prefill[name]
+            print(f"{label} prefill 512 tokens: {prefill_ms:7.1f} ms = {512 / prefill_ms * 1e3:7.0f} tokens/s "
+                  f"(cpu {prefill_cpu_ms:7.1f} ms = {512 / prefill_cpu_ms * 1e3:7.0f} tokens/s)")
+            for batch in args.batches:
+                r = decode[name, batch]
+                print(f"{label} decode batch {batch:3d}: {r.step_ms:7.2f} ms/step = {1e3 / r.step_ms:6.1f} steps/s, "
+                      f"{r.tokens_per_s:7.1f} tokens/s (cpu {r.cpu_ms:7.2f} ms/step = {r.batch / r.cpu_ms * 1e3:7.1f} tokens/s)")
         del runner
-
 
 if __name__ == "__main__":
     main()

@@ -90,7 +90,7 @@ class ModelRunner:
             keep_freed_memory_mapped()
         mc = self.model.config
         self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
-        self.attention = select_backend(self.device)
+        self.attention = select_backend(self.device, self.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs: DecodeGraphs | None = None  # captured with the KV cache (CUDA)
         self.requests: dict[int, RequestState] = {}
