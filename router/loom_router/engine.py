@@ -22,7 +22,8 @@ from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_router.engine_requests import RequestBook, _Active
 from loom_router.grammar import GrammarCompiler, MaskFiller
-from loom_router.request import SequenceGroup
+from loom_router.lookahead import AheadRole, InFlight, plan_ahead
+from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
 from loom_router.shard_client import ShardError
 from loom_router.stream import DONE, GenerationStream
@@ -81,6 +82,8 @@ class Engine(RequestBook):
         self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
         self.grammars = GrammarCompiler(tokenizer)
         self._masks = MaskFiller(self.grammars)
+        self._ahead_ids: set[int] = set()  # sequences in the step sent ahead (config.overlap_steps)
+        self._late: list[Sequence] = []  # finished, but in the step ahead: freed after its outputs
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -254,23 +257,35 @@ class Engine(RequestBook):
 
     async def _run(self) -> None:
         assert self.scheduler is not None
+        inflight: InFlight | None = None
+        ahead: InFlight | None = None
         try:
             while True:
-                self._apply_pending()
-                self._run_between_steps()
-                plan = self.scheduler.schedule()
-                if plan is None:
-                    self._wakeup.clear()
-                    if not (self._pending_adds or self._pending_aborts or self._between_steps):
-                        await self._wakeup.wait()
+                if inflight is None:
+                    self._apply_pending()
+                    self._run_between_steps()
+                    plan = self.scheduler.schedule()
+                    if plan is None:
+                        self._wakeup.clear()
+                        if not (self._pending_adds or self._pending_aborts or self._between_steps):
+                            await self._wakeup.wait()
+                        continue
+                    self._mark_scheduled(plan)
+                    self._masks.fill(plan, self._matcher_of)
+                    if not self.config.overlap_steps:
+                        self._take_outputs(plan, await self._step(plan), None)
+                        await asyncio.sleep(0)  # let handlers stream and requests arrive
+                        continue
+                    inflight = InFlight(plan, asyncio.ensure_future(self._call(plan)))
+                ahead = self._send_ahead(inflight.plan)
+                outcome = await inflight.task
+                if isinstance(outcome, Exception):
+                    await self._recover(inflight.plan, outcome, ahead)
+                    self._take_outputs(inflight.plan, None, None)
+                    inflight = ahead = None
                     continue
-                self._mark_scheduled(plan)
-                self._masks.fill(plan, self._matcher_of)
-                result = await self._step(plan)
-                if result is not None:
-                    for seq, out in self.scheduler.update(plan, result):
-                        self._postprocess(seq, out)
-                # Let handlers stream and new requests arrive even when the shard answers at once.
+                self._take_outputs(inflight.plan, outcome, ahead)
+                inflight, ahead = ahead, None
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
@@ -281,6 +296,42 @@ class Engine(RequestBook):
             if self.on_fatal is not None:
                 self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
             raise
+        finally:
+            for step in (inflight, ahead):
+                if step is not None:
+                    step.task.cancel()
+
+    def _send_ahead(self, plan: StepPlan) -> InFlight | None:
+        """Send the step after `plan` now, if it can be planned before plan's outputs (see lookahead)."""
+        if self._pending_adds or self._pending_aborts or self._between_steps:
+            return None  # they change what runs: apply them between two steps, as without lookahead
+        assert self.scheduler is not None
+        ahead = plan_ahead(self.scheduler, plan, self._ahead_role)
+        return InFlight(ahead, asyncio.ensure_future(self._call(ahead))) if ahead is not None else None
+
+    def _take_outputs(self, plan: StepPlan, result: StepResult | None, ahead: InFlight | None) -> None:
+        """Fold a step's outputs in. Sequences that finished one step earlier while already in
+        this step get no event for its extra token, and free their blocks only now."""
+        assert self.scheduler is not None
+        finishing, self._late = self._late, []
+        discard = {seq.seq_id for seq in finishing}
+        self._ahead_ids = ahead.seq_ids if ahead is not None else set()
+        if result is not None:
+            for seq, out in self.scheduler.update(plan, result):
+                if seq.seq_id not in discard:
+                    self._postprocess(seq, out)
+        for seq in finishing:
+            self.scheduler.finish(seq)
+
+    def _ahead_role(self, seq: Sequence) -> AheadRole:
+        active = self._active.get(seq.group.group_id)
+        if any(late is seq for late in self._late):
+            return AheadRole.SKIP  # finished; its step-late release is pending
+        if active is None or active.hold_blocks or active.matchers:
+            return AheadRole.BLOCK  # held blocks must not hold an extra token; grammars need each token
+        if seq.num_generated + 1 >= active.params.max_new_tokens:
+            return AheadRole.SKIP  # the step in flight samples its last token
+        return AheadRole.RUN
 
     def _apply_pending(self) -> None:
         assert self.scheduler is not None
@@ -314,6 +365,14 @@ class Engine(RequestBook):
         """One step on the shards. A failure fails the requests in it, not the server, and
         the scheduler rolls back what a later step would trust; ranks that diverged
         (ShardDivergence) are fatal and propagate."""
+        outcome = await self._call(plan)
+        if isinstance(outcome, Exception):
+            await self._recover(plan, outcome, None)
+            return None
+        return outcome
+
+    async def _call(self, plan: StepPlan) -> StepResult | Exception:
+        """Run plan on the shards; a failure comes back as a value (ShardDivergence propagates)."""
         start = time.perf_counter()
         try:
             result = await self.client.step(plan)
@@ -321,19 +380,29 @@ class Engine(RequestBook):
             raise
         except Exception as err:
             self._observe_step(plan, time.perf_counter() - start, None)
-            assert self.scheduler is not None
-            failed, requeued = self.scheduler.rollback(plan)
-            log.error("step failed: %s; failing requests %s", err, failed)
-            if requeued:
-                log.warning("requests %s were being swapped out by the failed step: they resume by "
-                            "recomputing their KV", requeued)
-            for group_id in failed:
-                self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
-            await self._check_shards_after(err)  # the streams got their error first
-            return None
+            return err
         self._counters.steps += 1
         self._observe_step(plan, time.perf_counter() - start, result)
         return result
+
+    async def _recover(self, plan: StepPlan, err: Exception, ahead: InFlight | None) -> None:
+        """Roll back a failed step. A step sent ahead of it ran on what the failed one left:
+        it is waited for (its blocks are freed only after it) and rolled back too."""
+        assert self.scheduler is not None
+        if ahead is not None:
+            await asyncio.wait([ahead.task])
+            if isinstance(ahead.task.exception(), ShardDivergence):
+                raise ahead.task.exception()  # type: ignore[misc]
+        failed, requeued = self.scheduler.rollback(plan)
+        if ahead is not None:
+            failed = sorted({*failed, *self.scheduler.rollback(ahead.plan)[0]})
+        log.error("step failed: %s; failing requests %s", err, failed)
+        if requeued:
+            log.warning("requests %s were being swapped out by the failed step: they resume by "
+                        "recomputing their KV", requeued)
+        for group_id in failed:
+            self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
+        await self._check_shards_after(err)  # the streams got their error first
 
     async def _check_shards_after(self, err: Exception) -> None:
         """A shard that is unreachable, or fails Health after a failed step, is down: new

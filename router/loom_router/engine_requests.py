@@ -69,6 +69,8 @@ class RequestBook:
     _between_steps: list[tuple[Callable[[Scheduler], object], asyncio.Future[object]]]
     _counters: EngineStats
     step_observers: list[Callable[[StepRecord], None]]
+    _ahead_ids: set[int]
+    _late: list[Sequence]
 
     def _new_text(self, prompt_ids: list[int], params: GenerationParams) -> _SeqText:
         return _SeqText(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
@@ -176,7 +178,10 @@ class RequestBook:
         held_table: list[int] = []
         if active.hold_blocks:  # the scheduler finishes a sequence that holds no blocks
             held_table, seq.block_table = seq.block_table, []
-        self.scheduler.finish(seq)
+        if seq.seq_id in self._ahead_ids:
+            self._late.append(seq)  # a step sent ahead still runs it: its blocks go after that step
+        else:
+            self.scheduler.finish(seq)
         if active.hold_blocks:
             seq.block_table = held_table  # freed by release_held
             active.stream.held = seq
