@@ -38,6 +38,7 @@ class Probe:
     max_in_flight: int = 0
     early_frees: list[str] = field(default_factory=list)
     sent_ahead: list[StepPlan] = field(default_factory=list)  # sent while another step ran
+    running: list[StepPlan] = field(default_factory=list)  # steps the shard has not answered yet
 
     def install(self) -> None:
         step = self.backend.step
@@ -47,14 +48,29 @@ class Probe:
                 self.sent_ahead.append(plan)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.running.append(plan)
             try:
                 await asyncio.sleep(0.002)  # the forward: the router may plan meanwhile
                 self._check_blocks(plan)
                 return await step(plan)
             finally:
                 self.in_flight -= 1
+                self.running.remove(plan)
 
         self.backend.step = probed  # type: ignore[method-assign]
+
+    def watch_frees(self) -> None:
+        """Freeing a sequence's blocks while a step that runs it is unanswered is too early."""
+        assert self.engine.scheduler is not None
+        blocks = self.engine.scheduler.block_manager
+        free = blocks.free
+
+        def checked(seq):  # noqa: ANN001, ANN202 (a Sequence)
+            if any(r.request_id == seq.seq_id for plan in self.running for r in plan.running_requests):
+                self.early_frees.append(f"sequence {seq.seq_id} freed while a step running it is unanswered")
+            free(seq)
+
+        blocks.free = checked  # type: ignore[method-assign]
 
     def _check_blocks(self, plan: StepPlan) -> None:
         assert self.engine.scheduler is not None
@@ -88,6 +104,7 @@ async def start(tokenizer: Tokenizer, overlap: bool, num_blocks: int = 256,
     probe = Probe(engine, backend)
     probe.install()
     await engine.start()
+    probe.watch_frees()
     return engine, backend, probe
 
 
