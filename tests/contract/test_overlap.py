@@ -39,6 +39,7 @@ class Probe:
     early_frees: list[str] = field(default_factory=list)
     sent_ahead: list[StepPlan] = field(default_factory=list)  # sent while another step ran
     running: list[StepPlan] = field(default_factory=list)  # steps the shard has not answered yet
+    shard_worker: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def install(self) -> None:
         step = self.backend.step
@@ -50,9 +51,10 @@ class Probe:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             self.running.append(plan)
             try:
-                await asyncio.sleep(0.002)  # the forward: the router may plan meanwhile
-                self._check_blocks(plan)
-                return await step(plan)
+                async with self.shard_worker:  # one step at a time, in arrival order, like the shard's
+                    await asyncio.sleep(0.005)  # the forward: the router takes the previous outputs meanwhile
+                    self._check_blocks(plan)
+                    return await step(plan)
             finally:
                 self.in_flight -= 1
                 self.running.remove(plan)
