@@ -1,10 +1,12 @@
 """Cost of the router + gRPC hop per decode step: full stack against the engine in-process.
 
-    python bench/bench_overhead.py [--batch 1 32] [--steps 48]
+    python bench/bench_overhead.py [--batch 1 32] [--steps 48] [--rounds 2] [--no-full-stack]
 
 - engine: `ModelRunner.step` in this process on a plan of `batch` decoding sequences.
 - router + gRPC: the router's `Engine` (scheduler, block manager, detokenizer, streams) in
-  this process driving a real `loom-shard` subprocess over its unix socket; no HTTP.
+  this process driving a real `loom-shard` subprocess over its unix socket; no HTTP. Measured
+  with --overlap-steps off and on, interleaved (off, on, off, on, ...: `--rounds` each), the
+  median of each mode's rounds reported.
 - full stack: `batch` concurrent streaming OpenAI completions (ignore_eos, greedy) through
   `loom-launcher`, read by an HTTP client on the same machine.
 Each is the median time between one sequence's tokens with all `batch` decoding. All run
@@ -80,10 +82,13 @@ async def full_stack_step_ms(url: str, batch: int, steps: int, vocab: int) -> fl
     return statistics.median(g for gs in gaps for g in gs) * 1000
 
 
-async def router_step_ms(uds: str, batches: list[int], steps: int, vocab: int) -> dict[int, float]:
-    """Median time between tokens with the router's engine driving a real shard over gRPC."""
+async def router_step_ms(uds: str, batches: list[int], steps: int, vocab: int, overlap: bool = False,
+                         tokens: dict | None = None) -> dict[int, float]:
+    """Median time between tokens with the router's engine driving a real shard over gRPC;
+    each request's token ids go into `tokens` by (overlap, max_new_tokens, i)."""
+    tokens = {} if tokens is None else tokens
     config = RouterConfig(model_id="", shard_uds_paths=(uds,), max_batch_prefill_tokens=512,
-                          max_batch_total_tokens=16384)
+                          max_batch_total_tokens=16384, overlap_steps=overlap)
     client = ShardClient([uds])
     await client.wait_ready(300)
     engine = Engine(config, client, load_tokenizer(""))
@@ -91,7 +96,10 @@ async def router_step_ms(uds: str, batches: list[int], steps: int, vocab: int) -
 
     async def one(i: int, max_new: int) -> list[float]:
         params = GenerationParams([SamplingParams(seed=i)], max_new_tokens=max_new, ignore_eos=True)
-        stamps = [time.perf_counter() async for _ in engine.submit(prompt_ids(i, vocab), params)]
+        stamps = []
+        async for event in engine.submit(prompt_ids(i, vocab), params):
+            stamps.append(time.perf_counter())
+            tokens.setdefault((overlap, max_new, i), []).append(event.token.token_id)
         return [b - a for a, b in zip(stamps, stamps[1:])][3:-3]
 
     await one(0, 8)  # warm up
@@ -104,7 +112,23 @@ async def router_step_ms(uds: str, batches: list[int], steps: int, vocab: int) -
     return result
 
 
-def with_shard(dtype: str, threads: int, fn) -> dict[int, float]:  # noqa: ANN001
+def interleaved(uds: str, batches: list[int], steps: int, vocab: int, rounds: int) -> dict[bool, dict[int, float]]:
+    """router_step_ms with overlap off and on, alternating; the median of each mode's rounds."""
+    runs: dict[bool, list[dict[int, float]]] = {False: [], True: []}
+    last: dict = {}
+    for _ in range(rounds):
+        for overlap in (False, True):
+            tokens: dict = {}
+            runs[overlap].append(asyncio.run(router_step_ms(uds, batches, steps, vocab, overlap, tokens)))
+            same = {key[1:]: ids for key, ids in tokens.items()}
+            if overlap:  # greedy: the same token ids with and without lookahead
+                assert same == last, "--overlap-steps changed the generated tokens"
+            last = same
+    print(f"token ids identical with --overlap-steps off and on: {rounds} rounds, {len(last)} requests each")
+    return {mode: {b: statistics.median(r[b] for r in rs) for b in batches} for mode, rs in runs.items()}
+
+
+def with_shard(dtype: str, threads: int, fn) -> dict:  # noqa: ANN001
     """Run fn(uds) against a `loom-shard` subprocess."""
     uds = tempfile.mktemp(prefix="loom-bench-")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -123,6 +147,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="overlap off/on rounds, interleaved")
+    parser.add_argument("--no-full-stack", action="store_true", help="skip the launcher measurement")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -134,20 +160,25 @@ def main() -> None:
     del runner
 
     routed = with_shard(dtype, args.threads,
-                        lambda uds: asyncio.run(router_step_ms(uds, args.batch, args.steps, vocab)))
+                        lambda uds: interleaved(uds, args.batch, args.steps, vocab, args.rounds))
 
-    flags = ["--num-threads", str(args.threads), "--max-batch-total-tokens", "16384", "--dtype", dtype]
-    with launcher(*flags) as url:
-        asyncio.run(full_stack_step_ms(url, 1, 8, vocab))  # warm up
-        stack = {b: asyncio.run(full_stack_step_ms(url, b, args.steps, vocab)) for b in args.batch}
+    stack: dict[int, float] = {}
+    if not args.no_full_stack:
+        flags = ["--num-threads", str(args.threads), "--max-batch-total-tokens", "16384", "--dtype", dtype]
+        with launcher(*flags) as url:
+            asyncio.run(full_stack_step_ms(url, 1, 8, vocab))  # warm up
+            stack = {b: asyncio.run(full_stack_step_ms(url, b, args.steps, vocab)) for b in args.batch}
 
-    print(f"machine: {machine()}; dtype {dtype}; {args.threads} threads; prompt {PROMPT_TOKENS} tokens")
-    print("| batch | engine ms | router + gRPC ms | overhead ms (%) | full stack ms | overhead ms (%) |")
-    print("|---|---|---|---|---|---|")
+    print(f"machine: {machine()}; dtype {dtype}; {args.threads} threads; prompt {PROMPT_TOKENS} tokens; "
+          f"{args.rounds} interleaved rounds")
+    print("| batch | engine ms | router + gRPC ms | overhead ms (%) | with --overlap-steps ms | overhead ms (%) "
+          "| full stack ms |")
+    print("|---|---|---|---|---|---|---|")
     for b in args.batch:
-        hop, full = routed[b] - local[b], stack[b] - local[b]
-        print(f"| {b} | {local[b]:.2f} | {routed[b]:.2f} | {hop:.2f} ({100 * hop / local[b]:.1f}) "
-              f"| {stack[b]:.2f} | {full:.2f} ({100 * full / local[b]:.1f}) |")
+        off, on = routed[False][b], routed[True][b]
+        full = f"{stack[b]:.2f}" if b in stack else "-"
+        print(f"| {b} | {local[b]:.2f} | {off:.2f} | {off - local[b]:.2f} ({100 * (off - local[b]) / local[b]:.1f}) "
+              f"| {on:.2f} | {on - local[b]:.2f} ({100 * (on - local[b]) / local[b]:.1f}) | {full} |")
 
 
 if __name__ == "__main__":

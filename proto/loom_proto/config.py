@@ -116,6 +116,9 @@ class RouterFlags(ModelFlags):
     stream_buffer_events: Positive = Field(
         1024, description="events a stream may queue for a client that reads slowly; past it the request "
         "is cancelled")
+    overlap_steps: bool = Field(
+        False, description="plan and send the next decode step while the shards compute the current one "
+        "(one step of lookahead; same tokens)")
 
     @field_validator("api_key", "cors_allow_origin", mode="before")
     @classmethod

@@ -325,16 +325,17 @@ class BlockManager:
         self._mark_pending(seq)
         return seq.num_computed
 
-    def num_slot_blocks(self, seq: Sequence) -> int:
-        """Blocks seq needs so its table covers every known token (the next step's writes)."""
-        return max(0, self.blocks_for(seq.num_tokens) - len(seq.block_table))
+    def num_slot_blocks(self, seq: Sequence, ahead: int = 0) -> int:
+        """Blocks seq needs so its table covers every known token (the next step's writes),
+        plus `ahead` tokens sampled by a step whose output the router has not seen yet."""
+        return max(0, self.blocks_for(seq.num_tokens + ahead) - len(seq.block_table))
 
     def can_append_slot(self, seq: Sequence) -> bool:
         return self.num_slot_blocks(seq) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence) -> list[int]:
-        """Grow seq's table to cover all its tokens; returns the new block ids (usually 0 or 1)."""
-        new_ids = [self._take_block() for _ in range(self.num_slot_blocks(seq))]
+    def append_slot(self, seq: Sequence, ahead: int = 0) -> list[int]:
+        """Grow seq's table to cover all its tokens (+ `ahead`); returns the new block ids (usually 0 or 1)."""
+        new_ids = [self._take_block() for _ in range(self.num_slot_blocks(seq, ahead))]
         seq.block_table.extend(new_ids)
         return new_ids
 

@@ -17,23 +17,20 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from loom_proto.config import RouterConfig
-from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, WarmupResult
-from loom_router.grammar import GrammarCompiler, MaskFiller, Matcher
+from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom_router.engine_requests import RequestBook, _Active
+from loom_router.grammar import GrammarCompiler, MaskFiller
+from loom_router.lookahead import AheadRole, InFlight, plan_ahead
 from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
 from loom_router.shard_client import ShardError
 from loom_router.stream import DONE, GenerationStream
-from loom_router.text import IncrementalDetokenizer, StopMatcher
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import (
-    ChoiceEvent,
     EngineStats,
-    FinishReason,
-    GeneratedToken,
     GenerationError,
     GenerationParams,
     OverloadedError,
@@ -62,28 +59,9 @@ class ShardBackend(Protocol):
     async def step(self, plan: StepPlan) -> StepResult: ...
 
 
-@dataclass(slots=True)
-class _SeqText:
-    """Per-sequence text state: detokenizer, stop matcher and its finish decision."""
+class Engine(RequestBook):
+    """The step loop, request admission and lifecycle; outputs are handled by RequestBook."""
 
-    detokenizer: IncrementalDetokenizer
-    stop: StopMatcher
-
-
-@dataclass(slots=True)
-class _Active:
-    group: SequenceGroup
-    params: GenerationParams
-    stream: GenerationStream
-    texts: dict[int, _SeqText]  # by seq_id
-    num_open: int  # choices not finished yet
-    arrival: float
-    prompt_logprobs: list[float | None]  # filled chunk by chunk when asked for
-    hold_blocks: bool = False  # keep the finished sequence's blocks (see GenerationStream.held)
-    matchers: dict[int, Matcher] = field(default_factory=dict)  # by seq_id, for constrained requests
-
-
-class Engine:
     def __init__(self, config: RouterConfig, client: ShardBackend, tokenizer: Tokenizer) -> None:
         self.config = config
         self.client = client
@@ -110,6 +88,8 @@ class Engine:
         self.tracer: RequestTracer | None = None  # --otlp-endpoint: a `step` span around each step
         self.grammars = GrammarCompiler(tokenizer)
         self._masks = MaskFiller(self.grammars)
+        self._ahead_ids: set[int] = set()  # sequences in the step sent ahead (config.overlap_steps)
+        self._late: list[Sequence] = []  # finished, but in the step ahead: freed after its outputs
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -279,30 +259,39 @@ class Engine:
         if seq is not None:
             self.run_between_steps(lambda scheduler: scheduler.block_manager.free(seq))
 
-    def _new_text(self, prompt_ids: list[int], params: GenerationParams) -> _SeqText:
-        return _SeqText(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
-
     # ---- the loop --------------------------------------------------------------------
 
     async def _run(self) -> None:
         assert self.scheduler is not None
+        inflight: InFlight | None = None
+        ahead: InFlight | None = None
         try:
             while True:
-                self._apply_pending()
-                self._run_between_steps()
-                plan = self.scheduler.schedule()
-                if plan is None:
-                    self._wakeup.clear()
-                    if not (self._pending_adds or self._pending_aborts or self._between_steps):
-                        await self._wakeup.wait()
+                if inflight is None:
+                    self._apply_pending()
+                    self._run_between_steps()
+                    plan = self.scheduler.schedule()
+                    if plan is None:
+                        self._wakeup.clear()
+                        if not (self._pending_adds or self._pending_aborts or self._between_steps):
+                            await self._wakeup.wait()
+                        continue
+                    self._mark_scheduled(plan)
+                    self._masks.fill(plan, self._matcher_of)
+                    if not self.config.overlap_steps:
+                        self._take_outputs(plan, await self._step(plan), None)
+                        await asyncio.sleep(0)  # let handlers stream and requests arrive
+                        continue
+                    inflight = InFlight(plan, asyncio.ensure_future(self._call(plan)))
+                ahead = self._send_ahead(inflight.plan)
+                outcome = await inflight.task
+                if isinstance(outcome, Exception):
+                    await self._recover(inflight.plan, outcome, ahead)
+                    self._take_outputs(inflight.plan, None, None)
+                    inflight = ahead = None
                     continue
-                self._mark_scheduled(plan)
-                self._masks.fill(plan, self._matcher_of)
-                result = await self._step(plan)
-                if result is not None:
-                    for seq, out in self.scheduler.update(plan, result):
-                        self._postprocess(seq, out)
-                # Let handlers stream and new requests arrive even when the shard answers at once.
+                self._take_outputs(inflight.plan, outcome, ahead)
+                inflight, ahead = ahead, None
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
@@ -313,6 +302,42 @@ class Engine:
             if self.on_fatal is not None:
                 self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
             raise
+        finally:
+            for step in (inflight, ahead):
+                if step is not None:
+                    step.task.cancel()
+
+    def _send_ahead(self, plan: StepPlan) -> InFlight | None:
+        """Send the step after `plan` now, if it can be planned before plan's outputs (see lookahead)."""
+        if self._pending_adds or self._pending_aborts or self._between_steps:
+            return None  # they change what runs: apply them between two steps, as without lookahead
+        assert self.scheduler is not None
+        ahead = plan_ahead(self.scheduler, plan, self._ahead_role)
+        return InFlight(ahead, asyncio.ensure_future(self._call(ahead))) if ahead is not None else None
+
+    def _take_outputs(self, plan: StepPlan, result: StepResult | None, ahead: InFlight | None) -> None:
+        """Fold a step's outputs in. Sequences that finished one step earlier while already in
+        this step get no event for its extra token, and free their blocks only now."""
+        assert self.scheduler is not None
+        finishing, self._late = self._late, []
+        discard = {seq.seq_id for seq in finishing}
+        self._ahead_ids = ahead.seq_ids if ahead is not None else set()
+        if result is not None:
+            for seq, out in self.scheduler.update(plan, result):
+                if seq.seq_id not in discard:
+                    self._postprocess(seq, out)
+        for seq in finishing:
+            self.scheduler.finish(seq)
+
+    def _ahead_role(self, seq: Sequence) -> AheadRole:
+        active = self._active.get(seq.group.group_id)
+        if any(late is seq for late in self._late):
+            return AheadRole.SKIP  # finished; its step-late release is pending
+        if active is None or active.hold_blocks or active.matchers:
+            return AheadRole.BLOCK  # held blocks must not hold an extra token; grammars need each token
+        if seq.num_generated + 1 >= active.params.max_new_tokens:
+            return AheadRole.SKIP  # the step in flight samples its last token
+        return AheadRole.RUN
 
     def _apply_pending(self) -> None:
         assert self.scheduler is not None
@@ -346,6 +371,14 @@ class Engine:
         """One step on the shards. A failure fails the requests in it, not the server, and
         the scheduler rolls back what a later step would trust; ranks that diverged
         (ShardDivergence) are fatal and propagate."""
+        outcome = await self._call(plan)
+        if isinstance(outcome, Exception):
+            await self._recover(plan, outcome, None)
+            return None
+        return outcome
+
+    async def _call(self, plan: StepPlan) -> StepResult | Exception:
+        """Run plan on the shards; a failure comes back as a value (ShardDivergence propagates)."""
         start = time.perf_counter()
         try:
             with self._step_span(plan):
@@ -354,16 +387,7 @@ class Engine:
             raise
         except Exception as err:
             self._observe_step(plan, time.perf_counter() - start, None)
-            assert self.scheduler is not None
-            failed, requeued = self.scheduler.rollback(plan)
-            log.error("step failed: %s; failing requests %s", err, failed)
-            if requeued:
-                log.warning("requests %s were being swapped out by the failed step: they resume by "
-                            "recomputing their KV", requeued)
-            for group_id in failed:
-                self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
-            await self._check_shards_after(err)  # the streams got their error first
-            return None
+            return err
         self._counters.steps += 1
         self._observe_step(plan, time.perf_counter() - start, result)
         return result
@@ -374,12 +398,24 @@ class Engine:
         seq_ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running_requests]
         return self.tracer.step(plan, sorted({self._group_of(seq_id) for seq_id in seq_ids}))
 
-    def _fail(self, group_id: int, error: GenerationError) -> None:
-        active = self._active.pop(group_id, None)
-        if active is not None:
-            active.stream.closed = True
-            active.stream.put(error)
-            self._count_finish("error", active)
+    async def _recover(self, plan: StepPlan, err: Exception, ahead: InFlight | None) -> None:
+        """Roll back a failed step. A step sent ahead of it ran on what the failed one left:
+        it is waited for (its blocks are freed only after it) and rolled back too."""
+        assert self.scheduler is not None
+        if ahead is not None:
+            await asyncio.wait([ahead.task])
+            if isinstance(ahead.task.exception(), ShardDivergence):
+                raise ahead.task.exception()  # type: ignore[misc]
+        failed, requeued = self.scheduler.rollback(plan)
+        if ahead is not None:
+            failed = sorted({*failed, *self.scheduler.rollback(ahead.plan)[0]})
+        log.error("step failed: %s; failing requests %s", err, failed)
+        if requeued:
+            log.warning("requests %s were being swapped out by the failed step: they resume by "
+                        "recomputing their KV", requeued)
+        for group_id in failed:
+            self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
+        await self._check_shards_after(err)  # the streams got their error first
 
     async def _check_shards_after(self, err: Exception) -> None:
         """A shard that is unreachable, or fails Health after a failed step, is down: new
@@ -395,160 +431,3 @@ class Engine:
             # Requests admitted meanwhile (and any still running) cannot run either: 503, not 424.
             self._abort_all(self.scheduler, UnavailableError(f"a shard is down ({err}); retry on another replica"))
 
-    def _mark_scheduled(self, plan: StepPlan) -> None:
-        """The first step that runs a request ends its queue time (TGI's queue duration)."""
-        now = time.perf_counter()
-        for new in plan.new_requests:
-            active = self._active.get(self._group_of(new.request_id))
-            if active is not None and active.stream.scheduled_at is None:
-                active.stream.scheduled_at = now
-
-    def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
-        if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
-            return
-        prefill = bool(plan.new_requests) or any(r.num_compute > 1 for r in plan.running_requests)
-        record = StepRecord(
-            method="prefill" if prefill else "decode", ok=result is not None, duration_s=duration_s,
-            forward_s=result.forward_ms / 1000.0 if result is not None else None,
-            rank_total_s=[ms / 1000.0 for ms in getattr(self.client, "last_step_ms_by_rank", [])] if result else [],
-        )
-        for observe in self.step_observers:
-            observe(record)
-
-    def _group_of(self, seq_id: int) -> int:
-        return seq_id // self.config.max_n
-
-    def _postprocess(self, seq: Sequence, out: SeqOutput) -> None:
-        """Turn one sampled token into a ChoiceEvent: detokenize, check stops, finish."""
-        active = self._active.get(seq.group.group_id)
-        if active is None:
-            return
-        if active.params.prompt_logprobs and seq.index == 0:
-            active.prompt_logprobs.extend(out.prompt_logprobs)
-        if out.token_id is None:
-            return
-        if seq.index == 0 and seq.num_generated == 1:
-            self._record_prompt(active, out)
-        token_id = out.token_id
-        self._counters.generated_tokens += 1
-        text = active.texts[seq.seq_id]
-        delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
-        emitted, stopped = text.stop.feed(delta)
-        reason = self._finish_reason(seq, active.params, token_id, stopped)
-        if self._grammar_ended(active, seq, token_id) and reason is None:
-            reason = FinishReason.EOS  # the grammar allows nothing more: the output is complete
-        if reason is not None and reason is not FinishReason.STOP:
-            held = text.detokenizer.flush()
-            delta += held
-            tail, stopped = text.stop.feed(held)
-            emitted += tail if stopped else tail + text.stop.flush()
-            reason = FinishReason.STOP if stopped else reason
-        token = GeneratedToken(
-            token_id=token_id,
-            text=delta,
-            logprob=out.logprob if out.logprob is not None else 0.0,
-            special=self.tokenizer.is_special(token_id),
-            top_tokens=out.top_tokens,
-        )
-        active.stream.put(ChoiceEvent(seq.index, token, emitted, reason, seq.num_generated))
-        if reason is not None:
-            self._finish(active, seq, reason)
-
-    def _matcher_of(self, seq_id: int) -> Matcher | None:
-        active = self._active.get(self._group_of(seq_id))
-        return active.matchers.get(seq_id) if active is not None else None
-
-    def _grammar_ended(self, active: _Active, seq: Sequence, token_id: int) -> bool:
-        """Advance a constrained sequence's matcher; True when its grammar is complete."""
-        matcher = active.matchers.get(seq.seq_id)
-        if matcher is None:
-            return False
-        if not matcher.consume(token_id):  # the shard ignored the mask: a bug, not the client's
-            log.error("sequence %d sampled token %d outside its grammar: %s", seq.seq_id, token_id, matcher.error)
-            return True
-        return matcher.is_finished
-
-    def _finish_reason(self, seq: Sequence, params: GenerationParams, token_id: int,
-                       stopped: bool) -> FinishReason | None:
-        if stopped:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
-            return FinishReason.EOS
-        if seq.num_generated >= params.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def _record_prompt(self, active: _Active, out: SeqOutput) -> None:
-        prompt = active.stream.prompt
-        prompt.num_cached_tokens = active.group.num_cached_prompt_tokens
-        if active.params.prompt_logprobs:
-            # Prompt positions served from the prefix cache have no logprob.
-            missing = prompt.num_prompt_tokens - len(active.prompt_logprobs)
-            prompt.prompt_logprobs = [None] * missing + active.prompt_logprobs
-
-    def _finish(self, active: _Active, seq: Sequence, reason: FinishReason) -> None:
-        assert self.scheduler is not None
-        held_table: list[int] = []
-        if active.hold_blocks:  # the scheduler finishes a sequence that holds no blocks
-            held_table, seq.block_table = seq.block_table, []
-        self.scheduler.finish(seq)
-        if active.hold_blocks:
-            seq.block_table = held_table  # freed by release_held
-            active.stream.held = seq
-        active.num_open -= 1
-        self._count_finish(reason.value, active)
-        if active.num_open == 0:
-            self._active.pop(active.group.group_id, None)
-            active.stream.closed = True
-            active.stream.put(DONE)
-
-    def _fail_all(self, err: Exception) -> None:
-        for active in self._active.values():
-            active.stream.closed = True
-            active.stream.put(err)
-        self._active.clear()
-        for _, future in self._between_steps:
-            if not future.done():
-                future.set_exception(err)
-        self._between_steps.clear()
-
-    def _count_finish(self, key: str, active: _Active) -> None:
-        counts = self._counters.requests_finished
-        counts[key] = counts.get(key, 0) + 1
-        active.stream.outcome = key
-
-    # ---- metrics ---------------------------------------------------------------------
-
-    def stats(self) -> EngineStats:
-        """Counters and gauges for the metrics collector."""
-        stats = EngineStats(
-            generated_tokens=self._counters.generated_tokens,
-            steps=self._counters.steps,
-            requests_finished=dict(self._counters.requests_finished),
-        )
-        if self.scheduler is not None:
-            s = self.scheduler.stats
-            stats.num_waiting = s.num_waiting + len(self._pending_adds)
-            stats.num_running = s.num_running
-            stats.num_blocks_total = s.blocks_total
-            stats.num_blocks_used = s.blocks_used
-            stats.num_blocks_cached = s.blocks_cached
-            stats.prompt_tokens_computed = s.prompt_tokens_computed
-            stats.prompt_tokens_cached = s.prompt_tokens_cached
-            stats.preemptions_swap = s.preemptions_swap
-            stats.preemptions_recompute = s.preemptions_recompute
-            stats.swapped_bytes = s.swapped_blocks * self._bytes_per_block()
-            blocks = self.scheduler.block_manager
-            stats.num_host_blocks_total = blocks.num_host_blocks
-            stats.num_host_blocks_used = blocks.num_host_blocks - blocks.num_free_host_blocks
-            stats.block_size = blocks.block_size
-            stats.max_batch_total_tokens = self.max_batch_total_tokens
-        stats.shard_healthy = list(getattr(self.client, "healthy_by_rank", []))
-        return stats
-
-    def _bytes_per_block(self) -> int:
-        info = self.model_info
-        if info is None:
-            return 0
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(info.dtype, 2)
-        return 2 * info.num_layers * info.block_size * info.num_kv_heads * info.head_dim * itemsize

@@ -114,6 +114,22 @@ class Scheduler:
         if seq.group.is_finished:
             self._drop_group(seq.group)
 
+    def live_seq(self, seq_id: int) -> Sequence | None:
+        """An unfinished sequence by id (None once finished or aborted)."""
+        return self._seqs.get(seq_id)
+
+    def num_running_seqs(self) -> int:
+        """Sequences of running groups that still compute (O(running))."""
+        return sum(len(group.active_seqs()) for group in self._running.values())
+
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def take_releases(self) -> list[int]:
+        """Shard state to drop, for a plan built outside `schedule()` (the engine's lookahead)."""
+        releases, self._releases = self._releases, []
+        return releases
+
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._releases)
 

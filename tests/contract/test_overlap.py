@@ -1,0 +1,236 @@
+"""One step of lookahead (--overlap-steps, loom_router.lookahead) against the fake shard.
+
+Every test runs the same requests with lookahead off and on and wants the same events, and
+checks the invariants of running ahead: steps really overlapped, a sequence that finished was
+already in the next step (its extra token never reaches the client), its blocks stay
+allocated until that step came back (the fake shard checks every live request's blocks each
+step), and everything is free at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from api_fakes import WORDS, FakeShardClient
+from fake_shard import FailAt
+from test_api import router_config
+
+from loom_proto.step import SamplingParams, StepPlan, StepResult
+from loom_router.engine import Engine
+from loom_router.grammar import ConstraintSpec
+from loom_router.stream import GenerationStream
+from loom_router.tokenizer import Tokenizer
+from loom_router.types import GenerationError, GenerationParams
+
+Event = tuple[int, int, str, str | None]  # choice index, token id, text, finish reason
+
+
+@dataclass(slots=True)
+class Probe:
+    """Wraps the fake shard's step: how many steps overlapped, and that no step ever ran a
+    sequence whose blocks the router had already freed."""
+
+    engine: Engine
+    backend: FakeShardClient
+    in_flight: int = 0
+    max_in_flight: int = 0
+    early_frees: list[str] = field(default_factory=list)
+    sent_ahead: list[StepPlan] = field(default_factory=list)  # sent while another step ran
+    running: list[StepPlan] = field(default_factory=list)  # steps the shard has not answered yet
+    shard_worker: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def install(self) -> None:
+        step = self.backend.step
+
+        async def probed(plan: StepPlan) -> StepResult:
+            if self.in_flight:
+                self.sent_ahead.append(plan)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.running.append(plan)
+            try:
+                async with self.shard_worker:  # one step at a time, in arrival order, like the shard's
+                    await asyncio.sleep(0.005)  # the forward: the router takes the previous outputs meanwhile
+                    self._check_blocks(plan)
+                    return await step(plan)
+            finally:
+                self.in_flight -= 1
+                self.running.remove(plan)
+
+        self.backend.step = probed  # type: ignore[method-assign]
+
+    def watch_frees(self) -> None:
+        """Freeing a sequence's blocks while a step that runs it is unanswered is too early."""
+        assert self.engine.scheduler is not None
+        blocks = self.engine.scheduler.block_manager
+        free = blocks.free
+
+        def checked(seq):  # noqa: ANN001, ANN202 (a Sequence)
+            if any(r.request_id == seq.seq_id for plan in self.running for r in plan.running_requests):
+                self.early_frees.append(f"sequence {seq.seq_id} freed while a step running it is unanswered")
+            free(seq)
+
+        blocks.free = checked  # type: ignore[method-assign]
+
+    def _check_blocks(self, plan: StepPlan) -> None:
+        assert self.engine.scheduler is not None
+        blocks = self.engine.scheduler.block_manager.blocks
+        for request in plan.running_requests:
+            state = self.backend.shard.states.get(request.request_id)
+            if state is None:
+                continue
+            table = state.block_table + request.new_block_ids
+            freed = [b for b in table if blocks[b].ref_count == 0]
+            if freed:
+                self.early_frees.append(f"request {request.request_id} runs on freed blocks {freed}")
+
+
+async def events(stream: GenerationStream) -> list[Event]:
+    return [(e.index, e.token.token_id, e.text, e.finish_reason.value if e.finish_reason else None)
+            async for e in stream]
+
+
+def params(seed: int, max_new_tokens: int = 12, n: int = 1, **kw: object) -> GenerationParams:
+    choices = [SamplingParams(seed=seed + i, do_sample=True) for i in range(n)]
+    return GenerationParams(choices, max_new_tokens=max_new_tokens, **kw)  # type: ignore[arg-type]
+
+
+async def start(tokenizer: Tokenizer, overlap: bool, num_blocks: int = 256,
+                eos_at: int | None = None) -> tuple[Engine, FakeShardClient, Probe]:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
+                              num_blocks=num_blocks)
+    backend.eos_at = eos_at
+    engine = Engine(router_config(overlap_steps=overlap, max_concurrent_requests=16), backend, tokenizer)
+    probe = Probe(engine, backend)
+    probe.install()
+    await engine.start()
+    probe.watch_frees()
+    return engine, backend, probe
+
+
+async def run_both(tokenizer: Tokenizer, requests: list[tuple[str, GenerationParams]],
+                   **kw: object) -> tuple[list[list[Event]], Probe]:
+    """The same concurrent requests with lookahead off, then on; the on run's probe."""
+    outputs: dict[bool, list[list[Event]]] = {}
+    for overlap in (False, True):
+        engine, backend, probe = await start(tokenizer, overlap, **kw)  # type: ignore[arg-type]
+        try:
+            streams = [engine.submit(tokenizer.encode(prompt), p) for prompt, p in requests]
+            outputs[overlap] = list(await asyncio.gather(*(events(s) for s in streams)))
+            await assert_all_free(engine)
+        finally:
+            await engine.stop(drain_timeout_s=1.0)
+        assert probe.early_frees == []
+    assert outputs[True] == outputs[False]
+    return outputs[True], probe
+
+
+async def assert_all_free(engine: Engine) -> None:
+    assert engine.scheduler is not None
+    used = await engine.run_between_steps(lambda s: s.block_manager.num_used_blocks)
+    assert used == 0
+    assert engine._late == []
+
+
+async def test_same_tokens_and_steps_really_overlap(tokenizer: Tokenizer) -> None:
+    requests = [(f"prompt number {i}", params(i, max_new_tokens=10 + 3 * i)) for i in range(5)]
+    outs, probe = await run_both(tokenizer, requests)
+    assert probe.max_in_flight == 2  # a step was sent while its predecessor ran
+    assert [len(out) for out in outs] == [10 + 3 * i for i in range(5)]  # length cuts: no extra token
+
+
+async def test_eos_in_a_step_ahead_discards_the_extra_token(tokenizer: Tokenizer) -> None:
+    requests = [(f"eos {i}", params(i, max_new_tokens=20)) for i in range(3)]
+    outs, probe = await run_both(tokenizer, requests, eos_at=4)
+    assert probe.max_in_flight == 2
+    for out in outs:
+        assert len(out) == 5 and out[-1][3] == "eos_token"
+
+
+async def test_eos_finished_sequence_was_run_once_more_then_released(tokenizer: Tokenizer) -> None:
+    engine, backend, probe = await start(tokenizer, overlap=True, eos_at=4)
+    try:
+        prompt = tokenizer.encode("one more step")
+        out = await events(engine.submit(prompt, params(3, max_new_tokens=20)))
+        assert len(out) == 5
+        await assert_all_free(engine)
+        await engine.run_between_steps(lambda s: None)  # after the step that sent the release
+        seq_id = 0  # the first request's first sequence
+        runs = [plan for plan in backend.shard.plans if any(r.request_id == seq_id for r in plan.running_requests)]
+        releases = [i for i, plan in enumerate(backend.shard.plans) if seq_id in plan.released_ids]
+        assert len(runs) == 5  # 4 decodes for tokens 2..5, and the one ahead whose token was dropped
+        assert len(releases) == 1 and backend.shard.plans.index(runs[-1]) < releases[0]
+        assert probe.early_frees == []
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+async def test_stop_strings(tokenizer: Tokenizer) -> None:
+    requests = [(f"stop {i}", params(i, max_new_tokens=30, stop_sequences=[stop]))
+                for i, stop in enumerate([" fox", "lazy", " the sun", "never there"])]
+    outs, _ = await run_both(tokenizer, requests)
+    assert [out[-1][3] for out in outs][:2] == ["stop_sequence", "stop_sequence"]
+
+
+async def test_n_forks_and_preemption(tokenizer: Tokenizer) -> None:
+    requests = [(f"forks and pressure {i}", params(10 * i, max_new_tokens=24, n=1 + i % 3)) for i in range(6)]
+    _, probe = await run_both(tokenizer, requests, num_blocks=40)  # too few blocks for all: preemption
+    assert probe.max_in_flight == 2
+
+
+async def test_grammar_requests_never_run_ahead(tokenizer: Tokenizer) -> None:
+    engine, backend, probe = await start(tokenizer, overlap=True)
+    try:
+        grammar = engine.grammars.compile(ConstraintSpec.choice(["yes please", "no thanks", "maybe later"]))
+        constrained = params(5, max_new_tokens=16, grammar=grammar)
+        free = engine.submit(tokenizer.encode("free"), params(6, max_new_tokens=40))
+        out = await events(engine.submit(tokenizer.encode("answer"), constrained))
+        assert "".join(e[2] for e in out) in {"yes please", "no thanks", "maybe later"}
+        await events(free)
+        constrained_id = 1 * engine.config.max_n  # the second group's only sequence
+        assert probe.sent_ahead  # the free request ran ahead, alone, after the constrained one finished
+        assert not any(r.request_id == constrained_id for plan in probe.sent_ahead for r in plan.running_requests)
+        assert any(constrained_id in plan.allowed_token_masks for plan in backend.shard.plans)
+        await assert_all_free(engine)
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+async def test_abort_while_a_step_runs_ahead(tokenizer: Tokenizer) -> None:
+    engine, backend, probe = await start(tokenizer, overlap=True)
+    try:
+        stream = engine.submit(tokenizer.encode("to be cancelled"), params(1, max_new_tokens=50))
+        other = engine.submit(tokenizer.encode("keeps going"), params(2, max_new_tokens=30))
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 5:
+                stream.cancel()
+                break
+        out = await events(other)
+        assert [e[1] for e in out] == backend.reference(tokenizer.encode("keeps going"), 2, 30) or len(out) == 30
+        await assert_all_free(engine)
+        assert probe.early_frees == [] and probe.max_in_flight == 2
+        assert engine.stats().requests_finished.get("cancelled") == 1
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("fail_at", [FailAt.START, FailAt.AFTER_FORWARD])
+async def test_failed_step_with_a_step_ahead_rolls_back(tokenizer: Tokenizer, fail_at: FailAt) -> None:
+    engine, backend, probe = await start(tokenizer, overlap=True)
+    try:
+        prompt = tokenizer.encode("Hello there")
+        reference = await events(engine.submit(prompt, params(1, max_new_tokens=8)))
+        start_plans = len(backend.shard.plans)
+        backend.shard.fail_at = fail_at
+        backend.shard.fail_when = lambda plan: len(backend.shard.plans) == start_plans + 4  # mid-decode
+        with pytest.raises(GenerationError, match="injected failure"):
+            await events(engine.submit(prompt, params(1, max_new_tokens=8)))
+        assert await events(engine.submit(prompt, params(1, max_new_tokens=8))) == reference
+        await assert_all_free(engine)
+        assert probe.early_frees == [] and probe.max_in_flight == 2
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
