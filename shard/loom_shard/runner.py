@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -70,6 +71,8 @@ class _Scheduled:
     @property
     def span(self) -> SeqSpan:
         return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -431,6 +434,17 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16
 
 
+def _keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
+    """--quantize auto runs quantized weights on the CPU with one rank; otherwise they are dequantized."""
+    if config.quantize == "none":
+        return False
+    if config.world_size > 1 or device.type != "cpu":
+        log.info("--quantize auto: quantized weights are dequantized to the dtype (kept quantized only on "
+                 "the CPU with one rank)")
+        return False
+    return True
+
+
 def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
     from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
 
@@ -441,8 +455,13 @@ def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -
         model_config, weights = load_model_weights(config.model_id, dtype, keep=keep)
         model = build_rank_model(model_config, weights, config.rank, config.world_size)
     else:
-        model_config, weights = load_model_weights(config.model_id, dtype)
+        quantized: dict = {} if _keeps_quantized(config, device) else None
+        model_config, weights = load_model_weights(config.model_id, dtype, quantized=quantized)
         model = build_model(model_config)
+        if quantized:
+            from loom_shard.quantize import install_quant_linears
+
+            install_quant_linears(model, quantized, weights, dtype)
         model.load_weights(weights)
     del weights
     return model.to(device=device, dtype=dtype), weights_hash(config.model_id)
