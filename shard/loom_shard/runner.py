@@ -42,6 +42,7 @@ from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
+from loom_shard.quantize import quantized_summary
 from loom_shard.sampler import Sample, SeqSamplingState, sample
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
@@ -118,6 +119,7 @@ class ModelRunner:
             block_size=self.block_size,
             rank=self.config.rank,
             world_size=self.config.world_size,
+            quantization=quantized_summary(self.model),
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:

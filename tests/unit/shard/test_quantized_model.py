@@ -55,7 +55,9 @@ def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bo
 
 def runner_model(path: Path, quantize_flag: str, dtype: str = "float32") -> torch.nn.Module:
     config = ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize=quantize_flag, block_size=16)
-    return ModelRunner(config).model
+    runner = ModelRunner(config)
+    assert runner.info().quantization == quantized_summary(runner.model)
+    return runner.model
 
 
 def prompt_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -80,6 +82,8 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert len(layers) == 4 * TINY["num_hidden_layers"] + 1  # qkv, o, gate_up, down; the head
     assert quantized.lm_head.kind is QuantKind.Q8_0 and quantized.layers[0].mlp.down_proj.kind is QuantKind.Q4_1
     assert not any(isinstance(m, QuantLinear) for m in reference.modules())
+    assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
+    assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
     # The same quantized weights: only float32 summation order and the activations' 16-bit split differ.
