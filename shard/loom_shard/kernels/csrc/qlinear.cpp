@@ -22,6 +22,7 @@ namespace {
 constexpr int64_t kBlock = 32;      // inputs per quantization block (GGUF)
 constexpr int64_t kCols = 16;       // output columns per tile: one zmm of float32 accumulators
 constexpr int kRows = 8;            // rows sharing one dequantized weight vector
+constexpr int64_t kRowChunk = 64;   // rows whose activations stay cached while the tiles stream by
 constexpr int64_t kQ4Bytes = 256;   // packed nibbles of one tile-block (16 cols x 32 inputs / 2)
 constexpr int64_t kQ8Bytes = 512;   // packed int8 of one tile-block
 
@@ -196,10 +197,13 @@ void run_tail(const Weights& w, const Rows& x, int64_t r0, int rows, int64_t til
 template <typename T, bool kSplit>
 void matmul(const Weights& w, const Rows& x, int64_t m, int64_t n, int64_t tiles, const float* bias, T* out) {
   // Parallel over output-column tiles only: a tile's columns are computed whole by one thread.
+  // Rows go in chunks so that a chunk's activations stay in L2 while the thread's tiles stream by
+  // (a 512-token prefill would otherwise re-read all its activations from L3 for every tile).
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t tile = first; tile < last; ++tile)
-      for (int64_t r0 = 0; r0 < m; r0 += kRows)
-        run_tail<T, kSplit>(w, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), tile, n, bias, out);
+    for (int64_t chunk = 0; chunk < m; chunk += kRowChunk)
+      for (int64_t tile = first; tile < last; ++tile)
+        for (int64_t r0 = chunk; r0 < std::min(m, chunk + kRowChunk); r0 += kRows)
+          run_tail<T, kSplit>(w, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), tile, n, bias, out);
   });
 }
 
@@ -211,24 +215,26 @@ void prepare_rows(const at::Tensor& x2, at::Tensor& hi, at::Tensor& lo, at::Tens
   const bool is_float = x2.scalar_type() == at::kFloat;
   hi = is_float ? at::empty({m, k}, x2.options().dtype(at::kBFloat16)) : x2;
   if (is_float) lo = at::empty({m, k}, x2.options().dtype(at::kBFloat16));
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      float total = 0.0f;
-      for (int64_t i = b * kBlock; i < (b + 1) * kBlock; ++i) {
-        float v;
-        if (is_float) {
-          v = x2.data_ptr<float>()[r * k + i];
-          at::BFloat16 h(v);
-          hi.data_ptr<at::BFloat16>()[r * k + i] = h;
-          lo.data_ptr<at::BFloat16>()[r * k + i] = at::BFloat16(v - static_cast<float>(h));
-        } else {
-          v = static_cast<float>(x2.data_ptr<at::BFloat16>()[r * k + i]);
+  const float* xf = is_float ? x2.data_ptr<float>() : nullptr;
+  const at::BFloat16* xb = is_float ? nullptr : x2.data_ptr<at::BFloat16>();
+  at::BFloat16* hp = is_float ? hi.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* lp = is_float ? lo.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        float total = 0.0f;  // in index order: a row's sums do not depend on the other rows
+        for (int64_t i = r * k + b * kBlock; i < r * k + (b + 1) * kBlock; ++i) {
+          float v = is_float ? xf[i] : static_cast<float>(xb[i]);
+          if (is_float) {
+            hp[i] = at::BFloat16(v);
+            lp[i] = at::BFloat16(v - static_cast<float>(hp[i]));
+          }
+          total += v;
         }
-        total += v;
+        sp[r * nb + b] = total;
       }
-      sp[r * nb + b] = total;
     }
-  }
+  });
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
