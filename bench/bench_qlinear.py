@@ -37,11 +37,11 @@ def layer_sources(reader, layers: int) -> list[QuantSource]:
     return out + [quant_source(reader.tensors["token_embd.weight"], reader)]
 
 
-def time_step(mods: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> float:
-    start = time.perf_counter()
+def time_step(mods: list[torch.nn.Module], xs: dict[int, torch.Tensor], clock=time.perf_counter) -> float:
+    start = clock()
     for m in mods:
         m(xs[m.in_features])
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def main() -> None:
@@ -50,8 +50,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"kernels available: {kernels.available()}; threads {args.threads}")
     sources = layer_sources(open_gguf(resolve_model_path("")), args.layers)
     variants = {
@@ -66,7 +69,7 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(args.repeats):
                 for name, mods in variants.items():  # interleaved
-                    times[name].append(time_step(mods, xs))
+                    times[name].append(time_step(mods, xs, clock))
             cells = ", ".join(f"{n} {min(t) * 1e3:.2f} ms (median {statistics.median(t) * 1e3:.2f})"
                               for n, t in times.items())
             print(f"rows {rows}: {cells}")
