@@ -21,7 +21,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;      // inputs per quantization block (GGUF)
 constexpr int64_t kCols = 16;       // output columns per tile: one zmm of float32 accumulators
-constexpr int kRows = 8;            // rows sharing one dequantized weight vector
+constexpr int kRows = 16;           // rows sharing one dequantized weight vector
 constexpr int64_t kRowChunk = 64;   // rows whose activations stay cached while the tiles stream by
 constexpr int64_t kQ4Bytes = 256;   // packed nibbles of one tile-block (16 cols x 32 inputs / 2)
 constexpr int64_t kQ8Bytes = 512;   // packed int8 of one tile-block
