@@ -459,11 +459,15 @@ def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -
     else:
         quantized: dict = {} if _keeps_quantized(config, device) else None
         model_config, weights = load_model_weights(config.model_id, dtype, quantized=quantized)
-        model = build_model(model_config)
-        if quantized:
+        if quantized:  # built on meta: the dense projections it replaces are never allocated
             from loom_shard.quantize import install_quant_linears
 
+            with torch.device("meta"):
+                model = build_model(model_config)
             install_quant_linears(model, quantized, weights, dtype)
-        model.load_weights(weights)
+            model.load_weights(weights, assign=True)
+        else:
+            model = build_model(model_config)
+            model.load_weights(weights)
     del weights
     return model.to(device=device, dtype=dtype), weights_hash(config.model_id)
