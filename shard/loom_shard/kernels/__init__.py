@@ -27,7 +27,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+# -fopenmp: with torch's OpenMP backend, at::parallel_for is an `omp parallel` in a header, so
+# without the flag every kernel ran on one thread. The library then needs libgomp.so.1, which the
+# loader resolves to the one torch has already loaded: one thread pool, torch.set_num_threads holds.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernels take
 
 
@@ -42,7 +46,7 @@ def load() -> bool:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
-            name="loom_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+            name="loom_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
             build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a build error

@@ -102,7 +102,7 @@ def test_loom_greedy_matches_transformers_float32(gguf_path: Path, prompt_ids: l
     expected = [transformers_greedy(reference_model, prompt) for prompt in prompt_ids]
     del reference_model
 
-    runner = ModelRunner(ShardConfig(model_id="", uds_path="unused.sock", dtype="float32"))
+    runner = ModelRunner(ShardConfig(model_id="", uds_path="unused.sock", dtype="float32", quantize="none"))
     actual = loom_greedy(runner, prompt_ids)
 
     # The comparison covers real generations: one runs to the token limit, none ends at once.
