@@ -65,12 +65,13 @@ class SnapshotError(Exception):
 
 
 def model_fingerprint(info: ModelInfo, tokenizer_hash: str) -> dict[str, Any]:
-    """What a snapshot must agree with to be restored: the model, its dtype, its tokenizer."""
+    """What a snapshot must agree with to be restored: the model, its dtype and quantization
+    (weights kept quantized compute other KV values than dequantized ones), its tokenizer."""
     return {
         "architecture": info.architecture, "num_layers": info.num_layers, "num_heads": info.num_heads,
         "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim, "hidden_size": info.hidden_size,
         "vocab_size": info.vocab_size, "dtype": info.dtype, "weights_hash": info.weights_hash,
-        "tokenizer_hash": tokenizer_hash,
+        "quantization": info.quantization, "tokenizer_hash": tokenizer_hash,
     }
 
 

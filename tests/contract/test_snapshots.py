@@ -209,7 +209,7 @@ async def test_refusals_leave_the_cache_unchanged(served, root: Path) -> None:
     part.write_bytes(good_part[:-10])
     assert await restore_status() == 422
     part.write_bytes(good_part)
-    for field, value in [("weights_hash", "other"), ("dtype", "bfloat16")]:
+    for field, value in [("weights_hash", "other"), ("dtype", "bfloat16"), ("quantization", "Q4_1 x120")]:
         manifest = json.loads(good_manifest)
         manifest["fingerprint"][field] = value
         manifest_path.write_text(json.dumps(manifest))
