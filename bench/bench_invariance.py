@@ -1,0 +1,99 @@
+"""Which CPU operations break batch invariance (issue 14): for each op, a fixed row is computed
+alone and then as row 0 of a batch of B rows (the rest random); the table says at which B the
+row's result is no longer bit-identical, and the largest difference seen.
+
+    .venv/bin/python bench/bench_invariance.py
+
+SmolLM2-135M's shapes: hidden 576, intermediate 1536, vocab 49152, 9 heads of 64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom_shard import kernels
+from loom_shard.layers.packed_linear import PackedLinear
+from loom_shard.layers.rotary import RotaryEmbedding
+from loom_shard.sampler import SeqSamplingState, sample
+from loom_proto.step import SamplingParams
+
+BATCHES = (1, 2, 4, 7, 8, 16, 32, 64)
+HIDDEN, INTER, VOCAB = 576, 1536, 49152
+
+Op = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] -> [rows, ...]
+
+
+def first_break(op: Op, row: torch.Tensor, make_rest: Callable[[int], torch.Tensor]) -> tuple[str, float]:
+    alone = op(row)
+    worst, broke = 0.0, "never"
+    for b in BATCHES[1:]:
+        batch = torch.cat([row, make_rest(b - 1)])
+        out = op(batch)[:1]
+        if not torch.equal(out, alone):
+            diff = float((out.float() - alone.float()).abs().max())
+            worst = max(worst, diff)
+            broke = str(b) if broke == "never" else broke
+    return broke, worst
+
+
+def linear_op(k: int, n: int, dtype: torch.dtype, packed: bool) -> tuple[Op, int]:
+    torch.manual_seed(k + n)
+    lin = nn.Linear(k, n, bias=False).to(dtype)
+    if packed:
+        lin = PackedLinear(lin)
+    return (lambda x: lin(x)), k
+
+
+def rows(k: int, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    return lambda b: torch.randn(b, k).to(dtype)
+
+
+def sampler_op(x: torch.Tensor) -> torch.Tensor:
+    params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, top_k=50, seed=7)
+    states = [SeqSamplingState(params, [1, 2, 3], 3) for _ in range(x.shape[0])]
+    out = sample(x, states)
+    return torch.tensor([[s.token_id, s.logprob] for s in out], dtype=torch.float64)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernels.available()}")
+    cases: list[tuple[str, Op, Callable[[int], torch.Tensor], torch.Tensor]] = []
+    for name, k, n in (("qkv_proj 576->960", HIDDEN, 960), ("gate_up 576->3072", HIDDEN, 2 * INTER),
+                       ("o_proj 576->576", HIDDEN, HIDDEN), ("down_proj 1536->576", INTER, HIDDEN),
+                       ("lm_head 576->49152", HIDDEN, VOCAB)):
+        for dtype, packed, label in ((torch.bfloat16, True, "bf16 oneDNN packed"),
+                                     (torch.bfloat16, False, "bf16 F.linear"),
+                                     (torch.float32, False, "fp32 F.linear")):
+            op, _ = linear_op(k, n, dtype, packed)
+            cases.append((f"{name} {label}", op, rows(k, dtype), torch.randn(1, k).to(dtype)))
+    logit_rows = rows(VOCAB, torch.float32)
+    cases.append(("log_softmax fp32 [B, 49152]", lambda x: x.log_softmax(-1), logit_rows, torch.randn(1, VOCAB)))
+    cases.append(("softmax fp32 [B, 49152]", lambda x: x.softmax(-1), logit_rows, torch.randn(1, VOCAB)))
+    cases.append(("argmax fp32 [B, 49152]", lambda x: x.argmax(-1, keepdim=True), logit_rows, torch.randn(1, VOCAB)))
+    cases.append(("sampler seeded top-k/top-p", sampler_op, logit_rows, torch.randn(1, VOCAB)))
+    if kernels.available():
+        w = torch.randn(HIDDEN).to(torch.bfloat16)
+        cases.append(("rms_norm kernel bf16", lambda x: kernels.rms_norm(x, w, 1e-5), rows(HIDDEN, torch.bfloat16),
+                      torch.randn(1, HIDDEN).to(torch.bfloat16)))
+    rotary = RotaryEmbedding(64, 100000.0, None)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[0]) * 0 + 5  # same position for every row
+        return rotary.lookup(positions, 5, x.dtype).apply(x.view(x.shape[0], 12, 64).clone()).flatten(1)
+
+    cases.append(("rotary bf16", rope, rows(768, torch.bfloat16), torch.randn(1, 768).to(torch.bfloat16)))
+    print("| op | first batch size where row 0 differs | largest difference |")
+    print("|---|---|---|")
+    for name, op, rest, row in cases:
+        broke, worst = first_break(op, row, rest)
+        print(f"| {name} | {broke} | {worst:.3g} |")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
