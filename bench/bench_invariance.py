@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from loom_proto.step import SamplingParams
 from loom_shard import kernels
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.rotary import RotaryEmbedding
 from loom_shard.sampler import SeqSamplingState, sample
-from loom_proto.step import SamplingParams
 
 BATCHES = (1, 2, 4, 7, 8, 16, 32, 64)
 HIDDEN, INTER, VOCAB = 576, 1536, 49152
