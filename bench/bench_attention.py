@@ -1,6 +1,8 @@
-"""Prefill attention on CPU: the blocked matmul attention vs SDPA (the path used before), interleaved.
+"""Attention on CPU, interleaved A/B, min of rounds.
 
 Run: python bench/bench_attention.py [--threads 2] [--tile-rows 256 512 1024]
+     python bench/bench_attention.py --paged   (one layer's paged_attention: the torch paths vs
+     the C++ paged kernel, decode at batch 1/8/32 with 150-300 cached tokens, prefill 512/2000)
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head dim 64), one layer.
 """
 
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loom_shard.attention import blocked_causal_attention
+from loom_shard.attention import SeqSpan, blocked_causal_attention, paged_attention
+from loom_shard.attention_backend import CpuPagedBackend, TorchBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 SHAPES = [(512, 0), (2000, 0), (512, 1500), (16, 2000)]  # (chunk_len, num_cached)
@@ -48,9 +51,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tile-rows", type=int, nargs="+", default=[512])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--paged", action="store_true", help="torch paths vs the C++ paged kernel, one layer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
+    if args.paged:
+        bench_paged(args.rounds)
+        return
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         for chunk_len, num_cached in SHAPES:
@@ -71,6 +78,48 @@ def main() -> None:
             base = best["sdpa"]
             line = ", ".join(f"{n} {t * 1e3:7.2f} ms ({base / t:4.1f}x, err {errors[n]:.1e})" for n, t in best.items())
             print(f"{str(dtype)[6:]:8s} chunk {chunk_len:4d} after {num_cached:4d}: {line}")
+
+
+PAGED_CASES = {"decode b=1": [1], "decode b=8": [1] * 8, "decode b=32": [1] * 32, "prefill 512": [512],
+               "prefill 2000": [2000]}
+
+
+def bench_paged(rounds: int) -> None:
+    """One layer's `paged_attention` (cache write + attention) with each backend's metadata."""
+    from loom_shard import kernels
+    from loom_shard.cpu_attention import paged_attention_cpu
+
+    if not kernels.available():
+        raise SystemExit("Loom's CPU kernels could not be built here")
+    backends = {"torch": TorchBackend(torch.device("cpu")),
+                "cpu_paged": CpuPagedBackend(torch.device("cpu"), paged_attention_cpu)}
+    block_size, rng = 16, torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for case, computes in PAGED_CASES.items():
+            lengths = torch.randint(150, 301, (len(computes),), generator=rng).tolist()
+            spans, next_block = [], 0
+            for compute, context in zip(computes, lengths):
+                cached = context if compute == 1 else 0
+                need = -(-(cached + compute) // block_size)
+                spans.append(SeqSpan(cached, compute, list(range(next_block, next_block + need))))
+                next_block += need
+            kv = torch.randn(2, next_block, block_size, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+            tokens = sum(computes)
+            q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=rng).to(dtype)
+            k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+            v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+            metas = {name: b.build_metadata(spans, block_size) for name, b in backends.items()}
+            fns = {name: (lambda m=m: paged_attention(q, k, v, kv, m)) for name, m in metas.items()}
+            best = {name: float("inf") for name in fns}
+            repeats = max(1, 200 // max(1, tokens // 16))
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    fn()
+                    best[name] = min(best[name], _time(fn, repeats))
+            diff = (fns["torch"]().float() - fns["cpu_paged"]().float()).abs().max().item()
+            line = ", ".join(f"{n} {t * 1e6:9.1f} us" for n, t in best.items())
+            print(f"{str(dtype)[6:]:8s} {case:13s}: {line}  (torch / paged {best['torch'] / best['cpu_paged']:5.2f}x, "
+                  f"max diff {diff:.1e})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Engine micro-benchmark: prefill and decode speed of the shard runner, next to machine ceilings.
 
-Run: python bench/bench_engine.py [--dtypes float32 bfloat16] [--threads 2] [--random-model]
+Run: python bench/bench_engine.py [--dtypes float32 bfloat16] [--threads 2] [--random-model] [--quantize none auto]
 Decode requests enter with their context already cached (as after a prefix-cache hit),
 so the numbers time the decode step itself: forward, sampling and runner bookkeeping.
 """
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.attention_backend import TorchBackend
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
@@ -67,15 +68,20 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def load_model(random_model: bool) -> tuple[LlamaModel, str]:
+def load_model(random_model: bool, quantize: str = "none") -> tuple[LlamaModel, str]:
+    """quantize "auto": the GGUF's Q4_1/Q8_0 projections stay quantized (QuantLinear), as a shard's default."""
     if not random_model:
         try:
             from loom_shard.loader import load_model_weights
+            from loom_shard.quantize import install_quant_linears, quantized_summary
 
-            config, weights = load_model_weights("", torch.float32, progress=None)
+            quantized: dict | None = {} if quantize == "auto" else None
+            config, weights = load_model_weights("", torch.float32, progress=None, quantized=quantized)
             model = build_model(config)
+            if quantized:
+                install_quant_linears(model, quantized, weights, torch.float32)
             model.load_weights(weights)
-            return model, "embedded SmolLM2-135M-Instruct (Q4_1 dequantized)"
+            return model, f"embedded SmolLM2-135M-Instruct (quantized: {quantized_summary(model)})"
         except Exception as error:  # the bench still runs on a random model of the same shape
             print(f"embedded model unavailable ({error}); using a random model of its shape")
     torch.manual_seed(0)
@@ -135,26 +141,48 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--random-model", action="store_true")
+    parser.add_argument("--attention", nargs="+", default=["default"], choices=["default", "torch"],
+                        help="CPU attention backends to A/B, interleaved (default: select_backend's choice)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each line prints its min")
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "auto"],
+                        help="weights dequantized (none) or kept quantized (auto); several: interleaved per batch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f} (other processes share these cores)")
     for name, value in ceilings().items():
         print(f"ceiling  {name:28s} {value:8.1f}")
-    model, description = load_model(args.random_model)
-    print(f"model: {description}")
+    models = {}
+    for quantize in args.quantize:
+        models[quantize], description = load_model(args.random_model, quantize)
+        print(f"model --quantize {quantize}: {description}")
     num_blocks = max(args.batches) * -(-(300 + 64) // BLOCK_SIZE) + 64
     for dtype in args.dtypes:
-        runner = make_runner(model, dtype, num_blocks)
-        prefill_ms, prefill_cpu_ms = bench_prefill(runner, 512, repeats=2)
-        print(f"{dtype:9s} prefill 512 tokens: {prefill_ms:7.1f} ms = {512 / prefill_ms * 1e3:7.0f} tokens/s "
-              f"(cpu {prefill_cpu_ms:7.1f} ms = {512 / prefill_cpu_ms * 1e3:7.0f} tokens/s)")
-        for batch in args.batches:
-            r = bench_decode(runner, batch, num_steps=max(8, 32 // batch))
-            print(f"{dtype:9s} decode batch {batch:3d}: {r.step_ms:7.2f} ms/step = {1e3 / r.step_ms:6.1f} steps/s, "
-                  f"{r.tokens_per_s:7.1f} tokens/s (cpu {r.cpu_ms:7.2f} ms/step = {r.batch / r.cpu_ms * 1e3:7.1f} tokens/s)")
-        del runner
-
+        for quantize, model in models.items():  # --quantize x --attention, interleaved over rounds
+            runner = make_runner(model, dtype, num_blocks)
+            backends = {name: runner.attention if name == "default" else TorchBackend(runner.device)
+                        for name in args.attention}
+            prefill: dict[str, tuple[float, float]] = {}
+            decode: dict[tuple[str, int], DecodeResult] = {}
+            for _ in range(args.rounds):  # interleaved A/B, min over rounds
+                for name, backend in backends.items():
+                    runner.attention = backend
+                    p = bench_prefill(runner, 512, repeats=2)
+                    prefill[name] = min(prefill.get(name, p), p)
+                    for batch in args.batches:
+                        r = bench_decode(runner, batch, num_steps=max(8, 32 // batch))
+                        if (name, batch) not in decode or r.step_ms < decode[name, batch].step_ms:
+                            decode[name, batch] = r
+            for name, backend in backends.items():
+                label = f"{dtype:9s} {quantize:4s} [{backend.kind.value}]"
+                prefill_ms, prefill_cpu_ms = prefill[name]
+                print(f"{label} prefill 512 tokens: {prefill_ms:7.1f} ms = {512 / prefill_ms * 1e3:7.0f} tokens/s "
+                      f"(cpu {prefill_cpu_ms:7.1f} ms = {512 / prefill_cpu_ms * 1e3:7.0f} tokens/s)")
+                for batch in args.batches:
+                    r = decode[name, batch]
+                    print(f"{label} decode batch {batch:3d}: {r.step_ms:7.2f} ms/step = {1e3 / r.step_ms:6.1f} steps/s, "
+                          f"{r.tokens_per_s:7.1f} tokens/s (cpu {r.cpu_ms:7.2f} ms/step = {r.batch / r.cpu_ms * 1e3:7.1f} tokens/s)")
+            del runner
 
 if __name__ == "__main__":
     main()

@@ -50,6 +50,9 @@ class ShardFlags(ModelFlags):
     dtype: Dtype | None = Field(None, description="weights and activations dtype; default: fastest that passes "
                                 "parity on the device")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    quantize: Literal["auto", "none"] = Field(
+        "auto", description="auto: a GGUF's Q4_1/Q8_0 weights stay quantized (CPU, one rank); "
+        "none: dequantized to the dtype (the parity reference)")
     block_size: Positive = Field(16, description="tokens per KV cache block")
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of free GPU memory the KV cache may take")
     cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at warmup "

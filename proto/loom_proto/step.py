@@ -147,6 +147,7 @@ class ModelInfo:
     block_size: int
     rank: int
     world_size: int
+    quantization: str = "none"  # weights kept quantized (--quantize auto), e.g. "Q4_1 x120, Q8_0 x1 (loom kernels)"
 
 
 @dataclass(slots=True, frozen=True)

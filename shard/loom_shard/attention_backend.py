@@ -2,6 +2,8 @@
 
 - `TorchBackend` (CPU, and CUDA without triton): the measured blocked-prefill and
   gather-decode paths of `loom_shard.attention`.
+- `CpuPagedBackend` (CPU, when Loom's C++ kernels build): one C++ kernel with the Triton
+  kernel's contract (`loom_shard.cpu_attention`), batch- and chunk-invariant (issue 14).
 - `TritonPagedBackend` (CUDA): one Triton kernel for prefill chunks and decodes that reads
   K/V blocks in place through block tables (`loom_shard.triton_attention`). Its step tables
   travel to the GPU as one int32 transfer; positions and slots are derived there, so the same
@@ -20,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from loom_shard import kernels
 from loom_shard.attention import AttentionMetadata, PagedKernel, PagedTables, SeqSpan, build_metadata
 
 log = logging.getLogger(__name__)
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 class BackendKind(enum.Enum):
     TORCH = "torch"
     TRITON = "triton"
+    CPU_PAGED = "cpu_paged"
 
 
 class AttentionBackend(Protocol):
@@ -116,8 +120,24 @@ class TritonPagedBackend:
         return paged_metadata(device_packed, shape, block_size, self.kernel)
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """Triton's paged kernel on CUDA when triton imports; otherwise the torch paths (one log line)."""
+@dataclass(slots=True)
+class CpuPagedBackend:
+    """The same packed tables as `TritonPagedBackend`, kept on the host for the C++ kernel."""
+
+    device: torch.device
+    kernel: PagedKernel
+    kind: BackendKind = BackendKind.CPU_PAGED
+
+    def build_metadata(self, spans: list[SeqSpan], block_size: int) -> AttentionMetadata:
+        packed, shape = pack_step_tables(spans, block_size)
+        return paged_metadata(packed, shape, block_size, self.kernel)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+    """On CPU, the C++ paged kernel when it builds and takes `dtype`; on CUDA, Triton's paged
+    kernel when triton imports; otherwise the torch paths (one log line)."""
+    if device.type == "cpu":
+        return _cpu_backend(device, dtype)
     if device.type != "cuda":
         return TorchBackend(device)
     try:
@@ -133,3 +153,15 @@ def _triton_kernel(fn) -> PagedKernel:  # noqa: ANN001 - the triton launcher
         return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len)
 
     return attend
+
+
+def _cpu_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
+    from loom_shard import cpu_attention
+
+    if dtype is not None and dtype not in kernels.DTYPES:
+        log.warning("the C++ paged attention takes bfloat16/float32, not %s: CPU attention uses the torch paths", dtype)
+        return TorchBackend(device)
+    if not kernels.available():
+        log.warning("Loom's CPU kernels are unavailable: CPU attention uses the torch gather path")
+        return TorchBackend(device)
+    return CpuPagedBackend(device, cpu_attention.paged_attention_cpu)

@@ -12,6 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from loom_shard.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
+from loom_shard.layers.quant_linear import QuantKind, QuantSource, raw_source
 from loom_shard.loader_common import (
     KeepFn,
     LoadProgress,
@@ -165,24 +166,56 @@ def llama3_rope_factors(
 
 def load_gguf_weights(
     path: Path, reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None,
-    keep: KeepFn | None = None,
+    keep: KeepFn | None = None, quantized: dict[str, QuantSource] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory."""
+    """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory.
+
+    quantized: when given, projection weights in a kept format (Q4_1, Q8_0) go there as raw blocks
+    instead (Q/K rows unpermuted), and a tied embedding also goes there as "lm_head.weight".
+    """
     shapes = expected_shapes(config)
     by_hf_name = {hf_name(name): tensor for name, tensor in reader.tensors.items()}
     check_names(path, config, by_hf_name)
     report = LoadProgress(path, len(shapes), progress)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
+    for done, (name, shape) in enumerate(shapes.items(), start=1):
         tensor = by_hf_name[name]
         check_shape(path, name, tuple(int(d) for d in reversed(tensor.shape)), shape)
+        source = quant_source(tensor, reader) if quantized is not None else None
+        if source is not None and _keeps_quantized(name, config):
+            target = "lm_head.weight" if name == "model.embed_tokens.weight" else name
+            quantized[target] = _unpermute_qk_source(name, source, config)
+            if target == name:
+                report.tensor_done(done)
+                continue
         weight = _to_torch(path, reader, tensor, dtype).reshape(shape)
         if config.architecture == "LlamaForCausalLM":
             weight = _unpermute_qk(name, weight, config)
         tensors[name] = keep(name, weight) if keep else weight
-        report.tensor_done(len(tensors))
+        report.tensor_done(done)
     report.finish(tensors)
     return tensors
+
+
+def quant_source(tensor: TensorInfo, reader: GGUFFile) -> QuantSource | None:
+    """The tensor's raw blocks when its format is one QuantLinear runs, else None."""
+    kind = QuantKind.__members__.get(tensor.tensor_type.name)
+    if kind is None or len(tensor.shape) != 2:
+        return None
+    return raw_source(kind, reader.raw_data(tensor), int(tensor.shape[0]))
+
+
+def _keeps_quantized(name: str, config: ModelConfig) -> bool:
+    if name == "model.embed_tokens.weight":  # looked up dequantized; the tied head multiplies quantized
+        return config.tie_word_embeddings
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+def _unpermute_qk_source(name: str, source: QuantSource, config: ModelConfig) -> QuantSource:
+    if config.architecture != "LlamaForCausalLM":
+        return source
+    # Whole rows of blocks move, so the row permutation applies to the raw bytes unchanged.
+    return QuantSource(source.kind, _unpermute_qk(name, source.raw, config).contiguous(), source.in_features)
 
 
 def _to_torch(path: Path, reader: GGUFFile, tensor: TensorInfo, dtype: torch.dtype) -> torch.Tensor:

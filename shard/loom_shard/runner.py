@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
+from loom_shard.quantize import quantized_summary
 from loom_shard.sampler import Sample, SeqSamplingState, sample
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
@@ -71,6 +73,8 @@ class _Scheduled:
     def span(self) -> SeqSpan:
         return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """One shard's executor. Build with a ShardConfig; pass `model` to skip loading (tests, benches)."""
@@ -89,7 +93,7 @@ class ModelRunner:
             keep_freed_memory_mapped()
         mc = self.model.config
         self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
-        self.attention = select_backend(self.device)
+        self.attention = select_backend(self.device, self.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs: DecodeGraphs | None = None  # captured with the KV cache (CUDA)
         self.requests: dict[int, RequestState] = {}
@@ -115,6 +119,7 @@ class ModelRunner:
             block_size=self.block_size,
             rank=self.config.rank,
             world_size=self.config.world_size,
+            quantization=quantized_summary(self.model),
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
@@ -431,6 +436,17 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16
 
 
+def _keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
+    """--quantize auto runs quantized weights on the CPU with one rank; otherwise they are dequantized."""
+    if config.quantize == "none":
+        return False
+    if config.world_size > 1 or device.type != "cpu":
+        log.info("--quantize auto: quantized weights are dequantized to the dtype (kept quantized only on "
+                 "the CPU with one rank)")
+        return False
+    return True
+
+
 def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
     from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
 
@@ -441,8 +457,13 @@ def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -
         model_config, weights = load_model_weights(config.model_id, dtype, keep=keep)
         model = build_rank_model(model_config, weights, config.rank, config.world_size)
     else:
-        model_config, weights = load_model_weights(config.model_id, dtype)
+        quantized: dict = {} if _keeps_quantized(config, device) else None
+        model_config, weights = load_model_weights(config.model_id, dtype, quantized=quantized)
         model = build_model(model_config)
+        if quantized:
+            from loom_shard.quantize import install_quant_linears
+
+            install_quant_linears(model, quantized, weights, dtype)
         model.load_weights(weights)
     del weights
     return model.to(device=device, dtype=dtype), weights_hash(config.model_id)

@@ -94,6 +94,7 @@ def round_trip(obj):
             architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
             hidden_size=576, vocab_size=49152, max_position_embeddings=8192, dtype="bfloat16",
             weights_hash="ab12", device="cuda:1", block_size=16, rank=1, world_size=2,
+            quantization="Q4_1 x120, Q8_0 x1 (loom kernels)",
         ),
         WarmupResult(num_blocks=1024, num_host_blocks=64, block_size=16),
         sample_plan(),

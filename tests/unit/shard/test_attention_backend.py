@@ -9,8 +9,13 @@ from loom_shard.attention import SeqSpan
 from loom_shard.attention_backend import BackendKind, pack_step_tables, paged_metadata, select_backend
 
 
-def test_cpu_keeps_the_torch_paths() -> None:
-    assert select_backend(torch.device("cpu")).kind is BackendKind.TORCH
+def test_cpu_uses_the_paged_kernel_when_it_builds(monkeypatch) -> None:  # noqa: ANN001
+    from loom_shard import kernels
+
+    expected = BackendKind.CPU_PAGED if kernels.available() else BackendKind.TORCH
+    assert select_backend(torch.device("cpu")).kind is expected
+    monkeypatch.setattr(kernels, "available", lambda: False)  # no compiler: the torch paths
+    assert select_backend(torch.device("cpu"), torch.bfloat16).kind is BackendKind.TORCH
 
 
 def test_packed_tables_layout_and_shape() -> None:

@@ -1,0 +1,26 @@
+"""Typed entry to the C++ paged-attention kernel (`csrc/attention.cpp`).
+
+Same contract as `loom_shard.triton_attention.paged_attention_triton`: prefill chunks and
+decodes of one step in a single call, K/V read in place through block tables. A row's output
+is bit-identical whatever else is in the batch and however its prompt was chunked (issue 14).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    num_cached: torch.Tensor,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] (bfloat16 or float32, kv_layer's dtype);
+    kv_layer: [2, num_blocks, block_size, kv_heads, head_dim], contiguous;
+    block_tables: [num_seqs, max_blocks] int32; query_starts: [num_seqs + 1] int32;
+    num_cached: [num_seqs] int32 (keys before each sequence's first query).
+    Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    return torch.ops.loom.paged_attention(q, kv_layer, block_tables, query_starts, num_cached)

@@ -1,0 +1,198 @@
+// One task of the paged-attention kernel (attention.cpp): up to kMaxRows query rows of one
+// (sequence, kv head) against that sequence's keys, read in place through its block table.
+// AVX-512 path for head_dim 64 and 128 (rows held in registers), a scalar path otherwise.
+// Both visit keys in blocks of kKeyBlock from key 0 and update each row from its own values only.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "attention_simd.h"
+#include "common.h"
+
+namespace loom::attention {
+
+constexpr int kKeyBlock = 16;  // keys per online-softmax step: one AVX-512 vector of scores
+constexpr int kMaxRows = 6;    // query rows per task: 6 x 4 float32 accumulators fit the registers
+
+struct Geometry {
+  int64_t num_heads, kv_heads, head_dim, group, block_size, max_blocks;
+  int64_t v_offset;  // elements from a key to its value (kv_layer's first stride)
+  float scale;
+};
+
+struct Task {
+  int64_t seq, kv_head, first_row, rows;
+  int64_t keys;  // keys its last row sees
+};
+
+template <typename T>
+struct TaskView {
+  const T* q;
+  const T* kv;
+  T* out;
+  const int32_t* table;  // this sequence's block table
+  int64_t query_start, num_cached;
+
+  const T* key(const Geometry& g, int64_t kv_head, int64_t j) const {
+    const int64_t slot = static_cast<int64_t>(table[j / g.block_size]) * g.block_size + j % g.block_size;
+    return kv + (slot * g.kv_heads + kv_head) * g.head_dim;
+  }
+  // Offset of a task row (token * group + g) in q and out.
+  int64_t row_offset(const Geometry& g, int64_t kv_head, int64_t row) const {
+    const int64_t head = kv_head * g.group + row % g.group;
+    return ((query_start + row / g.group) * g.num_heads + head) * g.head_dim;
+  }
+  int64_t row_limit(const Geometry& g, int64_t row) const { return num_cached + row / g.group + 1; }
+};
+
+template <typename T>
+void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = loom::from_float<T>(src[i]);
+}
+
+// ---- scalar path: any head_dim, any CPU ------------------------------------------------------
+
+template <typename T>
+void attend_scalar(const TaskView<T>& v, const Geometry& g, const Task& task) {
+  const int64_t hd = g.head_dim;
+  for (int64_t i = 0; i < task.rows; ++i) {
+    const int64_t row = task.first_row + i, limit = v.row_limit(g, row);
+    const T* qrow = v.q + v.row_offset(g, task.kv_head, row);
+    std::vector<float> q(hd), acc(hd, 0.0f);
+    for (int64_t d = 0; d < hd; ++d) q[d] = loom::to_float(qrow[d]) * g.scale;
+    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    for (int64_t b = 0; b < limit; b += kKeyBlock) {
+      const int64_t n = std::min<int64_t>(kKeyBlock, limit - b);
+      float s[kKeyBlock], block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = v.key(g, task.kv_head, b + j);
+        float lanes[loom::kLanes] = {0};
+        for (int64_t d = 0; d < hd; ++d) lanes[d % loom::kLanes] = std::fma(q[d], loom::to_float(k[d]), lanes[d % loom::kLanes]);
+        s[j] = loom::sum_lanes(lanes);
+        block_max = std::max(block_max, s[j]);
+      }
+      const float m_new = std::max(m, block_max);
+      const float alpha = std::isinf(m) ? 0.0f : std::exp(m - m_new);
+      float p_sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) p_sum += (s[j] = std::exp(s[j] - m_new));
+      l = std::fma(l, alpha, p_sum);
+      for (int64_t d = 0; d < hd; ++d) acc[d] *= alpha;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* val = v.key(g, task.kv_head, b + j) + g.v_offset;
+        for (int64_t d = 0; d < hd; ++d) acc[d] = std::fma(s[j], loom::to_float(val[d]), acc[d]);
+      }
+      m = m_new;
+    }
+    for (int64_t d = 0; d < hd; ++d) acc[d] /= l;
+    store_row(v.out + v.row_offset(g, task.kv_head, row), acc.data(), hd);
+  }
+}
+
+// ---- AVX-512 path: head_dim = 16 * D, R rows in registers -------------------------------------
+#ifdef __AVX512F__
+
+// One row's online-softmax step over a block: scores in, probabilities out (0 where not visible).
+inline void softmax_step(__m512 scores, int64_t visible, float& m, float& l, float* p, __m512* acc, int D) {
+  const __mmask16 mask = visible >= kKeyBlock ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
+  const float m_new = std::max(m, _mm512_mask_reduce_max_ps(mask, scores));
+  const float alpha = std::isinf(m) ? 0.0f : _mm512_cvtss_f32(simd::exp16(_mm512_set1_ps(m - m_new)));
+  const __m512 probs = _mm512_maskz_mov_ps(mask, simd::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+  l = std::fma(l, alpha, _mm512_reduce_add_ps(probs));
+  _mm512_store_ps(p, probs);
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int d = 0; d < D; ++d) acc[d] = _mm512_mul_ps(acc[d], a);
+  m = m_new;
+}
+
+template <typename T, int D, int R>
+void attend_avx512(const TaskView<T>& v, const Geometry& g, const Task& task) {
+  alignas(64) float q[R][16 * D];
+  alignas(64) float p[R][kKeyBlock];
+  __m512 lanes[R][kKeyBlock];
+  __m512 acc[R][D];
+  int64_t limit[R];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = task.first_row + r;
+    const T* src = v.q + v.row_offset(g, task.kv_head, row);
+    for (int d = 0; d < 16 * D; ++d) q[r][d] = loom::to_float(src[d]) * g.scale;
+    limit[r] = v.row_limit(g, row);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[r][d] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < task.keys; b += kKeyBlock) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, task.keys - b));
+    // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below.
+    for (int j = 0; j < nk; ++j) {
+      const T* kp = v.key(g, task.kv_head, b + j);
+      __m512 k[D];
+#pragma GCC unroll 8
+      for (int d = 0; d < D; ++d) k[d] = simd::load16(kp + 16 * d);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        __m512 s = _mm512_mul_ps(_mm512_load_ps(q[r]), k[0]);
+#pragma GCC unroll 8
+        for (int d = 1; d < D; ++d) s = _mm512_fmadd_ps(_mm512_load_ps(q[r] + 16 * d), k[d], s);
+        lanes[r][j] = s;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = nk; j < kKeyBlock; ++j) lanes[r][j] = _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const int64_t visible = limit[r] - b;
+      if (visible <= 0) {  // this row's keys ended in an earlier block: it adds exact zeros
+        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        continue;
+      }
+      softmax_step(simd::reduce16(lanes[r]), visible, m[r], l[r], p[r], acc[r], D);
+    }
+    // P.V: keys in ascending order, one FMA per (row, key, 16 dims).
+    for (int j = 0; j < nk; ++j) {
+      const T* vp = v.key(g, task.kv_head, b + j) + g.v_offset;
+      __m512 val[D];
+#pragma GCC unroll 8
+      for (int d = 0; d < D; ++d) val[d] = simd::load16(vp + 16 * d);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r][j]);
+#pragma GCC unroll 8
+        for (int d = 0; d < D; ++d) acc[r][d] = _mm512_fmadd_ps(pj, val[d], acc[r][d]);
+      }
+    }
+  }
+  alignas(64) float result[16 * D];
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(l[r]);
+    for (int d = 0; d < D; ++d) _mm512_store_ps(result + 16 * d, _mm512_div_ps(acc[r][d], inv));
+    store_row(v.out + v.row_offset(g, task.kv_head, task.first_row + r), result, 16 * D);
+  }
+}
+
+template <typename T, int D>
+void attend_rows(const TaskView<T>& v, const Geometry& g, const Task& task) {
+  switch (task.rows) {
+    case 1: return attend_avx512<T, D, 1>(v, g, task);
+    case 2: return attend_avx512<T, D, 2>(v, g, task);
+    case 3: return attend_avx512<T, D, 3>(v, g, task);
+    case 4: return attend_avx512<T, D, 4>(v, g, task);
+    case 5: return attend_avx512<T, D, 5>(v, g, task);
+    default: return attend_avx512<T, D, kMaxRows>(v, g, task);
+  }
+}
+#endif  // __AVX512F__
+
+template <typename T>
+void attend(const TaskView<T>& v, const Geometry& g, const Task& task) {
+#ifdef __AVX512F__
+  if (g.head_dim == 64) return attend_rows<T, 4>(v, g, task);
+  if (g.head_dim == 128) return attend_rows<T, 8>(v, g, task);
+#endif
+  attend_scalar(v, g, task);
+}
+
+}  // namespace loom::attention

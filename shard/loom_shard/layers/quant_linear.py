@@ -1,0 +1,125 @@
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized, bf16 or float32 activations.
+
+With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles (float32
+accumulation, a fixed reduction order per output: rows are batch-invariant). Without them, Q4_1 runs
+on torch's int4pack CPU kernel (groups of 32; also batch-invariant) and Q8_0 is dequantized to the
+activations' dtype, so a shard without a compiler still serves the same model.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom_shard import kernels
+
+BLOCK = 32  # inputs per GGUF quantization block
+
+
+class QuantKind(enum.Enum):
+    """GGUF block formats kept quantized; value: bytes per block of 32."""
+
+    Q4_1 = 20  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
+    Q8_0 = 34  # fp16 d, 32 int8: w = d q
+
+
+@dataclass(slots=True)
+class QuantSource:
+    """A quantized weight [out_features, in_features] as the GGUF stores it: raw blocks, one row each."""
+
+    kind: QuantKind
+    raw: torch.Tensor  # uint8 [out_features, in_features / 32 * bytes per block]
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.raw.shape[0]
+
+    @staticmethod
+    def cat(parts: list[QuantSource]) -> QuantSource:
+        """Row concatenation (fused projections); every part must have the same kind and width."""
+        first = parts[0]
+        if any(p.kind is not first.kind or p.in_features != first.in_features for p in parts):
+            raise ValueError("cannot fuse quantized weights of different kinds or widths")
+        return QuantSource(first.kind, torch.cat([p.raw for p in parts]), first.in_features)
+
+    def rows(self, index: torch.Tensor | slice) -> QuantSource:
+        return QuantSource(self.kind, self.raw[index].contiguous(), self.in_features)
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q as int16 [N, K], d float32 [N, K/32], m float32 [N, K/32] or None) from the raw blocks."""
+        n, nb = self.out_features, self.in_features // BLOCK
+        blocks = self.raw.reshape(n, nb, self.kind.value)
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float().reshape(n, nb)
+        if self.kind is QuantKind.Q8_0:
+            return blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1), d, None
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float().reshape(n, nb)
+        nibbles = blocks[..., 4:].to(torch.int16)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # element j low nibble, j + 16 high
+        return q.reshape(n, -1), d, m
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features], as gguf-py's dequantize computes it."""
+        q, d, m = self.blocks()
+        w = q.float().reshape(self.out_features, -1, BLOCK) * d[..., None]
+        if m is not None:
+            w = w + m[..., None]
+        return w.reshape(self.out_features, self.in_features)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ bias) with W quantized. Buffers are not persistent: the state dict keeps only the bias."""
+
+    def __init__(self, source: QuantSource, bias: torch.Tensor | None, dtype: torch.dtype,
+                 use_kernels: bool | None = None) -> None:
+        super().__init__()
+        self.kind = source.kind
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.uses_kernels = kernels.available() if use_kernels is None else use_kernels
+        # Tensors are integer typed so that Module.to(dtype) leaves them alone.
+        if self.uses_kernels:
+            repack = {QuantKind.Q4_1: torch.ops.loom.qlinear_repack_q4_1, QuantKind.Q8_0: torch.ops.loom.qlinear_repack_q8_0}
+            packed, scales = repack[source.kind](source.raw.contiguous(), source.in_features)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales", scales.view(torch.int16), persistent=False)
+        elif source.kind is QuantKind.Q4_1:
+            packed, scales_zeros = _int4pack(source)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales", scales_zeros.view(torch.int32), persistent=False)
+        else:
+            self.register_buffer("packed", source.dequantize().to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_kernels:
+            return torch.ops.loom.qlinear(x, self.packed, self.scales.view(torch.float16), self.out_features, self.bias)
+        if self.kind is QuantKind.Q4_1:
+            shape = x.shape
+            x2 = x.reshape(-1, self.in_features)
+            scales = self.scales.view(torch.float32).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, BLOCK, scales)
+            y = y.reshape(*shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return F.linear(x, self.packed.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        backend = "loom kernels" if self.uses_kernels else "torch"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name}, {backend}"
+
+
+def _int4pack(source: QuantSource) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's int4pack CPU layout: w = (q - 8) scale + zero, so Q4_1's d q + m is scale d, zero m + 8 d."""
+    q, d, m = source.blocks()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
+    return packed, scales_zeros
+
+
+def raw_source(kind: QuantKind, raw: np.ndarray, in_features: int) -> QuantSource:
+    """A QuantSource owning a copy of the GGUF bytes (the file's memory map stays read-only)."""
+    return QuantSource(kind, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features)

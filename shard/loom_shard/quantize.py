@@ -1,0 +1,79 @@
+"""`--quantize auto`: a GGUF's quantized projections stay quantized in QuantLinear modules.
+
+The loader hands over raw blocks by Hugging Face name; here they are fused as the model fuses its
+projections (q/k/v, gate/up) and swapped in for the model's nn.Linear before the rest loads. A
+fused group whose parts are not all quantized alike is dequantized back into the state dict, so
+any GGUF still loads (only the uniform groups run quantized).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from loom_shard.layers.quant_linear import QuantLinear, QuantSource
+from loom_shard.models.llama import _FUSED
+
+log = logging.getLogger(__name__)
+
+_PART_OF = {f".{part}": f".{fused}" for fused, parts in _FUSED.items() for part in parts if part.endswith("weight")}
+
+
+def install_quant_linears(
+    model: nn.Module, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor], dtype: torch.dtype
+) -> int:
+    """Swap in a QuantLinear for each (fused) quantized weight; returns how many. Groups that cannot
+    run quantized go back into `weights` dequantized to `dtype`."""
+    groups: dict[str, list[tuple[str, QuantSource]]] = {}
+    for name, source in quantized.items():
+        suffix = next((s for s in _PART_OF if name.endswith(s)), None)
+        target = name.removesuffix(suffix) + _PART_OF[suffix] if suffix else name
+        groups.setdefault(target.removeprefix("model."), []).append((name, source))
+    swapped = 0
+    for target, parts in groups.items():
+        expected = _expected_parts(target)
+        names = [n for n, _ in parts]
+        try:
+            ordered = [dict(parts)[n] for n in expected] if set(names) == set(expected) else None
+            source = QuantSource.cat(ordered) if ordered else None
+        except ValueError:
+            source = None
+        if source is None:
+            log.info("%s: parts quantized differently; dequantized to %s", target, dtype)
+            weights.update({n: s.dequantize().to(dtype) for n, s in parts})
+            continue
+        _swap(model, target.removesuffix(".weight"), source, dtype)
+        swapped += 1
+    return swapped
+
+
+def _expected_parts(target: str) -> list[str]:
+    """The Hugging Face names whose rows make up `target` (one name when it is not fused)."""
+    for fused, parts in _FUSED.items():
+        if target.endswith(fused):
+            prefix = "model." + target.removesuffix(fused)
+            return [prefix + p for p in parts]
+    return [target if target == "lm_head.weight" else "model." + target]
+
+
+def _swap(model: nn.Module, path: str, source: QuantSource, dtype: torch.dtype) -> None:
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    linear = getattr(parent, child)
+    if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != (
+            source.out_features, source.in_features):
+        raise ValueError(f"{path}: a quantized weight [{source.out_features}, {source.in_features}] does not fit")
+    bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+    setattr(parent, child, QuantLinear(source, bias, dtype))
+
+
+def quantized_summary(model: nn.Module) -> str:
+    """"Q4_1 x120, Q8_0 x1 (loom kernels)" or "none": what model info reports."""
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not mods:
+        return "none"
+    kinds = sorted({m.kind.name for m in mods})
+    counts = ", ".join(f"{k} x{sum(m.kind.name == k for m in mods)}" for k in kinds)
+    return f"{counts} ({'loom kernels' if mods[0].uses_kernels else 'torch int4pack'})"

@@ -1,0 +1,109 @@
+"""QuantLinear and loom::qlinear against the dequantized float reference (issue 15, lever 1).
+
+Weights are real GGUF blocks made by gguf-py's quantizer from random floats; the reference is
+gguf-py's own dequantization multiplied in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from loom_shard import kernels
+from loom_shard.layers.quant_linear import QuantKind, QuantLinear, QuantSource, raw_source
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels are not built here")
+KINDS = [QuantKind.Q4_1, QuantKind.Q8_0]
+
+
+def make_source(kind: QuantKind, out_features: int, in_features: int, seed: int = 0) -> tuple[QuantSource, torch.Tensor]:
+    """Random weights quantized by gguf-py; returns the blocks and their float64 dequantization."""
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal((out_features, in_features)) * 0.05 + 0.01).astype(np.float32)
+    raw = quantize(weights, GGMLQuantizationType[kind.name])
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind.name]).astype(np.float64))
+    return raw_source(kind, raw, in_features), reference
+
+
+def reference_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.double() @ weight.T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_source_dequantizes_like_gguf_py(kind: QuantKind) -> None:
+    source, reference = make_source(kind, 48, 96)
+    assert torch.equal(source.dequantize().double(), reference)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_matches_the_dequantized_reference(kind: QuantKind, dtype: torch.dtype) -> None:
+    source, weight = make_source(kind, 200, 160)  # 200 columns: a partial last tile of 16
+    x = torch.randn(37, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = QuantLinear(source, None, dtype)(x)
+    expected = reference_matmul(x, weight)
+    assert y.dtype == dtype and y.shape == (37, 200)
+    # bf16: the output's own rounding (2^-8 relative); float32: the activations' 16-bit split.
+    tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-4
+    assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_is_bit_identical_at_any_batch_size(kind: QuantKind, dtype: torch.dtype) -> None:
+    source, _ = make_source(kind, 96, 128)
+    layer = QuantLinear(source, None, dtype)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
+    full = layer(x)
+    for batch in (1, 7, 64):
+        for start in (0, 5, 64 - batch):
+            assert torch.equal(layer(x[start : start + batch]), full[start : start + batch]), (batch, start)
+
+
+@needs_kernels
+def test_kernel_adds_the_bias_and_keeps_leading_dims() -> None:
+    source, weight = make_source(QuantKind.Q4_1, 64, 64)
+    bias = torch.randn(64)
+    x = torch.randn(2, 3, 64)
+    y = QuantLinear(source, bias, torch.float32)(x)
+    assert y.shape == (2, 3, 64)
+    expected = reference_matmul(x.reshape(6, 64), weight, bias).reshape(2, 3, 64)
+    assert (y.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_fallback_matches_the_reference(kind: QuantKind, dtype: torch.dtype) -> None:
+    # Without the kernels: torch's int4pack for Q4_1, a dequantized matmul for Q8_0.
+    source, weight = make_source(kind, 96, 128)
+    bias = torch.randn(96)
+    layer = QuantLinear(source, bias, dtype, use_kernels=False)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = layer(x)
+    expected = reference_matmul(x, weight, bias)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_module_to_dtype_leaves_the_quantized_buffers_alone() -> None:
+    source, _ = make_source(QuantKind.Q4_1, 32, 64)
+    layer = QuantLinear(source, torch.zeros(32), torch.float32)
+    before = {name: b.clone() for name, b in layer.named_buffers()}
+    layer.to(torch.bfloat16)
+    assert all(torch.equal(before[name], b) for name, b in layer.named_buffers())
+    assert layer.bias.dtype == torch.bfloat16
+    assert set(layer.state_dict()) == {"bias"}  # packed weights are rebuilt from the GGUF, not saved
+
+
+def test_fusing_needs_one_kind_and_width() -> None:
+    q4, _ = make_source(QuantKind.Q4_1, 32, 64)
+    q8, _ = make_source(QuantKind.Q8_0, 32, 64)
+    assert QuantSource.cat([q4, q4]).out_features == 64
+    with pytest.raises(ValueError):
+        QuantSource.cat([q4, q8])
