@@ -16,6 +16,8 @@ from torch import nn
 
 from loom_proto.step import SamplingParams
 from loom_shard import kernels
+from loom_shard.attention import SeqSpan, paged_attention
+from loom_shard.attention_backend import TorchBackend, select_backend
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.rotary import RotaryEmbedding
 from loom_shard.sampler import SeqSamplingState, sample
@@ -58,6 +60,46 @@ def sampler_op(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor([[s.token_id, s.logprob] for s in out], dtype=torch.float64)
 
 
+def attention_rows(backend, spans: list[SeqSpan], q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """Attention output [tokens, heads * 64] of spans whose K/V are already in kv (rewritten unchanged)."""
+    meta = backend.build_metadata(spans, 16)
+    flat = kv.view(2, -1, kv.shape[3], kv.shape[4])
+    k, v = flat[0][meta.slot_mapping].clone(), flat[1][meta.slot_mapping].clone()
+    return paged_attention(q, k, v, kv, meta)
+
+
+def attention_cases() -> list[str]:
+    """Rows of the markdown table for the attention backends: a decode beside longer decodes
+    (padding), and a 40-token chunk computed whole or as 16 + 24."""
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 128, 16, 3, 64, generator=gen).to(torch.bfloat16)
+    target = SeqSpan(100, 1, list(range(7)))
+    q_target = torch.randn(1, 9, 64, generator=gen).to(torch.bfloat16)
+    lines = []
+    for name, backend in (("torch paths", TorchBackend(torch.device("cpu"))),
+                          ("default CPU backend", select_backend(torch.device("cpu"), torch.bfloat16))):
+        alone = attention_rows(backend, [target], q_target, kv)
+        broke, worst = "never", 0.0
+        for b in BATCHES[1:]:
+            contexts = [100 + 13 * i for i in range(1, b)]  # longer than the target: it gets padded
+            spans = [target] + [SeqSpan(c, 1, list(range(-(-(c + 1) // 16)))) for c in contexts]
+            q = torch.cat([q_target, torch.randn(b - 1, 9, 64, generator=gen).to(torch.bfloat16)])
+            out = attention_rows(backend, spans, q, kv)[:1]
+            if not torch.equal(out, alone):
+                worst = max(worst, float((out.float() - alone.float()).abs().max()))
+                broke = str(b) if broke == "never" else broke
+        lines.append(f"| decode attention bf16, {name} ({backend.kind.value}), longer decodes beside | {broke} | {worst:.3g} |")
+        chunk = SeqSpan(300, 40, list(range(22)))
+        q = torch.randn(40, 9, 64, generator=gen).to(torch.bfloat16)
+        whole = attention_rows(backend, [chunk], q, kv)
+        split = torch.cat([attention_rows(backend, [SeqSpan(300, 16, chunk.block_table)], q[:16], kv),
+                           attention_rows(backend, [SeqSpan(316, 24, chunk.block_table)], q[16:], kv)])
+        same = torch.equal(whole, split)
+        diff = 0.0 if same else float((whole.float() - split.float()).abs().max())
+        lines.append(f"| prefill attention bf16, {name}, 40 tokens whole vs 16 + 24 | {'never' if same else 'differs'} | {diff:.3g} |")
+    return lines
+
+
 def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, kernels {kernels.available()}")
@@ -91,6 +133,8 @@ def main() -> None:
     for name, op, rest, row in cases:
         broke, worst = first_break(op, row, rest)
         print(f"| {name} | {broke} | {worst:.3g} |")
+    for line in attention_cases():
+        print(line)
 
 
 if __name__ == "__main__":
