@@ -1,7 +1,8 @@
 """Issue 14 through the real launcher, in the DEFAULT dtype (bfloat16 on CPU) with the embedded
 model: a request's greedy tokens and logprobs do not depend on what else the server is doing.
 
-- 16 different greedy requests one at a time, then all at once: identical tokens; also with a
+- 16 different greedy requests one at a time, then all at once: identical tokens (with the GGUF's
+  linears kept quantized, the default, and dequantized to bfloat16); also with a
   KV budget so tight that requests are preempted (swapped and recomputed), and with prefill
   chunks of 16 tokens.
 - One prompt cold, then with its prefix cached, restored from a snapshot into a fresh server, and
@@ -61,8 +62,10 @@ def _first_difference(solo: list[list[int]], together: list[list[int]]) -> str:
     return f"{len(diffs)} of {len(solo)} differ (request, first differing token): {diffs}"
 
 
-def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLauncher) -> None:
-    server = start_launcher()
+@pytest.mark.parametrize("flags", [(), ("--quantize", "none")], ids=["default", "bf16-linears"])
+def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLauncher, flags: tuple[str, ...]) -> None:
+    """The default (quantized GGUF linears) and the bfloat16 linears' path (oneDNN, row_invariance)."""
+    server = start_launcher(*flags)
     solo, together = _solo_then_together(server)
     assert together == solo, _first_difference(solo, together)
 
