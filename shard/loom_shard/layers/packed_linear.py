@@ -47,15 +47,21 @@ class PackedLinear(nn.Module):
         return self._split_forward(x, packed)
 
     def _split_forward(self, x: torch.Tensor, packed: list[torch.Tensor]) -> torch.Tensor:
-        # Each chunk's GEMM is row-invariant; their float32 sum in a fixed order keeps it so.
-        out, start = None, 0
-        for width, weight in zip(self._chunk_widths(), packed):
-            part = torch.ops.mkldnn._linear_pointwise(x[..., start : start + width].contiguous(), weight, None, "none", [], "")
-            out = part.float() if out is None else out.add_(part)
+        # Each chunk's GEMM is row-invariant; their sum in a fixed order keeps it so. Two bfloat16
+        # parts add in float32 and round once (what torch's bfloat16 add does), so the common
+        # two-chunk case needs no float32 buffer; more chunks accumulate in float32.
+        parts, start = [], 0
+        for width, weight in zip(self._chunk_widths(), packed):  # strided slices: oneDNN reads them in place
+            parts.append(torch.ops.mkldnn._linear_pointwise(x[..., start : start + width], weight, None, "none", [], ""))
             start += width
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.to(x.dtype)
+        if len(parts) == 2:
+            out = parts[0].add_(parts[1])
+        else:
+            total = parts[0].float()
+            for part in parts[1:]:
+                total.add_(part)
+            out = total.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
 
     def _chunk_widths(self) -> list[int]:
         split = self.split_k

@@ -17,7 +17,7 @@ from loom_shard.sampler import SeqSamplingState, sample
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 BATCHES = (1, 7, 64)
-SHAPES = [(576, 960), (1536, 576), (2048, 96)]  # qkv_proj, down_proj (K > 1024), a 2-chunk K
+SHAPES = [(576, 960), (1536, 576), (2048, 96), (3072, 64)]  # qkv_proj, down_proj (K > 1024), 2 and 3 K chunks
 
 
 def _rows_of(op, batch: torch.Tensor) -> list[torch.Tensor]:  # noqa: ANN001 - any row-wise op
