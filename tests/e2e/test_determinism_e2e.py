@@ -1,0 +1,129 @@
+"""Issue 14 through the real launcher, in the DEFAULT dtype (bfloat16 on CPU) with the embedded
+model: a request's greedy tokens and logprobs do not depend on what else the server is doing.
+
+- 16 different greedy requests one at a time, then all at once: identical tokens (with the GGUF's
+  linears kept quantized, the default, and dequantized to bfloat16); also with a
+  KV budget so tight that requests are preempted (swapped and recomputed), and with prefill
+  chunks of 16 tokens.
+- One prompt cold, then with its prefix cached, restored from a snapshot into a fresh server, and
+  as choice 0 of an n=4 request whose choice_params make choice 0 greedy: identical tokens and
+  identical logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Launcher, StartLauncher
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 32
+BF16_BLOCK_BYTES = 368_640  # 30 layers x 2 x 16 tokens x 3 kv heads x 64 x 2 bytes
+PROMPTS = [f"Note {i}: the {['quiet', 'busy', 'old', 'new'][i % 4]} harbour town number {i} " + "and its boats " * (i % 5)
+           + "was known for" for i in range(16)]
+PREFIX = ("You are a careful assistant for a lighthouse museum. The museum opens at nine, shows lamps, "
+          "lenses and logbooks, and closes on Tuesdays. ") * 2
+QUESTION = "Question: what does the museum show? Answer:"
+
+
+async def _generate(client: httpx.AsyncClient, prompt: str) -> list[int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW, "details": True}}
+    response = await client.post("/generate", json=body)
+    response.raise_for_status()
+    return [t["id"] for t in response.json()["details"]["tokens"]]
+
+
+def _solo_then_together(server: Launcher) -> tuple[list[list[int]], list[list[int]]]:
+    async def run() -> tuple[list[list[int]], list[list[int]]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=900) as client:
+            solo = [await _generate(client, p) for p in PROMPTS]
+            together = await asyncio.gather(*(_generate(client, p) for p in PROMPTS))
+        return solo, list(together)
+
+    return asyncio.run(run())
+
+
+def _metric(server: Launcher, name: str) -> float:
+    """The sum over the metric's labels."""
+    lines = httpx.get(f"{server.base_url}/metrics", timeout=10).text.splitlines()
+    values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + " ", name + "{"))]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def _first_difference(solo: list[list[int]], together: list[list[int]]) -> str:
+    diffs = [(i, next((j for j, (a, b) in enumerate(zip(s, t)) if a != b), min(len(s), len(t))))
+             for i, (s, t) in enumerate(zip(solo, together)) if s != t]
+    return f"{len(diffs)} of {len(solo)} differ (request, first differing token): {diffs}"
+
+
+@pytest.mark.parametrize("flags", [(), ("--quantize", "none")], ids=["default", "bf16-linears"])
+def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLauncher, flags: tuple[str, ...]) -> None:
+    """The default (quantized GGUF linears) and the bfloat16 linears' path (oneDNN, row_invariance)."""
+    server = start_launcher(*flags)
+    solo, together = _solo_then_together(server)
+    assert together == solo, _first_difference(solo, together)
+
+
+def test_16_greedy_requests_agree_under_preemption(start_launcher: StartLauncher) -> None:
+    # ~30 prompt + 32 new tokens -> 4-5 blocks a request; 24 blocks hold ~5 of 16, and a host
+    # pool of 8 blocks makes some preemptions recompute instead of swapping.
+    server = start_launcher("--max-batch-total-tokens", "384", "--max-total-tokens", "384",
+                            "--max-input-tokens", "256", "--host-kv-cache-bytes", str(8 * BF16_BLOCK_BYTES))
+    solo, together = _solo_then_together(server)
+    assert together == solo, _first_difference(solo, together)
+    assert _metric(server, "loom_preemptions_total") > 0
+
+
+def test_16_greedy_requests_agree_with_16_token_prefill_chunks(start_launcher: StartLauncher) -> None:
+    server = start_launcher("--max-batch-prefill-tokens", "16")
+    solo, together = _solo_then_together(server)
+    assert together == solo, _first_difference(solo, together)
+
+
+def _complete(server: Launcher, prompt_ids: list[int], **extra: object) -> dict:
+    body = {"prompt": prompt_ids, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": 1, **extra}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _answer(body: dict, choice: int = 0) -> tuple[list[str], list[float]]:
+    picked = next(c for c in body["choices"] if c["index"] == choice)
+    return picked["logprobs"]["tokens"], picked["logprobs"]["token_logprobs"]
+
+
+def _post(server: Launcher, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=600)
+
+
+def test_cold_cached_restored_and_forked_prompts_agree(start_launcher: StartLauncher, e2e_dir: Path) -> None:
+    folder = e2e_dir / "determinism-snapshots"
+    first = start_launcher("--snapshot-dir", str(folder))
+    prefix_ids = [t["id"] for t in _post(first, "/tokenize", {"inputs": PREFIX}).json()]
+    prompt_ids = prefix_ids + [t["id"] for t in _post(first, "/tokenize", {"inputs": QUESTION}).json()]
+    cold = _complete(first, prompt_ids)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = _complete(first, prompt_ids)
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    forked = _complete(first, prompt_ids, n=4, seed=3, choice_params=[
+        {"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.3}])
+    saved = _post(first, "/snapshots/museum?action=save", {"token_ids": prefix_ids})
+    assert saved.status_code == 200, saved.text
+    first.stop()
+
+    fresh = start_launcher("--snapshot-dir", str(folder))
+    restored = _post(fresh, "/snapshots/museum?action=restore")
+    assert restored.status_code == 200, restored.text
+    from_snapshot = _complete(fresh, prompt_ids)
+    assert from_snapshot["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    reference = _answer(cold)
+    assert _answer(cached) == reference, "prefix-cached answer differs from the cold one"
+    assert _answer(forked, 0) == reference, "choice 0 of n=4 differs from the cold answer"
+    assert _answer(from_snapshot) == reference, "snapshot-restored answer differs from the cold one"
