@@ -6,8 +6,6 @@ running requests, run one forward over the mixed batch, sample, fork.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,7 +37,7 @@ from loom_shard.kv_cache import (
     blocks_for_tokens,
 )
 from loom_shard.layers.packed_linear import pack_linears
-from loom_shard.models import build_model
+from loom_shard.model_setup import default_dtype, keep_freed_memory_mapped, load_model, resolve_device
 from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
 from loom_shard.quantize import quantized_summary
@@ -85,7 +83,7 @@ class ModelRunner:
         self.device = resolve_device(config.device, config.rank)
         self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(self.device.type)
         if model is None:
-            model, self.weights_hash = _load_model(config, self.dtype, self.device)
+            model, self.weights_hash = load_model(config, self.dtype, self.device)
         else:
             self.weights_hash = "unhashed"
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -414,74 +412,3 @@ def _prompt_logprobs(logits: torch.Tensor, scheduled: list[_Scheduled], logprob_
         logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
         result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
     return result
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def keep_freed_memory_mapped() -> bool:
-    """Have glibc keep freed buffers of up to 32 MB for reuse instead of unmapping them.
-
-    A CPU step frees and reallocates the same multi-MB temporaries in every layer (K/V
-    gathers, logits); each one unmapped and mapped again page-faults on first write:
-    7-10 ms of system time per batch-32 decode step (bench/BENCHMARKS.md, Engine).
-    Process-wide; returns False where there is no glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20))
-
-
-def resolve_device(device: str, rank: int) -> torch.device:
-    """"auto" is cuda when a GPU is visible, else cpu; rank r uses GPU r of the visible ones."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
-
-
-def default_dtype(device: str) -> torch.dtype:
-    """The dtype a shard runs in when none is configured.
-
-    CPU: bfloat16, measured faster than float32 on AVX-512-bf16 (bench/BENCHMARKS.md, Engine).
-    CUDA: bfloat16 (same speed as float16 on tensor cores, no overflow risk).
-    """
-    return torch.bfloat16
-
-
-def _keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
-    """--quantize auto runs quantized weights on the CPU with one rank; otherwise they are dequantized."""
-    if config.quantize == "none":
-        return False
-    if config.world_size > 1 or device.type != "cpu":
-        log.info("--quantize auto: quantized weights are dequantized to the dtype (kept quantized only on "
-                 "the CPU with one rank)")
-        return False
-    return True
-
-
-def _load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
-    from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
-
-    if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
-        from loom_shard.tensor_parallel import build_rank_model, rank_slice
-
-        keep = functools.partial(rank_slice, rank=config.rank, world_size=config.world_size)
-        model_config, weights = load_model_weights(config.model_id, dtype, keep=keep)
-        model = build_rank_model(model_config, weights, config.rank, config.world_size)
-    else:
-        quantized: dict = {} if _keeps_quantized(config, device) else None
-        model_config, weights = load_model_weights(config.model_id, dtype, quantized=quantized)
-        if quantized:  # built on meta: the dense projections it replaces are never allocated
-            from loom_shard.quantize import install_quant_linears
-
-            with torch.device("meta"):
-                model = build_model(model_config)
-            install_quant_linears(model, quantized, weights, dtype)
-            model.load_weights(weights, assign=True)
-        else:
-            model = build_model(model_config)
-            model.load_weights(weights)
-    del weights
-    return model.to(device=device, dtype=dtype), weights_hash(config.model_id)

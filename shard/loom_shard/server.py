@@ -305,7 +305,7 @@ def init_distributed(config: ShardConfig) -> None:
     import torch  # only here: the server itself does not need torch
     import torch.distributed as dist
 
-    from loom_shard.runner import resolve_device
+    from loom_shard.model_setup import resolve_device
 
     backend = "gloo"
     device = resolve_device(config.device, config.rank)

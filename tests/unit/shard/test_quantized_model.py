@@ -111,12 +111,12 @@ def test_embedded_model_quantized_stays_close_to_dequantized(dtype: str) -> None
 
 
 def test_quantized_weights_stay_only_on_one_cpu_rank(caplog: pytest.LogCaptureFixture) -> None:
-    from loom_shard.runner import _keeps_quantized
+    from loom_shard.model_setup import keeps_quantized
 
     cpu = torch.device("cpu")
-    assert _keeps_quantized(ShardConfig(uds_path=""), cpu)
-    assert not _keeps_quantized(ShardConfig(uds_path="", quantize="none"), cpu)
+    assert keeps_quantized(ShardConfig(uds_path=""), cpu)
+    assert not keeps_quantized(ShardConfig(uds_path="", quantize="none"), cpu)
     with caplog.at_level("INFO"):
-        assert not _keeps_quantized(ShardConfig(uds_path="", world_size=2), cpu)
-        assert not _keeps_quantized(ShardConfig(uds_path=""), torch.device("cuda", 0))
+        assert not keeps_quantized(ShardConfig(uds_path="", world_size=2), cpu)
+        assert not keeps_quantized(ShardConfig(uds_path=""), torch.device("cuda", 0))
     assert "dequantized to the dtype" in caplog.text
