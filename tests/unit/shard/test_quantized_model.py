@@ -12,11 +12,12 @@ from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from loom_proto.config import ShardConfig
+from loom_shard.attention import SeqSpan
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
 from loom_shard.quantize import quantized_summary
 from loom_shard.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
-from tests.unit.shard.test_embedded_parity import loom_greedy
+from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
@@ -100,14 +101,30 @@ def test_safetensors_models_are_unaffected(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_embedded_model_quantized_stays_close_to_dequantized(dtype: str) -> None:
-    # Closeness, as MODEL-NOTES asks of non-reference numerics: greedy agreement on most of the
-    # first tokens, and the chosen tokens' logprobs close while they agree.
-    tokens, logprobs = loom_greedy(dtype, 16, quantize="auto")
-    expected, expected_logprobs = loom_greedy(dtype, 16, quantize="none")
-    agreed = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(tokens))
-    assert agreed >= 12, (tokens, expected)
-    tolerance = 0.15 if dtype == "bfloat16" else 0.01
-    assert max(abs(a - b) for a, b in zip(logprobs[:agreed], expected_logprobs[:agreed])) < tolerance
+    # Closeness, as MODEL-NOTES asks of non-reference numerics, judged teacher-forced: both models
+    # read the reference's own greedy continuation, so one near-tie (which in bfloat16 sends free
+    # greedy runs apart for good) counts as one position, not as every later one.
+    expected, _ = loom_greedy(dtype, 16, quantize="none")
+    sequence = PROMPT + expected
+    reference = teacher_forced_logprobs(dtype, "none", sequence)
+    quantized = teacher_forced_logprobs(dtype, "auto", sequence)
+    agree = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+    chosen = torch.tensor(expected)
+    gap = (reference.gather(1, chosen[:, None]) - quantized.gather(1, chosen[:, None])).abs().max().item()
+    assert gap < (0.15 if dtype == "bfloat16" else 0.01), gap
+
+
+def teacher_forced_logprobs(dtype: str, quantize: str, sequence: list[int]) -> torch.Tensor:
+    """Log-probabilities [generated, vocab] the embedded model gives after each prefix of sequence."""
+    runner = ModelRunner(ShardConfig(model_id="", uds_path="", dtype=dtype, block_size=16, quantize=quantize))
+    runner.warmup(max_prefill_tokens=64, max_batch_total_tokens=256)
+    num_blocks = -(-len(sequence) // 16)
+    meta = runner.attention.build_metadata([SeqSpan(0, len(sequence), list(range(num_blocks)))], 16)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(sequence), runner.kv_cache.device_blocks, meta)
+        logprobs = runner.model.compute_logits(hidden).log_softmax(-1)
+    return logprobs[len(PROMPT) - 1 : -1]
 
 
 def test_quantized_weights_stay_only_on_one_cpu_rank(caplog: pytest.LogCaptureFixture) -> None:
