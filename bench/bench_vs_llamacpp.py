@@ -20,14 +20,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-from common import REPO, free_port, launcher, machine
+from common import REPO, free_port, launcher, machine, serving
 
 from loom_bench import datasets
 from loom_bench.backends import BACKENDS, BackendOptions
@@ -59,30 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def llama_server(binary: Path, args: list[str], timeout_s: float = 300.0) -> Iterator[str]:
     """Start llama-server with the embedded GGUF on a free port; yield its base URL once healthy."""
     port = free_port()
-    log_path = Path(tempfile.mktemp(prefix="llama-server-", suffix=".log"))
     cmd = [str(binary), "-m", str(embedded_model_path()), *args, "--host", "127.0.0.1", "--port", str(port)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not _healthy(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not start:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    return False
+    with serving(cmd, port, "llama-server", timeout_s) as url:
+        yield url
 
 
 def peer_version(binary: Path) -> str:

@@ -44,22 +44,27 @@ def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[str]:
     """Start `loom-launcher` on a free port with `flags`; yield its base URL."""
     port = free_port()
     uds = tempfile.mktemp(prefix="loom-bench-")
-    log_path = Path(tempfile.mktemp(prefix="loom-bench-", suffix=".log"))
     cmd = [sys.executable, "-m", "loom_launcher.cli", "--port", str(port), "--hostname", "127.0.0.1",
            "--shard-uds-path", uds, *flags]
+    with serving(cmd, port, "launcher", timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, name: str, timeout_s: float) -> Iterator[str]:
+    """Run a server process (output to a log file) until its /health answers 200; yield its base
+    URL, then stop it. Raises, with the log's tail, when it exits or times out first."""
+    log_path = Path(tempfile.mktemp(prefix=f"loom-bench-{name}-", suffix=".log"))
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout_s
-            while True:
+            while not _healthy(url):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"launcher exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"launcher not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+                    raise RuntimeError(f"{name} not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.5)
             yield url
         finally:
@@ -68,6 +73,12 @@ def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[str]:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    return False
 
 
 @dataclass(slots=True)

@@ -23,6 +23,8 @@ import httpx
 import openai
 import pytest
 
+from tests.otlp_collector import collector  # noqa: F401 (a fixture: the stand-in OTLP collector)
+
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 # Small limits keep warmup (one step of max-batch-prefill-tokens) and the KV pool small, so a

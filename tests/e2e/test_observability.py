@@ -11,16 +11,16 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from conftest import Launcher, StartLauncher, free_port
+
+from tests.otlp_collector import Collector
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -85,35 +85,12 @@ def test_bench_sweep_agrees_with_metrics(launcher: Launcher, tmp_path: Path) -> 
     assert (tmp_path / "sweep.png").read_bytes().startswith(PNG_MAGIC)
 
 
-@pytest.fixture
-def trace_paths() -> Iterator[tuple[str, list[str]]]:
-    """A stand-in OpenTelemetry collector: records the paths of the OTLP/HTTP posts it gets."""
-    paths: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            self.rfile.read(int(self.headers["Content-Length"]))
-            paths.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", paths
-    server.shutdown()
-    server.server_close()
-
-
 def test_compare_prints_ratios_and_second_server_logs_json(launcher: Launcher, start_launcher: StartLauncher,
-                                                           tmp_path: Path, trace_paths: tuple[str, list[str]]) -> None:
+                                                           tmp_path: Path, collector: Collector) -> None:
     metrics_port = free_port()
-    collector, posts = trace_paths
+    collector_url, posts = collector
     other = start_launcher("--json-output", "true", "--prometheus-port", str(metrics_port),
-                           "--otlp-endpoint", collector)
+                           "--otlp-endpoint", collector_url)
     done = run_bench("--base-url", launcher.base_url, "--compare", other.base_url, "--num-prompts", "2",
                      "--concurrency", "1", "--result-file", str(tmp_path / "compare.json"))
     assert f"ratios {other.base_url} / {launcher.base_url}" in done.stdout
@@ -126,7 +103,7 @@ def test_compare_prints_ratios_and_second_server_logs_json(launcher: Launcher, s
              if '"target": "loom.requests"' in line]
     assert len(lines) == 2 and all(line["fields"]["num_generated_tokens"] > 0 for line in lines)
     assert other.stop() == 0  # the router flushes its spans on the way out
-    assert posts and set(posts) == {"/v1/traces"}
+    assert posts and {path for path, _ in posts} == {"/v1/traces"}
 
 
 # ---- a real Prometheus --------------------------------------------------------------------

@@ -11,14 +11,14 @@ import pytest
 from conftest import StartLauncher
 from test_snapshots_e2e import save_tiny_llama
 
-from tests.otlp_collector import Collector, attrs, by_name, collector, exported_spans  # noqa: F401 (a fixture)
+from tests.otlp_collector import Collector, attrs, by_name, exported_spans
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extras are part of the test extras")
 
 
 @pytest.mark.slow
 def test_two_ranks_trace_each_step_under_the_routers_span(start_launcher: StartLauncher, e2e_dir: Path,
-                                                          collector: Collector) -> None:  # noqa: F811
+                                                          collector: Collector) -> None:
     url, received = collector
     # A tiny random Llama (2 kv heads) splits over 2 shards; the embedded model does not.
     model = save_tiny_llama(e2e_dir / "tiny-llama-tracing")
