@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from loom_shard.attention import SeqSpan, blocked_causal_attention, paged_attention
-from loom_shard.attention_backend import CpuPagedBackend, TorchBackend
+from loom_shard.attention_backend import BackendKind, PagedBackend, TorchBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 SHAPES = [(512, 0), (2000, 0), (512, 1500), (16, 2000)]  # (chunk_len, num_cached)
@@ -92,7 +92,7 @@ def bench_paged(rounds: int) -> None:
     if not kernels.available():
         raise SystemExit("Loom's CPU kernels could not be built here")
     backends = {"torch": TorchBackend(torch.device("cpu")),
-                "cpu_paged": CpuPagedBackend(torch.device("cpu"), paged_attention_cpu)}
+                "cpu_paged": PagedBackend(torch.device("cpu"), paged_attention_cpu, BackendKind.CPU_PAGED)}
     block_size, rng = 16, torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         for case, computes in PAGED_CASES.items():

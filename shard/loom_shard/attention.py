@@ -47,7 +47,7 @@ class DecodeBatch:
 
 @dataclass(slots=True)
 class PagedTables:
-    """A paged kernel's view of the step (`loom_shard.attention_backend.TritonPagedBackend`)."""
+    """A paged kernel's view of the step (`loom_shard.attention_backend.PagedBackend`)."""
 
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     query_starts: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query token

@@ -2,9 +2,10 @@
 
 - `TorchBackend` (CPU, and CUDA without triton): the measured blocked-prefill and
   gather-decode paths of `loom_shard.attention`.
-- `CpuPagedBackend` (CPU, when Loom's C++ kernels build): one C++ kernel with the Triton
-  kernel's contract (`loom_shard.cpu_attention`), batch- and chunk-invariant (issue 14).
-- `TritonPagedBackend` (CUDA): one Triton kernel for prefill chunks and decodes that reads
+- `PagedBackend` with `BackendKind.CPU_PAGED` (CPU, when Loom's C++ kernels build): one C++
+  kernel with the Triton kernel's contract (`loom_shard.cpu_attention`), batch- and
+  chunk-invariant (issue 14).
+- `PagedBackend` with `BackendKind.TRITON` (CUDA): one Triton kernel for prefill chunks and decodes that reads
   K/V blocks in place through block tables (`loom_shard.triton_attention`). Its step tables
   travel to the GPU as one int32 transfer; positions and slots are derived there, so the same
   code runs inside a captured CUDA graph (`loom_shard.cuda_graphs`).
@@ -108,28 +109,19 @@ def paged_metadata(packed: torch.Tensor, shape: StepShape, block_size: int, kern
 
 
 @dataclass(slots=True)
-class TritonPagedBackend:
-    device: torch.device
-    kernel: PagedKernel
-    kind: BackendKind = BackendKind.TRITON
-
-    def build_metadata(self, spans: list[SeqSpan], block_size: int) -> AttentionMetadata:
-        packed, shape = pack_step_tables(spans, block_size)
-        # Pinned, so the single copy is asynchronous and the host goes on launching kernels.
-        device_packed = packed.pin_memory().to(self.device, non_blocking=True)
-        return paged_metadata(device_packed, shape, block_size, self.kernel)
-
-
-@dataclass(slots=True)
-class CpuPagedBackend:
-    """The same packed tables as `TritonPagedBackend`, kept on the host for the C++ kernel."""
+class PagedBackend:
+    """One paged kernel (Triton on CUDA, Loom's C++ on CPU) for prefill chunks and decodes,
+    reading K/V blocks in place through the packed step tables."""
 
     device: torch.device
     kernel: PagedKernel
-    kind: BackendKind = BackendKind.CPU_PAGED
+    kind: BackendKind
 
     def build_metadata(self, spans: list[SeqSpan], block_size: int) -> AttentionMetadata:
         packed, shape = pack_step_tables(spans, block_size)
+        if self.device.type == "cuda":
+            # Pinned, so the single copy is asynchronous and the host goes on launching kernels.
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
         return paged_metadata(packed, shape, block_size, self.kernel)
 
 
@@ -145,7 +137,7 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> At
     except ImportError as error:
         log.warning("triton unavailable (%s): CUDA attention falls back to the torch gather path", error)
         return TorchBackend(device)
-    return TritonPagedBackend(device, _triton_kernel(paged_attention_triton))
+    return PagedBackend(device, _triton_kernel(paged_attention_triton), BackendKind.TRITON)
 
 
 def _triton_kernel(fn) -> PagedKernel:  # noqa: ANN001 - the triton launcher
@@ -164,4 +156,4 @@ def _cpu_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBa
     if not kernels.available():
         log.warning("Loom's CPU kernels are unavailable: CPU attention uses the torch gather path")
         return TorchBackend(device)
-    return CpuPagedBackend(device, cpu_attention.paged_attention_cpu)
+    return PagedBackend(device, cpu_attention.paged_attention_cpu, BackendKind.CPU_PAGED)

@@ -10,13 +10,13 @@ import torch
 
 from loom_shard import kernels
 from loom_shard.attention import SeqSpan
-from loom_shard.attention_backend import BackendKind, CpuPagedBackend, select_backend
+from loom_shard.attention_backend import BackendKind, PagedBackend, select_backend
 from loom_shard.cpu_attention import paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels could not be built here")
 
 HEADS, KV_HEADS = 9, 3  # SmolLM2-135M's grouped-query shape (group of 3)
-BACKEND = CpuPagedBackend(torch.device("cpu"), paged_attention_cpu)
+BACKEND = PagedBackend(torch.device("cpu"), paged_attention_cpu, BackendKind.CPU_PAGED)
 
 
 def make_cache(num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
