@@ -11,7 +11,7 @@ import torch
 
 from loom_proto.embedded import EMBEDDED_FILE_NAME, EmbeddedModelMissing, embedded_model_path, is_default_model_id
 from loom_shard.layers.quant_linear import QuantSource
-from loom_shard.loader_common import KeepFn, ModelLoadError, ProgressFn, expected_shapes, stderr_progress
+from loom_shard.loader_common import ModelLoadError, PartFn, ProgressFn, expected_shapes, stderr_progress
 from loom_shard.loader_gguf import gguf_config, load_gguf_weights, open_gguf
 from loom_shard.loader_hf import config_from_hf, load_hf_config, load_hf_weights, safetensors_files
 from loom_shard.model_config import ModelConfig
@@ -58,23 +58,23 @@ def load_model_config(model_id: str) -> ModelConfig:
 
 
 def load_model_weights(
-    model_id: str, dtype: torch.dtype, progress: ProgressFn | None = stderr_progress, keep: KeepFn | None = None,
+    model_id: str, dtype: torch.dtype, progress: ProgressFn | None = stderr_progress, part: PartFn | None = None,
     quantized: dict[str, QuantSource] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and every tensor the model needs, in `dtype`, with Hugging Face names.
 
     Tied models have no "lm_head.weight". Progress lines go to `progress` (stderr by default).
-    keep(name, tensor) cuts each tensor as soon as it is read (a tensor-parallel rank's slice),
-    so host memory holds only what is kept, plus one whole tensor at a time.
+    part(name, shape) names the part of a tensor to read (a tensor-parallel rank's slice): only
+    that part's bytes are read and converted, so host memory holds only the rank's share.
     quantized: GGUF projection weights in a format QuantLinear runs go there, kept quantized.
     """
     path = resolve_model_path(model_id)
     if path.is_dir():
         config = load_hf_config(path)
-        return config, load_hf_weights(path, config, dtype, progress, keep)
+        return config, load_hf_weights(path, config, dtype, progress, part)
     reader = open_gguf(path)
     config = gguf_config(path, reader)
-    return config, load_gguf_weights(path, reader, config, dtype, progress, keep, quantized)
+    return config, load_gguf_weights(path, reader, config, dtype, progress, part, quantized)
 
 
 def weights_hash(model_id: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -96,5 +97,21 @@ class LoadProgress:
             self._progress(message)
 
 
-# (Hugging Face name, whole tensor) -> the part to keep; see loader.load_model_weights
-KeepFn = Callable[[str, torch.Tensor], torch.Tensor]
+@dataclass(slots=True, frozen=True)
+class Part:
+    """Indices [start, stop) along `dim` of a tensor: the part of it a tensor-parallel rank reads."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def index(self) -> tuple[slice, ...]:
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[self.index()].contiguous()
+
+
+# (Hugging Face name, its whole shape) -> the part to read, None for all of it; see
+# loader.load_model_weights
+PartFn = Callable[[str, tuple[int, ...]], Part | None]

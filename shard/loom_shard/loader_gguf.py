@@ -9,14 +9,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from loom_shard.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 from loom_shard.layers.quant_linear import QuantKind, QuantSource, raw_source
 from loom_shard.loader_common import (
-    KeepFn,
     LoadProgress,
     ModelLoadError,
+    Part,
+    PartFn,
     ProgressFn,
     check_names,
     check_shape,
@@ -166,9 +168,10 @@ def llama3_rope_factors(
 
 def load_gguf_weights(
     path: Path, reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None,
-    keep: KeepFn | None = None, quantized: dict[str, QuantSource] | None = None,
+    part: PartFn | None = None, quantized: dict[str, QuantSource] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory.
+    """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory;
+    where `part` names a part of a tensor, only that part's blocks are read and dequantized.
 
     quantized: when given, projection weights in a kept format (Q4_1, Q8_0) go there as raw blocks
     instead (Q/K rows unpermuted), and a tied embedding also goes there as "lm_head.weight".
@@ -188,10 +191,11 @@ def load_gguf_weights(
             if target == name:
                 report.tensor_done(done)
                 continue
-        weight = _to_torch(path, reader, tensor, dtype).reshape(shape)
+        cut = part(name, shape) if part else None
+        weight = _to_torch(path, reader, tensor, dtype, cut).reshape(cut_shape(shape, cut))
         if config.architecture == "LlamaForCausalLM":
             weight = _unpermute_qk(name, weight, config)
-        tensors[name] = keep(name, weight) if keep else weight
+        tensors[name] = weight
         report.tensor_done(done)
     report.finish(tensors)
     return tensors
@@ -218,24 +222,44 @@ def _unpermute_qk_source(name: str, source: QuantSource, config: ModelConfig) ->
     return QuantSource(source.kind, _unpermute_qk(name, source.raw, config).contiguous(), source.in_features)
 
 
-def _to_torch(path: Path, reader: GGUFFile, tensor: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+def cut_shape(shape: tuple[int, ...], cut: Part | None) -> tuple[int, ...]:
+    if cut is None:
+        return shape
+    return shape[: cut.dim] + (cut.stop - cut.start,) + shape[cut.dim + 1 :]
+
+
+def _to_torch(path: Path, reader: GGUFFile, tensor: TensorInfo, dtype: torch.dtype, cut: Part | None) -> torch.Tensor:
+    raw, rest = _raw_part(reader.raw_data(tensor), tensor, cut)
     try:
-        array = dequantize(reader.raw_data(tensor), tensor.tensor_type)
+        array = dequantize(raw, tensor.tensor_type)
     except (NotImplementedError, ValueError) as error:
         raise ModelLoadError(path, f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}") from None
     if not array.flags.writeable:  # an unquantized tensor is a view of the read-only memory map
         array = array.copy()
-    return torch.from_numpy(array).to(dtype)
+    weight = torch.from_numpy(array).to(dtype)
+    return rest.take(weight.reshape(tensor.shape[::-1])) if rest else weight
+
+
+def _raw_part(raw: np.ndarray, tensor: TensorInfo, cut: Part | None) -> tuple[np.ndarray, Part | None]:
+    """The raw rows / blocks holding `cut` ([rows, bytes per row] as gguf's dequantize takes them),
+    and what is left to cut after dequantizing (a cut inside a quantization block, a 1-D tensor)."""
+    if cut is None or len(tensor.shape) != 2:
+        return raw, cut
+    if cut.dim == 0:  # whole rows: only their bytes are read from the memory map
+        return raw[cut.start : cut.stop], None
+    block_size, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    if cut.start % block_size or cut.stop % block_size:
+        return raw, cut
+    # columns: the same run of blocks out of every row
+    start, stop = cut.start // block_size * type_size, cut.stop // block_size * type_size
+    return np.ascontiguousarray(raw[:, start:stop]), None
 
 
 def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Undoes convert_hf_to_gguf.py's permute, which interleaves each head's rotary halves."""
-    if name.endswith("self_attn.q_proj.weight"):
-        num_heads = config.num_heads
-    elif name.endswith("self_attn.k_proj.weight"):
-        num_heads = config.num_kv_heads
-    else:
+    if not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
         return weight
     rows, cols = weight.shape
+    num_heads = rows // config.head_dim  # a tensor-parallel rank reads whole heads: fewer of them
     # [heads, head_dim/2, 2, cols] (GGUF order) -> [heads, 2, head_dim/2, cols] (Hugging Face order)
     return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)

@@ -12,9 +12,10 @@ from safetensors import safe_open
 
 from loom_shard.loader_common import (
     SUPPORTED_ARCHITECTURES,
-    KeepFn,
     LoadProgress,
     ModelLoadError,
+    Part,
+    PartFn,
     ProgressFn,
     check_names,
     check_shape,
@@ -113,9 +114,10 @@ def load_hf_config(folder: Path) -> ModelConfig:
 
 
 def load_hf_weights(
-    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None, keep: KeepFn | None = None
+    folder: Path, config: ModelConfig, dtype: torch.dtype, progress: ProgressFn | None, part: PartFn | None = None
 ) -> dict[str, torch.Tensor]:
-    """The tensors the config needs, read file by file and converted to `dtype` one at a time."""
+    """The tensors the config needs, read file by file and converted to `dtype` one at a time;
+    where `part` names a part of a tensor, only that part's bytes are read."""
     names_by_file = _tensor_files(folder)
     shapes = expected_shapes(config)
     check_names(folder, config, names_by_file)
@@ -127,9 +129,7 @@ def load_hf_weights(
     for file, names in files.items():
         with _open_safetensors(file) as handle:
             for name in names:
-                tensor = _read_tensor(handle, file, name)
-                check_shape(file, name, tuple(tensor.shape), shapes[name])
-                tensors[name] = (keep(name, tensor) if keep else tensor).to(dtype)
+                tensors[name] = _read_tensor(handle, file, name, shapes[name], part).to(dtype)
                 report.tensor_done(len(tensors))
     report.finish(tensors)
     return {name: tensors[name] for name in shapes}
@@ -175,8 +175,16 @@ def _open_safetensors(file: Path) -> Any:
         raise ModelLoadError(file, f"damaged safetensors file: {error}") from None
 
 
-def _read_tensor(handle: Any, file: Path, name: str) -> torch.Tensor:
+def _read_tensor(
+    handle: Any, file: Path, name: str, expected: tuple[int, ...], part: PartFn | None
+) -> torch.Tensor:
     try:
-        return handle.get_tensor(name)
+        lazy = handle.get_slice(name)  # reads nothing until indexed
+        shape = tuple(lazy.get_shape())
+        check_shape(file, name, shape, expected)
+        cut: Part | None = part(name, shape) if part else None
+        return lazy[cut.index()] if cut else lazy[:]
+    except ModelLoadError:
+        raise
     except Exception as error:
         raise ModelLoadError(file, f"cannot read tensor {name}: {error}") from None

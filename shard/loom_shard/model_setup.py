@@ -64,10 +64,10 @@ def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) ->
     from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
 
     if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
-        from loom_shard.tensor_parallel import build_rank_model, rank_slice
+        from loom_shard.tensor_parallel import build_rank_model, rank_part
 
-        keep = functools.partial(rank_slice, rank=config.rank, world_size=config.world_size)
-        model_config, weights = load_model_weights(config.model_id, dtype, keep=keep)
+        part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size)
+        model_config, weights = load_model_weights(config.model_id, dtype, part=part)
         model = build_rank_model(model_config, weights, config.rank, config.world_size)
     else:
         quantized: dict = {} if keeps_quantized(config, device) else None

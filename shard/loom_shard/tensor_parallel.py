@@ -7,8 +7,8 @@ gathered, so every rank samples from the same full rows); norms stay replicated.
 that N does not divide stays replicated.
 
 Loading (`build_rank_model`): the model is built and sharded on the `meta` device, the
-loader keeps only this rank's slice of each tensor as it reads it (`rank_slice`), and only
-those slices are moved to the rank's device.
+loader reads only this rank's slice of each tensor from the file (`rank_part`: safetensors
+slices, GGUF rows or blocks before dequantizing), and only those slices reach the rank's device.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom_shard.layers.mlp import GatedMLP
+from loom_shard.loader_common import Part
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.llama import Attention, LlamaModel
@@ -28,21 +29,23 @@ _ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input columns split
 _VOCAB_PARALLEL = frozenset({"model.embed_tokens.weight", "lm_head.weight"})  # vocabulary rows split
 
 
-def rank_slice(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's part of one Hugging Face tensor: the same cuts `apply_tensor_parallel` makes
-    (fusing the column-parallel parts afterwards gives each part's chunk, in order)."""
+def rank_part(name: str, shape: tuple[int, ...], rank: int, world_size: int) -> Part | None:
+    """This rank's part of one Hugging Face tensor (None: replicated): the same cuts
+    `apply_tensor_parallel` makes (fusing the column-parallel parts afterwards gives each
+    part's chunk, in order)."""
     module = name.split(".")[-2]
-    if name in _VOCAB_PARALLEL and tensor.shape[0] % world_size == 0:
-        return tensor.chunk(world_size, dim=0)[rank].clone()
-    if module in _COLUMN_PARALLEL:
-        return tensor.chunk(world_size, dim=0)[rank].clone()  # clone: the whole tensor can go
-    if module in _ROW_PARALLEL:
-        return tensor.chunk(world_size, dim=1)[rank].clone()
-    return tensor
+    if module in _COLUMN_PARALLEL or (name in _VOCAB_PARALLEL and shape[0] % world_size == 0):
+        dim = 0
+    elif module in _ROW_PARALLEL:
+        dim = 1
+    else:
+        return None
+    size = shape[dim] // world_size
+    return Part(dim, rank * size, (rank + 1) * size)
 
 
 def build_rank_model(config: ModelConfig, rank_weights: dict[str, torch.Tensor], rank: int, world_size: int) -> LlamaModel:
-    """The rank's model from weights already cut by `rank_slice`: built and sharded on `meta`
+    """The rank's model from weights already cut by `rank_part`: built and sharded on `meta`
     (no memory, no random init), then the slices are assigned in place."""
     with torch.device("meta"):
         model = apply_tensor_parallel(build_model(config), rank, world_size)

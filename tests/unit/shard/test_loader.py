@@ -256,18 +256,23 @@ def test_transformers5_rope_parameters_are_read() -> None:
 
 
 @pytest.mark.parametrize("source", ["folder", pytest.param("embedded", marks=pytest.mark.slow)])
-def test_a_rank_keeps_only_its_slices_while_loading(tmp_path: Path, source: str) -> None:
+def test_a_rank_reads_only_its_slices(tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from functools import partial
 
-    from loom_shard.tensor_parallel import rank_slice
+    import loom_shard.loader_gguf as loader_gguf
+    from loom_shard.tensor_parallel import rank_part
 
     model_id = ""
     if source == "folder":
         save_tiny(tmp_path, LlamaForCausalLM, LlamaConfig(**TINY))
         model_id = str(tmp_path)
+    read: list[int] = []  # GGUF: the bytes of each tensor handed to dequantize
+    real_dequantize = loader_gguf.dequantize
+    monkeypatch.setattr(loader_gguf, "dequantize", lambda raw, kind: (read.append(raw.size), real_dequantize(raw, kind))[1])
     _, whole = load_model_weights(model_id, torch.float32, progress=None)
+    whole_bytes, read = sum(read), []
     ws = 3 if source == "embedded" else 2  # SmolLM2 has 3 kv heads
-    _, mine = load_model_weights(model_id, torch.float32, progress=None, keep=partial(rank_slice, rank=1, world_size=ws))
+    _, mine = load_model_weights(model_id, torch.float32, progress=None, part=partial(rank_part, rank=1, world_size=ws))
     q, o = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     assert torch.equal(mine[q], whole[q].chunk(ws, dim=0)[1])
     assert torch.equal(mine[o], whole[o].chunk(ws, dim=1)[1])
@@ -275,3 +280,5 @@ def test_a_rank_keeps_only_its_slices_while_loading(tmp_path: Path, source: str)
     assert torch.equal(mine[embed], whole[embed].chunk(ws, dim=0)[1])
     assert torch.equal(mine["model.norm.weight"], whole["model.norm.weight"])  # replicated
     assert sum(t.numel() for t in mine.values()) < sum(t.numel() for t in whole.values())
+    if source == "embedded":  # Q4_1/Q8_0 blocks: only the rank's rows or blocks are dequantized
+        assert sum(read) < 1.01 * whole_bytes / ws  # (plus the small replicated norms)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loom_shard.tensor_parallel import apply_tensor_parallel, build_rank_model, rank_slice
+from loom_shard.loader import load_model_weights
+from loom_shard.tensor_parallel import apply_tensor_parallel, build_rank_model, rank_part
 from tests.unit.shard.conftest import SeqChunk, make_cache, make_pair, random_tokens, run_chunks
 
 WORLD_SIZE = 2
@@ -51,7 +54,11 @@ def test_two_ranks_match_one(kind: str) -> None:
 
 
 def _rank_weights(pair, rank: int) -> dict[str, torch.Tensor]:
-    return {name: rank_slice(name, t, rank, WORLD_SIZE) for name, t in pair.hf.state_dict().items()}
+    weights = {}
+    for name, tensor in pair.hf.state_dict().items():
+        part = rank_part(name, tuple(tensor.shape), rank, WORLD_SIZE)
+        weights[name] = part.take(tensor) if part else tensor
+    return weights
 
 
 def test_rank_model_is_built_on_meta_and_holds_only_its_slices() -> None:
@@ -70,23 +77,26 @@ def test_rank_model_is_built_on_meta_and_holds_only_its_slices() -> None:
         assert torch.equal(mine, expected), name
 
 
-def _rank_main_loaded(rank: int, port: int, results: dict) -> None:
+def _rank_main_loaded(rank: int, port: int, folder: str, results: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
-        pair = make_pair("llama")
-        model = build_rank_model(pair.config, _rank_weights(pair, rank), rank, WORLD_SIZE)
+        part = functools.partial(rank_part, rank=rank, world_size=WORLD_SIZE)
+        config, weights = load_model_weights(folder, torch.float32, progress=None, part=part)
+        model = build_rank_model(config, weights, rank, WORLD_SIZE)
         results[rank] = torch.cat(run_chunks(model, make_cache(model, block_size=4, num_blocks=8), _chunks()))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ranks_loaded_slice_by_slice_match_one() -> None:
+def test_ranks_loaded_slice_by_slice_match_one(tmp_path: Path) -> None:
+    """Each rank reads its slices from a safetensors folder through the real loader."""
     pair = make_pair("llama")
+    pair.hf.save_pretrained(tmp_path)
     expected = torch.cat(run_chunks(pair.loom, make_cache(pair.loom, 4, 8), _chunks()))
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main_loaded, args=(_free_port(), results), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_rank_main_loaded, args=(_free_port(), str(tmp_path), results), nprocs=WORLD_SIZE, join=True)
         for rank in range(WORLD_SIZE):
             torch.testing.assert_close(results[rank], expected, rtol=1e-4, atol=1e-4)
