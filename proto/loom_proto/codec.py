@@ -30,6 +30,7 @@ from loom_proto.step import (
     StepPlan,
     StepResult,
     TokenLogprob,
+    TokenSample,
     WarmupResult,
 )
 
@@ -107,6 +108,7 @@ def _running_request_to_pb(r: RunningRequest) -> pb.RunningRequest:
         num_compute=r.num_compute,
         new_block_ids=r.new_block_ids,
         forks=[_fork_to_pb(f) for f in r.forks],
+        draft_token_ids=r.draft_token_ids,
     )
 
 
@@ -135,6 +137,9 @@ def _seq_output_to_pb(o: SeqOutput) -> pb.SeqOutput:
         logprob=o.logprob,
         top_tokens=[_flat_to_pb(t) for t in o.top_tokens],
         prompt_logprobs=o.prompt_logprobs,
+        draft_samples=[pb.TokenSample(token_id=d.token_id, logprob=d.logprob,
+                                      top_tokens=[_flat_to_pb(t) for t in d.top_tokens])
+                       for d in o.draft_samples],
     )
 
 
@@ -192,6 +197,7 @@ def _running_request_from_pb(m: pb.RunningRequest) -> RunningRequest:
         num_compute=m.num_compute,
         new_block_ids=list(m.new_block_ids),
         forks=[_fork_from_pb(f) for f in m.forks],
+        draft_token_ids=list(m.draft_token_ids),
     )
 
 
@@ -217,6 +223,8 @@ def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
         logprob=_optional(m, "logprob"),
         top_tokens=[from_pb(t) for t in m.top_tokens],
         prompt_logprobs=list(m.prompt_logprobs),
+        draft_samples=[TokenSample(d.token_id, d.logprob, [from_pb(t) for t in d.top_tokens])
+                       for d in m.draft_samples],
     )
 
 

@@ -13,6 +13,17 @@ A sequence's tokens, and what one step computes of them:
 The shard samples a token for a sequence only when the step computes up to the
 end of its known tokens (`num_cached + num_compute == len(token_ids)`); a
 prefill chunk that stops earlier just fills the cache.
+
+Speculative decoding (prompt lookup): a decoding `RunningRequest` may carry
+`draft_token_ids`, k tokens guessed to follow its last sampled token. The step then
+computes that token plus the k drafts (num_compute == 1 + k) and the shard samples
+at every one of those positions, position j as if drafts[:j] had been sampled
+(its generated-token index, penalties and seed draw follow). Both sides then keep
+the drafts that equal the sample before them plus the first sample that differs
+(`accepted_drafts`): the tokens plain decoding would have produced. The KV of the
+rejected drafts is garbage that later steps overwrite; both sides advance
+num_cached by 1 + accepted and cut the block table to the blocks covering the
+known tokens (`blocks_after_verify`), so block tables stay equal.
 """
 
 from __future__ import annotations
@@ -85,6 +96,8 @@ class RunningRequest:
     num_compute: int  # next prefill chunk, or 1 to decode the last sampled token
     new_block_ids: list[int] = field(default_factory=list)  # appended to its block table
     forks: list[Fork] = field(default_factory=list)  # when this chunk completes a prompt sent earlier
+    # Speculative decoding: tokens guessed to follow the last sampled one (num_compute == 1 + len).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -112,6 +125,15 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class TokenSample:
+    """A token sampled at one drafted position (speculative decoding)."""
+
+    token_id: int
+    logprob: float
+    top_tokens: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class SeqOutput:
     """What a step produced for one sequence."""
 
@@ -120,6 +142,28 @@ class SeqOutput:
     logprob: float | None
     top_tokens: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # for computed prompt positions >= 1
+    # With draft_token_ids: the sample after each draft, in order (one per draft). token_id is the
+    # sample before the first draft; samples after the first rejected draft mean nothing.
+    draft_samples: list[TokenSample] = field(default_factory=list)
+
+
+def accepted_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
+    """How many leading drafts a verify step accepts: draft j stands while it equals the token
+    sampled at the position before it (sampled_token_ids[j]). The tokens kept are
+    sampled_token_ids[:accepted + 1]: the accepted drafts and one more, the first sample that
+    differed (or the sample after the last draft when every draft stood)."""
+    accepted = 0
+    for draft, sampled in zip(draft_token_ids, sampled_token_ids):
+        if draft != sampled:
+            break
+        accepted += 1
+    return accepted
+
+
+def blocks_after_verify(num_tokens: int, num_blocks: int, block_size: int) -> int:
+    """The blocks a sequence keeps after a verify step that left it with num_tokens known tokens:
+    those covering them (its next step's writes); blocks only rejected drafts reached go back."""
+    return min(num_blocks, -(-num_tokens // block_size))
 
 
 @dataclass(slots=True)

@@ -47,6 +47,9 @@ class PlanCheck:
             if request_id not in seen:
                 raise ValueError(f"request {request_id}: an allowed-token mask for a request not in the step")
             check_mask(request_id, mask)
+        drafted = [r.request_id for r in plan.running_requests if r.draft_token_ids]
+        if any(request_id in plan.allowed_token_masks for request_id in drafted):
+            raise ValueError("drafts for a constrained request: its mask holds for one position only")
 
     @staticmethod
     def _fresh_id(request_id: int, kept: set[int], seen: set[int]) -> None:
@@ -67,8 +70,21 @@ class PlanCheck:
 
     def _running(self, running: RunningRequest, state: RequestState) -> None:
         rid = running.request_id
-        self._compute(rid, state.num_computed, running.num_compute, len(state.token_ids))
+        drafts = running.draft_token_ids
+        if drafts:
+            self._drafts(running, state)
+        self._compute(rid, state.num_computed, running.num_compute, len(state.token_ids) + len(drafts))
         self._blocks(rid, state.block_table + running.new_block_ids, state.num_computed + running.num_compute)
+
+    def _drafts(self, running: RunningRequest, state: RequestState) -> None:
+        """Drafts ride only on a plain decode: the last sampled token plus the guesses."""
+        rid, drafts = running.request_id, running.draft_token_ids
+        if state.num_computed != len(state.token_ids) - 1 or running.num_compute != 1 + len(drafts):
+            raise ValueError(f"request {rid}: drafts need a decode step computing 1 + {len(drafts)} tokens")
+        if running.forks:
+            raise ValueError(f"request {rid}: drafts and forks in one step")
+        if min(drafts) < 0 or max(drafts) >= self.vocab_size:
+            raise ValueError(f"request {rid}: draft token id outside the vocabulary of {self.vocab_size}")
 
     @staticmethod
     def _compute(rid: int, num_cached: int, num_compute: int, num_tokens: int) -> None:

@@ -42,6 +42,7 @@ from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
 from loom_shard.quantize import quantized_summary
 from loom_shard.sampler import Sample, SeqSamplingState, sample
+from loom_shard.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
@@ -63,6 +64,7 @@ class RequestState:
 class _Scheduled:
     state: RequestState
     num_compute: int
+    num_drafts: int = 0  # speculative decoding: the chunk's last num_drafts tokens are guesses
 
     @property
     def reaches_end(self) -> bool:
@@ -225,7 +227,8 @@ class ModelRunner:
             state = self.requests[running.request_id]
             state.block_table.extend(running.new_block_ids)
             state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
-            scheduled.append(_Scheduled(state, running.num_compute))
+            state.token_ids.extend(running.draft_token_ids)  # replaced by the kept samples (commit)
+            scheduled.append(_Scheduled(state, running.num_compute, len(running.draft_token_ids)))
         # Prefill chunks first, decodes last: the attention batches all decodes in one call.
         return sorted(scheduled, key=lambda s: s.num_compute == 1)
 
@@ -253,15 +256,16 @@ class ModelRunner:
             self._mark_sampling(phases)
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
-        samples = self._sample(logits, [sample_rows[i] for i, _ in finishing], [s.state for _, s in finishing], masks)
+        samples = self._verify_sample(logits, [(sample_rows[i], s) for i, s in finishing], masks)
         outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
-        for (i, s), smp in zip(finishing, samples):
-            outputs[i] = _output(s.state.request_id, smp, prompt_logprobs[i])
+        for (i, s), smps in zip(finishing, samples):
+            outputs[i] = _output(s.state.request_id, smps[0], prompt_logprobs[i])
+            outputs[i].draft_samples = draft_samples(smps)
         for s in scheduled:
-            s.state.num_computed += s.num_compute
+            s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
         fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)
-        for (i, s), smp in zip(finishing, samples):
-            s.state.token_ids.append(smp.token_id)
+        for (i, s), smps in zip(finishing, samples):
+            commit(s.state, s.num_drafts, smps, self.block_size)
         return outputs + fork_outputs
 
     def _mark_sampling(self, phases: StepPhases) -> None:
@@ -290,6 +294,19 @@ class ModelRunner:
         sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens, masks.get(s.request_id))
                            for s in states]
         return sample(_select_rows(logits, rows), sampling_states)
+
+    def _verify_sample(self, logits: torch.Tensor, finishing: list[tuple[int | None, _Scheduled]],
+                       masks: dict[int, bytes]) -> list[list[Sample]]:
+        """Sample every finishing sequence: one token, or one per verified position (drafts)."""
+        rows: list[int] = []
+        states: list[SeqSamplingState] = []
+        for row, s in finishing:
+            assert row is not None
+            rows.extend(range(row, row + s.num_drafts + 1))
+            states.extend(sampling_states(s.state, s.num_drafts, masks.get(s.state.request_id)))
+        if not rows:
+            return []
+        return regroup(sample(_select_rows(logits, rows), states), [s.num_drafts + 1 for _, s in finishing])
 
     def _fork_all(
         self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None],
@@ -379,7 +396,8 @@ def _logit_rows(scheduled: list[_Scheduled]) -> tuple[list[int], list[int | None
     """Which flat-batch tokens need logits.
 
     Returns the token indices to compute, and per sequence the logits row it samples
-    from (None when its chunk stops early) and the rows of its prompt logprobs.
+    from (None when its chunk stops early; with drafts, that row and the next num_drafts)
+    and the rows of its prompt logprobs.
     """
     rows: list[int] = []
     sample_rows: list[int | None] = []
@@ -393,9 +411,9 @@ def _logit_rows(scheduled: list[_Scheduled]) -> tuple[list[int], list[int | None
         logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
         rows.extend(offset + q - first for q in scored)
         sample_row = None
-        if s.reaches_end:
+        if s.reaches_end:  # its last token's logits, after each of its drafts' before them
             sample_row = len(rows)
-            rows.append(offset + s.num_compute - 1)
+            rows.extend(offset + s.num_compute - 1 - d for d in range(s.num_drafts, -1, -1))
         sample_rows.append(sample_row)
         offset += s.num_compute
     return rows, sample_rows, logprob_rows
