@@ -15,6 +15,7 @@ from loom_proto.step import (
     StepPlan,
     StepResult,
     TokenLogprob,
+    TokenSample,
     WarmupResult,
 )
 
@@ -82,6 +83,9 @@ def round_trip(obj):
         SamplingParams(seed=1),  # every optional filter None, defaults elsewhere
         Fork(request_id=1, sampling=SamplingParams(seed=3), block_table=[4, 2]),
         RunningRequest(request_id=5, num_compute=3, new_block_ids=[1, 2]),
+        RunningRequest(request_id=6, num_compute=4, new_block_ids=[3], draft_token_ids=[0, 9, 9]),
+        SeqOutput(request_id=6, token_id=4, logprob=-0.5, draft_samples=[
+            TokenSample(0, -0.25, [TokenLogprob(0, -0.25), TokenLogprob(8, -2.0)]), TokenSample(7, 0.0)]),
         TokenLogprob(token_id=17, logprob=-0.125),
         SeqOutput(request_id=1, token_id=None, logprob=None),
         SeqOutput(
@@ -146,7 +150,7 @@ def test_every_step_dataclass_has_a_message_with_the_same_fields():
     from loom_proto import step
 
     classes = [c for c in vars(step).values() if dataclasses.is_dataclass(c) and c.__module__ == step.__name__]
-    assert len(classes) == 10
+    assert len(classes) == 11
     for cls in classes:
         message = getattr(pb, cls.__name__)
         assert {f.name for f in dataclasses.fields(cls)} == set(message.DESCRIPTOR.fields_by_name), cls.__name__
