@@ -122,6 +122,11 @@ class RouterFlags(ModelFlags):
     overlap_steps: bool = Field(
         False, description="plan and send the next decode step while the shards compute the current one "
         "(one step of lookahead; same tokens)")
+    speculate: int = Field(0, ge=0, description="tokens drafted per decode step by prompt lookup (n-gram "
+                           "speculative decoding, verified in the same step; same tokens); 0: off. Not combined "
+                           "with --overlap-steps (speculation then stays off)")
+    speculate_ngram_max: Positive = Field(3, description="longest n-gram looked up for drafts (--speculate)")
+    speculate_ngram_min: Positive = Field(1, description="shortest n-gram looked up for drafts (--speculate)")
 
     @field_validator("api_key", "cors_allow_origin", mode="before")
     @classmethod
@@ -140,6 +145,9 @@ class RouterFlags(ModelFlags):
         elif total is not None and self.max_batch_prefill_tokens > total:
             raise ValueError(f"max_batch_prefill_tokens ({self.max_batch_prefill_tokens}) must not exceed "
                              f"max_batch_total_tokens ({total})")
+        if self.speculate_ngram_min > self.speculate_ngram_max:
+            raise ValueError(f"speculate_ngram_min ({self.speculate_ngram_min}) must not exceed "
+                             f"speculate_ngram_max ({self.speculate_ngram_max})")
         if (self.max_input_tokens is not None and self.max_total_tokens is not None
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be below "

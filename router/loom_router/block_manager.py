@@ -339,6 +339,13 @@ class BlockManager:
         seq.block_table.extend(new_ids)
         return new_ids
 
+    def trim(self, seq: Sequence, num_keep: int) -> None:
+        """Give back seq's blocks past its first num_keep: those only rejected drafts reached
+        (past every computed token, so never hashed; the shard drops the same ones)."""
+        for block_id in reversed(seq.block_table[num_keep:]):
+            self._release_block(block_id)
+        del seq.block_table[num_keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give child the parent's prompt: shared full blocks, its own block for a partial last one.
 

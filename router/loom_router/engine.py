@@ -27,6 +27,7 @@ from loom_router.lookahead import AheadRole, InFlight, plan_ahead
 from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
 from loom_router.shard_client import ShardError
+from loom_router.speculate import SpeculateConfig, Speculator, generated_counts
 from loom_router.stream import DONE, GenerationStream
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import (
@@ -108,9 +109,22 @@ class Engine(RequestBook):
             max_batch_prefill_tokens=self.config.max_batch_prefill_tokens,
             max_batch_total_tokens=self.max_batch_total_tokens,
         ))
+        self._start_speculation()
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens), %d host blocks",
                  warm.num_blocks, warm.block_size, self.max_batch_total_tokens, warm.num_host_blocks)
         self._loop_task = asyncio.create_task(self._run(), name="loom-engine")
+
+    def _start_speculation(self) -> None:
+        config = self.config
+        if not config.speculate:
+            return
+        if config.overlap_steps:  # a step planned ahead cannot know how many drafts the one before kept
+            log.warning("--speculate %d is off: --overlap-steps is on", config.speculate)
+            return
+        assert self.scheduler is not None
+        self.scheduler.speculator = Speculator(
+            SpeculateConfig(config.speculate, config.speculate_ngram_min, config.speculate_ngram_max),
+            self._draft_limit)
 
     async def stop(self, drain_timeout_s: float = 60.0) -> None:
         """Graceful drain: refuse new work, let in-flight requests finish, stop the loop."""
@@ -323,9 +337,11 @@ class Engine(RequestBook):
         discard = {seq.seq_id for seq in finishing}
         self._ahead_ids = ahead.seq_ids if ahead is not None else set()
         if result is not None:
-            for seq, out in self.scheduler.update(plan, result):
+            updates = self.scheduler.update(plan, result)
+            counts = generated_counts(updates) if self.scheduler.speculator else itertools.repeat(None)
+            for (seq, out), num_generated in zip(updates, counts):
                 if seq.seq_id not in discard:
-                    self._postprocess(seq, out)
+                    self._postprocess(seq, out, num_generated)
         for seq in finishing:
             self.scheduler.finish(seq)
 

@@ -93,7 +93,8 @@ class RequestBook:
     def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
         if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
             return
-        prefill = bool(plan.new_requests) or any(r.num_compute > 1 for r in plan.running_requests)
+        prefill = bool(plan.new_requests) or any(r.num_compute > 1 + len(r.draft_token_ids)
+                                                 for r in plan.running_requests)
         record = StepRecord(
             method="prefill" if prefill else "decode", ok=result is not None, duration_s=duration_s,
             forward_s=result.forward_ms / 1000.0 if result is not None else None,
@@ -105,23 +106,29 @@ class RequestBook:
     def _group_of(self, seq_id: int) -> int:
         return seq_id // self.config.max_n
 
-    def _postprocess(self, seq: Sequence, out: SeqOutput) -> None:
-        """Turn one sampled token into a ChoiceEvent: detokenize, check stops, finish."""
+    def _postprocess(self, seq: Sequence, out: SeqOutput, num_generated: int | None = None) -> None:
+        """Turn one sampled token into a ChoiceEvent: detokenize, check stops, finish.
+
+        num_generated: the sequence's generated count with this token, when a verify step
+        appended several at once (--speculate); tokens after one that finished it are dropped.
+        """
         active = self._active.get(seq.group.group_id)
-        if active is None:
+        if active is None or seq.is_finished:
             return
+        if num_generated is None:
+            num_generated = seq.num_generated
         if active.params.prompt_logprobs and seq.index == 0:
             active.prompt_logprobs.extend(out.prompt_logprobs)
         if out.token_id is None:
             return
-        if seq.index == 0 and seq.num_generated == 1:
+        if seq.index == 0 and num_generated == 1:
             self._record_prompt(active, out)
         token_id = out.token_id
         self._counters.generated_tokens += 1
         text = active.texts[seq.seq_id]
         delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
         emitted, stopped = text.stop.feed(delta)
-        reason = self._finish_reason(seq, active.params, token_id, stopped)
+        reason = self._finish_reason(num_generated, active.params, token_id, stopped)
         if self._grammar_ended(active, seq, token_id) and reason is None:
             reason = FinishReason.EOS  # the grammar allows nothing more: the output is complete
         if reason is not None and reason is not FinishReason.STOP:
@@ -137,9 +144,18 @@ class RequestBook:
             special=self.tokenizer.is_special(token_id),
             top_tokens=out.top_tokens,
         )
-        active.stream.put(ChoiceEvent(seq.index, token, emitted, reason, seq.num_generated))
+        active.stream.put(ChoiceEvent(seq.index, token, emitted, reason, num_generated))
         if reason is not None:
+            del seq.output_ids[num_generated:]  # a verify step's tokens past the stop never happened
             self._finish(active, seq, reason)
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """Tokens seq may draft this step (--speculate): none for constrained requests (a grammar
+        mask holds for one position) or held blocks; never past max_new_tokens."""
+        active = self._active.get(seq.group.group_id)
+        if active is None or active.hold_blocks or active.matchers:
+            return 0
+        return active.params.max_new_tokens - seq.num_generated - 1
 
     def _matcher_of(self, seq_id: int) -> Matcher | None:
         active = self._active.get(self._group_of(seq_id))
@@ -155,13 +171,13 @@ class RequestBook:
             return True
         return matcher.is_finished
 
-    def _finish_reason(self, seq: Sequence, params: GenerationParams, token_id: int,
+    def _finish_reason(self, num_generated: int, params: GenerationParams, token_id: int,
                        stopped: bool) -> FinishReason | None:
         if stopped:
             return FinishReason.STOP
         if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return FinishReason.EOS
-        if seq.num_generated >= params.max_new_tokens:
+        if num_generated >= params.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -227,6 +243,9 @@ class RequestBook:
             stats.prompt_tokens_cached = s.prompt_tokens_cached
             stats.preemptions_swap = s.preemptions_swap
             stats.preemptions_recompute = s.preemptions_recompute
+            if self.scheduler.speculator is not None:
+                spec = self.scheduler.speculator.stats
+                stats.spec_draft_tokens, stats.spec_accepted_tokens = spec.draft_tokens, spec.accepted_tokens
             stats.swapped_bytes = s.swapped_blocks * self._bytes_per_block()
             blocks = self.scheduler.block_manager
             stats.num_host_blocks_total = blocks.num_host_blocks

@@ -72,6 +72,10 @@ class EngineStatsCollector(Collector):
                        s.prompt_tokens_cached)
         yield _counter("loom_generated_tokens", "Tokens generated", s.generated_tokens)
         yield _counter("loom_steps", "Engine steps run on the shards", s.steps)
+        yield _counter("loom_spec_draft_tokens", "Drafted tokens sent to be verified (--speculate)",
+                       s.spec_draft_tokens)
+        yield _counter("loom_spec_accepted_tokens", "Drafted tokens the verification kept (--speculate)",
+                       s.spec_accepted_tokens)
         yield _counter("loom_swapped_bytes", "KV bytes swapped between device and host", s.swapped_bytes)
         preemptions = CounterMetricFamily("loom_preemptions", "Requests preempted when KV memory ran out",
                                           labels=["kind"])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from loom_proto.step import Fork, NewRequest, RunningRequest, SeqOutput, StepPlan, StepResult
 from loom_router.block_manager import BlockManager
 from loom_router.request import SeqStatus, Sequence, SequenceGroup
+from loom_router.speculate import Speculator
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +86,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self._releases: list[int] = []  # shard state to drop with the next plan
         self.stats = SchedulerStats(blocks_total=config.num_usable_blocks)
+        self.speculator: Speculator | None = None  # --speculate: drafts on decodes (the engine sets it)
 
     # ---- the engine's calls ------------------------------------------------------------
 
@@ -145,6 +147,9 @@ class Scheduler:
         """The next step, or None when there is nothing to run and nothing to release."""
         step = _Step(StepPlan(), self.config.max_batch_prefill_tokens - self._num_decodes())
         self._schedule_running(step)
+        if self.speculator is not None:  # after every running sequence got its slots: drafts take spare ones
+            step.budget -= self.speculator.add_drafts(step.plan.running_requests, self._seqs,
+                                                      self.block_manager, step.budget)
         if not step.preempted:  # space just taken from a running group is not for newcomers
             self._schedule_waiting(step)
         plan = step.plan
@@ -165,6 +170,9 @@ class Scheduler:
             seq = self._seqs.get(request.request_id)
             if seq is None:
                 continue  # aborted while the step ran
+            if isinstance(request, RunningRequest) and request.draft_token_ids:
+                self._verify(seq, request, outputs[seq.seq_id], returned)
+                continue
             self._advance(seq, request.num_compute, outputs, returned)
             for fork in request.forks:
                 self._start_child(seq, fork, outputs, returned)
@@ -396,6 +404,13 @@ class Scheduler:
             self._append(seq, out, returned)
         self.block_manager.cache_full_blocks(seq)
 
+    def _verify(self, seq: Sequence, request: RunningRequest, out: SeqOutput,
+                returned: list[tuple[Sequence, SeqOutput]]) -> None:
+        """A decode that carried drafts: one output per token kept (see loom_router.speculate)."""
+        assert self.speculator is not None
+        returned.extend((seq, kept) for kept in self.speculator.verified(seq, request, out, self.block_manager))
+        self.block_manager.cache_full_blocks(seq)
+
     def _start_child(self, parent: Sequence, fork: Fork, outputs: dict[int, SeqOutput],
                      returned: list[tuple[Sequence, SeqOutput]]) -> None:
         child = self._seqs.get(fork.request_id)
@@ -437,6 +452,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self._release(seq)
         self._seqs.pop(seq.seq_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
 
     def _drop_group(self, group: SequenceGroup) -> None:
         self._groups.pop(group.group_id, None)

@@ -93,6 +93,8 @@ class EngineStats:
     preemptions_recompute: int = 0
     swapped_bytes: int = 0
     steps: int = 0
+    spec_draft_tokens: int = 0  # --speculate: drafted tokens verified, and those kept
+    spec_accepted_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason / "cancelled" / "error"
     num_host_blocks_total: int = 0  # the host-RAM swap pool
     num_host_blocks_used: int = 0

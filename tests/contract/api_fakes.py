@@ -11,7 +11,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from loom_proto.step import ModelInfo, StepPlan, StepResult, TokenLogprob, WarmupResult
+from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, TokenLogprob, WarmupResult, accepted_drafts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))
 from fake_shard import FakeShard, fake_sample  # noqa: E402
@@ -25,6 +25,7 @@ class FakeShardClient:
     def __init__(self, words: list[int], vocab_size: int, eos_id: int, block_size: int = 4,
                  num_blocks: int = 256, max_position_embeddings: int = 256) -> None:
         self.shard = FakeShard(block_size, num_blocks)
+        self.shard.remap = self._remap
         self.words = words
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -79,23 +80,30 @@ class FakeShardClient:
         result = self.shard.step(plan)
         self.shard.verify()
         self.num_steps += 1
+        drafts = {r.request_id: r.draft_token_ids for r in plan.running_requests if r.draft_token_ids}
         for out in result.outputs:
             if out.token_id is not None:
-                self._as_word(out, keep_token=out.request_id in plan.allowed_token_masks)
+                self._score(out, drafts.get(out.request_id, []))
         return result
 
-    def _as_word(self, out, keep_token: bool = False) -> None:  # noqa: ANN001 (a SeqOutput)
-        """keep_token: a constrained sequence keeps the token its grammar allowed."""
+    def _remap(self, request_id: int, index: int, token_id: int) -> int:
+        """The token a sequence gets for its generated token `index` (the shard's hook)."""
+        if index == self.eos_at:
+            return self.eos_id
+        if self.script is not None:
+            return self.script[index % len(self.script)]
+        return self.words[token_id % len(self.words)]
+
+    def _score(self, out: SeqOutput, drafts: list[int]) -> None:
+        """Logprob and top tokens of each sample, from its generated index."""
         state = self.shard.states[out.request_id]
-        index = len(state.token_ids) - state.num_prompt_tokens - 1  # of this token among the generated
-        if not keep_token:
-            token_id = self.eos_id if index == self.eos_at else self.words[out.token_id % len(self.words)]
-            if self.script is not None and index != self.eos_at:
-                token_id = self.script[index % len(self.script)]
-            state.token_ids[-1] = out.token_id = token_id
-        out.logprob = -0.1 * (1 + state.sampling.seed % 5)  # seeds differ in score: best_of has a winner
-        out.top_tokens = [TokenLogprob(self.words[(index + k) % len(self.words)], -1.0 - k)
-                          for k in range(state.sampling.top_n_tokens)]
+        samples = [out, *out.draft_samples]
+        num_kept = accepted_drafts(drafts, [s.token_id for s in samples]) + 1  # type: ignore[misc]
+        first = len(state.token_ids) - state.num_prompt_tokens - num_kept  # index of out's token
+        for index, sample in enumerate(samples, start=first):
+            sample.logprob = -0.1 * (1 + state.sampling.seed % 5)  # seeds differ in score: best_of has a winner
+            sample.top_tokens = [TokenLogprob(self.words[(index + k) % len(self.words)], -1.0 - k)
+                                 for k in range(state.sampling.top_n_tokens)]
 
     def reference(self, prompt_ids: list[int], seed: int, count: int) -> list[int]:
         """The tokens a sequence generates with this seed, computed without the router."""

@@ -197,14 +197,9 @@ class ScriptedShardClient(FakeShardClient):
     """A fake shard whose every sequence generates `words` in order (then EOS), so the test
     knows the text the page receives."""
 
-    def _as_word(self, out: Any, keep_token: bool = False) -> None:
-        super()._as_word(out, keep_token)
-        if keep_token:
-            return  # a constrained sequence (JSON mode) keeps what its grammar allowed
-        state = self.shard.states[out.request_id]
-        index = len(state.token_ids) - state.num_prompt_tokens - 1
-        token_id = self.eos_id if index == self.eos_at else self.words[index % len(self.words)]
-        state.token_ids[-1] = out.token_id = token_id
+    def _remap(self, request_id: int, index: int, token_id: int) -> int:
+        # Only unconstrained sequences: one in JSON mode keeps what its grammar allowed.
+        return self.eos_id if index == self.eos_at else self.words[index % len(self.words)]
 
 
 def start_scripted_router(**overrides: Any) -> Iterator[tuple[str, str, ScriptedShardClient]]:

@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loom_proto.step import Fork, NewRequest, SamplingParams, SeqOutput, StepPlan, StepResult
+from loom_proto.step import (
+    Fork,
+    NewRequest,
+    SamplingParams,
+    SeqOutput,
+    StepPlan,
+    StepResult,
+    TokenSample,
+    accepted_drafts,
+    blocks_after_verify,
+)
 from loom_router.request import Sequence
 from loom_router.scheduler import Scheduler
 
@@ -66,6 +76,7 @@ class _Work:
     state: _State
     num_compute: int
     forks: list[Fork] = field(default_factory=list)
+    num_drafts: int = 0  # speculative decoding: the chunk ends with this many drafted tokens
 
 
 class FakeShard:
@@ -80,6 +91,8 @@ class FakeShard:
         self.fail_when: Callable[[StepPlan], bool] | None = None
         self.fail_at = FailAt.START
         self.masks: dict[int, bytes] = {}  # this step's allowed-token masks (constrained decoding)
+        # (request id, generated index, sampled id) -> the token the sequence gets (unconstrained only)
+        self.remap: Callable[[int, int, int], int] | None = None
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -100,7 +113,12 @@ class FakeShard:
         for request in plan.running_requests:
             state = self.states[request.request_id]
             state.block_table.extend(request.new_block_ids)
-            work.append(_Work(request.request_id, state, request.num_compute, request.forks))
+            if request.draft_token_ids:
+                assert state.num_computed == len(state.token_ids) - 1, "drafts on a sequence that is not decoding"
+                assert request.num_compute == 1 + len(request.draft_token_ids) and not request.forks
+                state.token_ids.extend(request.draft_token_ids)
+            work.append(_Work(request.request_id, state, request.num_compute, request.forks,
+                              len(request.draft_token_ids)))
         written: set[tuple[int, int]] = set()
         for item in work:  # the forward writes every request's new KV, then samples
             self._write(item, written)
@@ -144,6 +162,8 @@ class FakeShard:
             self.device[slot[0]][slot[1]] = state.token_ids[pos]
 
     def _finish(self, item: _Work) -> list[SeqOutput]:
+        if item.num_drafts:
+            return [self._verify(item)]
         state = item.state
         start, state.num_computed = state.num_computed, state.num_computed + item.num_compute
         out = SeqOutput(item.request_id, None, None)
@@ -154,7 +174,7 @@ class FakeShard:
         if state.num_computed < len(state.token_ids):
             return [out]
         context = self._read(state, state.num_computed)
-        out.token_id, out.logprob = self._sample(item.request_id, state.sampling.seed, context), -0.5
+        out.token_id, out.logprob = self._sample(item.request_id, state, context), -0.5
         outputs = [out]
         for fork in item.forks:
             outputs.append(self._fork(state, fork, context))
@@ -170,16 +190,33 @@ class FakeShard:
         child = _State(parent.token_ids[:num_prompt], num_prompt, list(fork.block_table),
                        num_prompt, fork.sampling, False)
         assert self._read(child, num_prompt) == context, "fork's blocks differ from the parent's"
-        token_id = self._sample(fork.request_id, fork.sampling.seed, context)
+        token_id = self._sample(fork.request_id, child, context)
         child.token_ids.append(token_id)
         self.states[fork.request_id] = child
         return SeqOutput(fork.request_id, token_id, -0.5)
 
-    def _sample(self, request_id: int, seed: int, context: list[int | None]) -> int:
+    def _verify(self, item: _Work) -> SeqOutput:
+        """Sample after the last sampled token and after each draft, from the KV just written;
+        keep what plain decoding would have (loom_proto.step.accepted_drafts)."""
+        state = item.state
+        base = len(state.token_ids) - item.num_drafts  # the known tokens before the drafts
+        drafts = state.token_ids[base:]
+        sampled = [self._sample(item.request_id, state, self._read(state, base + j))
+                   for j in range(item.num_drafts + 1)]
+        accepted = accepted_drafts(drafts, sampled)
+        state.num_computed = base + accepted
+        state.token_ids[base:] = sampled[: accepted + 1]
+        del state.block_table[blocks_after_verify(len(state.token_ids), len(state.block_table), self.block_size):]
+        return SeqOutput(item.request_id, sampled[0], -0.5, draft_samples=[TokenSample(t, -0.5) for t in sampled[1:]])
+
+    def _sample(self, request_id: int, state: _State, context: list[int | None]) -> int:
         mask = self.masks.get(request_id)
-        if mask is None:
-            return fake_sample(seed, context)
-        return fake_constrained_sample(seed, context, mask)
+        if mask is not None:
+            return fake_constrained_sample(state.sampling.seed, context, mask)
+        token_id = fake_sample(state.sampling.seed, context)
+        if self.remap is not None:
+            token_id = self.remap(request_id, len(context) - state.num_prompt_tokens, token_id)
+        return token_id
 
     def _read(self, state: _State, num_tokens: int) -> list[int | None]:
         bs = self.block_size
