@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_shard import Driver, FakeShard, reference_tokens
+from fake_shard import Driver, FakeShard
 
 from loom_proto.step import SamplingParams, accepted_drafts, blocks_after_verify
 from loom_router.request import SequenceGroup
