@@ -11,9 +11,9 @@ from api_fakes import WORDS, FakeShardClient
 from test_api import router_config
 from test_overlap import params
 
+from loom_proto.step import SamplingParams
 from loom_router.api import create_app
 from loom_router.engine import Engine
-from loom_proto.step import SamplingParams
 from loom_router.grammar import ConstraintSpec
 from loom_router.stream import GenerationStream
 from loom_router.tokenizer import Tokenizer
