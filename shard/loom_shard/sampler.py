@@ -18,6 +18,7 @@ from loom_shard.token_mask import apply_allowed_masks
 _MASK64 = (1 << 64) - 1
 _TWO_POW_MINUS_53 = 2.0**-53
 _TOP_P_CANDIDATES = 256  # likeliest tokens searched for the top-p cut before a full sort
+_TIE_MARGIN = 8  # extra top-n candidates, so tied alternatives are ordered by id, not by topk's luck
 
 
 @dataclass(slots=True)
@@ -257,6 +258,8 @@ def _build_samples(
     logprobs = raw_logits.log_softmax(dim=-1)  # [num_seqs, vocab]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_seqs, 1]
     max_top_n = min(max((s.params.top_n_tokens for s in states), default=0), logprobs.shape[-1])
+    if max_top_n > 0:  # torch.topk orders equal values differently for different batch shapes
+        max_top_n = min(max_top_n + _TIE_MARGIN, logprobs.shape[-1])
     columns = [token_ids.unsqueeze(1).double(), chosen.double()]
     if max_top_n > 0:
         top = logprobs.topk(max_top_n, dim=-1)
@@ -268,6 +271,7 @@ def _build_samples(
     for row, state in zip(table, states):
         n = state.params.top_n_tokens
         top_ids, top_logprobs = row[2 : 2 + max_top_n], row[2 + max_top_n :]
-        top_tokens = [TokenLogprob(int(t), lp) for t, lp in zip(top_ids[:n], top_logprobs[:n])]
+        top = sorted(zip(top_logprobs, top_ids), key=lambda pair: (-pair[0], pair[1]))[:n]  # ties: lower id first
+        top_tokens = [TokenLogprob(int(t), lp) for lp, t in top]
         samples.append(Sample(token_id=int(row[0]), logprob=row[1], top_tokens=top_tokens))
     return samples

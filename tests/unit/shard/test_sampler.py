@@ -216,3 +216,13 @@ def test_top_p_on_a_large_vocabulary_peaked_and_flat_rows():
                 break
         assert kept_ids == expected
     assert len(kept[0]) < 256 < len(kept[1])  # both the quick path and the full sort ran
+
+
+def test_tied_alternatives_are_ordered_by_id_whatever_the_batch():
+    """bfloat16 logits tie often; which tied token is an alternative must not depend on the
+    batch's shape (a verify step samples several rows of one sequence)."""
+    row = torch.zeros(VOCAB)
+    row[[2, 5, 9, 11]] = torch.tensor([3.0, 1.0, 1.0, 1.0])  # 5, 9 and 11 tie for second place
+    for num_rows in (1, 3, 7):
+        out = sample(row.repeat(num_rows, 1), [_state(top_n_tokens=3) for _ in range(num_rows)])
+        assert all([t.token_id for t in s.top_tokens] == [2, 5, 9] for s in out)
