@@ -408,6 +408,8 @@ class Scheduler:
                 returned: list[tuple[Sequence, SeqOutput]]) -> None:
         """A decode that carried drafts: one output per token kept (see loom_router.speculate)."""
         assert self.speculator is not None
+        if seq.num_computed < seq.num_prompt_tokens:  # it computed a prompt's last token
+            self.stats.prompt_tokens_computed += 1
         returned.extend((seq, kept) for kept in self.speculator.verified(seq, request, out, self.block_manager))
         self.block_manager.cache_full_blocks(seq)
 
