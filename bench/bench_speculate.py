@@ -11,6 +11,12 @@ measured one at a time, never both under load. Acceptance is read from each run'
 delta (loom_spec_accepted_tokens_total / loom_spec_draft_tokens_total).
 
     .venv/bin/python bench/bench_speculate.py --speculate 4 --result-file spec.json
+
+`--step-cost` instead times the shard alone (ModelRunner, embedded model, default dtype): a plain
+decode step against a verify step of 1 + N tokens per sequence, alternating, at batch 1 and 8;
+minimum and median of each (the minimum is the least disturbed by other load on the machine).
+
+    .venv/bin/python bench/bench_speculate.py --step-cost --speculate 4
 """
 
 from __future__ import annotations
@@ -71,7 +77,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--loom-args", default="", help="flags for both servers")
     p.add_argument("--result-file", type=Path)
+    p.add_argument("--step-cost", action="store_true", help="time decode vs verify steps in the shard only")
+    p.add_argument("--steps", type=int, default=30, help="--step-cost: steps of each kind per batch size")
     return p
+
+
+def step_cost(k: int, steps: int) -> None:
+    """Decode step vs verify step (1 + k tokens a sequence; random drafts, so the sequences move
+    one token a step like the decodes) in the shard alone, alternating."""
+    import statistics
+    import time
+
+    from loom_proto.config import ShardConfig
+    from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+    from loom_shard.runner import ModelRunner
+
+    prompt_len = 150
+    for batch in (1, 8):
+        tokens_per_seq = prompt_len + 2 * steps * (k + 1) + 16
+        runner = ModelRunner(ShardConfig(model_id="", uds_path="", device="cpu",
+                                         max_batch_total_tokens=batch * (tokens_per_seq + 16)))
+        warm = runner.warmup(prompt_len * batch, None)
+        blocks = -(-tokens_per_seq // warm.block_size)
+        rng = random.Random(batch)
+        vocab = runner.info().vocab_size
+        runner.step(StepPlan(new_requests=[
+            NewRequest(i, [rng.randrange(vocab) for _ in range(prompt_len)], prompt_len, 0, prompt_len,
+                       list(range(i * blocks, (i + 1) * blocks)), SamplingParams(seed=i)) for i in range(batch)]))
+        times: dict[str, list[float]] = {"decode": [], "verify": []}
+        for _ in range(steps):
+            for kind in times:
+                drafts = (lambda: [rng.randrange(vocab) for _ in range(k)]) if kind == "verify" else list
+                num_compute = 1 + (k if kind == "verify" else 0)
+                plan = StepPlan(running_requests=[
+                    RunningRequest(i, num_compute, _more_blocks(runner, i, num_compute, blocks), draft_token_ids=drafts())
+                    for i in range(batch)])
+                start = time.perf_counter()
+                runner.step(plan)
+                times[kind].append((time.perf_counter() - start) * 1e3)
+        d, v = times["decode"], times["verify"]
+        print(f"batch {batch}: decode step min {min(d):.1f} / median {statistics.median(d):.1f} ms; "
+              f"verify step (1 + {k} tokens a sequence) min {min(v):.1f} / median {statistics.median(v):.1f} ms; "
+              f"verify / decode {min(v) / min(d):.2f}x (min), {statistics.median(v) / statistics.median(d):.2f}x "
+              f"(median); load average {os.getloadavg()[0]:.2f}", flush=True)
 
 
 def requests_for(load: str, count: int, output_len: int, seed: int) -> list[datasets.BenchRequest]:
@@ -146,8 +194,20 @@ def _span(values: list[float], unit: str = "") -> str:
     return f"{low:.1f}{unit}" if abs(high - low) < 0.05 else f"{low:.1f}-{high:.1f}{unit}"
 
 
+def _more_blocks(runner, request_id: int, num_compute: int, blocks: int) -> list[int]:  # noqa: ANN001
+    """Blocks of the request's own range it lacks for this step (a verify step gives back the
+    blocks only rejected drafts reached)."""
+    state = runner.requests[request_id]
+    needed = -(-(state.num_computed + num_compute) // runner.block_size) - len(state.block_table)
+    pool = range(request_id * blocks, (request_id + 1) * blocks)
+    return [b for b in pool if b not in state.block_table][:max(0, needed)]
+
+
 def main() -> int:
     args = build_parser().parse_args()
+    if args.step_cost:
+        step_cost(args.speculate, args.steps)
+        return 0
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     spec_name = f"speculate {args.speculate}"
     base = args.loom_args.split()
