@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "qlinear_vnni.h"
@@ -94,18 +93,28 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(const at::Tensor& raw, int64_t in
 
 // ---------------------------------------------------------------------------- activations
 
-// One block of 32 activations -> int8 q (as llama.cpp's Q8_0: d = amax / 127, q = round(x / d)),
-// stored XOR 0x80 (= q + 128 as u8) for Q8_0 weights. Returns sum(q).
+// 16 activations as float32.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+// One block of 32 activations -> int8 q as llama.cpp's Q8_0 (d = amax / 127, q = round(x / d), ties to
+// even), stored XOR `flip` (0x80: q + 128 as u8, for Q8_0 weights). Sets d; returns sum(q).
 template <typename T>
-int32_t quantize_block(const T* x, float d, uint8_t* q, uint8_t flip) {
-  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < kBlock; ++i) {
-    const auto v = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[i]) * inverse));
-    sum += v;
-    q[i] = static_cast<uint8_t>(static_cast<int8_t>(v)) ^ flip;
-  }
-  return sum;
+int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
+  const __m512 v0 = load16(x), v1 = load16(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));  // exact
+  d = amax / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, inverse), kRound);
+  const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, inverse), kRound);
+  const __m128i mask = _mm_set1_epi8(static_cast<char>(flip));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(_mm512_cvtepi32_epi8(q0), mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(q1), mask));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // integers: exact in any order
 }
 
 template <typename T>
@@ -114,11 +123,8 @@ void quantize_rows(const T* x, int64_t m, int64_t k, Format format, uint8_t* q, 
   const uint8_t flip = format == Format::kQ8_0 ? 0x80 : 0x00;
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
     for (int64_t i = first * nb; i < last * nb; ++i) {  // block i of the flattened rows
-      const T* xb = x + i * kBlock;
-      float amax = 0.0f;
-      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(static_cast<float>(xb[j])));
-      d[i] = amax / 127.0f;
-      s[i] = d[i] * static_cast<float>(quantize_block(xb, d[i], q + i * kBlock, flip));
+      const int32_t sum = quantize_block(x + i * kBlock, q + i * kBlock, d[i], flip);
+      s[i] = d[i] * static_cast<float>(sum);
     }
   });
 }
