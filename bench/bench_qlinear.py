@@ -1,9 +1,10 @@
 """Quantized linears vs oneDNN bf16: one decode step's linears of the embedded model (30 layers + LM head).
 
-Run: python bench/bench_qlinear.py [--threads 2] [--rows 1 8 32]
-Times loom::qlinear (Q4_1 / Q8_0 kept quantized), torch's int4pack CPU kernel (Q4_1 layers only) and
-oneDNN bf16 (PackedLinear) on the real tensors of the embedded GGUF, interleaved; best and median of repeats
-(the best is the fairer number on a shared machine).
+Run: python bench/bench_qlinear.py [--threads 2] [--rows 1 8 32 512] [--clock cpu]
+Times loom::qlinear (Q4_1 / Q8_0 kept quantized, VNNI int8 activations), the previous dpbf16 kernel
+(loom::qlinear_bf16), torch's int4pack CPU kernel (Q4_1 layers only) and oneDNN bf16 (PackedLinear) on the
+real tensors of the embedded GGUF, interleaved; best and median of repeats (the best is the fairer number
+on a shared machine).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_shard import kernels
 from loom_shard.layers.packed_linear import PackedLinear
-from loom_shard.layers.quant_linear import QuantLinear, QuantSource
+from loom_shard.layers.quant_linear import QuantKind, QuantLinear, QuantSource
 from loom_shard.loader import resolve_model_path
 from loom_shard.loader_gguf import open_gguf, quant_source
 
@@ -47,22 +48,24 @@ def time_step(mods: list[torch.nn.Module], xs: dict[int, torch.Tensor], clock=ti
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)")
+    parser.add_argument("--skip-int4pack", action="store_true", help="leave torch's int4pack kernel out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"kernels available: {kernels.available()}; threads {args.threads}")
     sources = layer_sources(open_gguf(resolve_model_path("")), args.layers)
     variants = {
-        "qlinear": [QuantLinear(s, None, torch.bfloat16) for s in sources],
+        "qlinear vnni": [QuantLinear(s, None, torch.bfloat16) for s in sources],
+        "qlinear dpbf16 (old)": [OldQLinear(s) for s in sources],
         "bf16 oneDNN": [PackedLinear(_dense(s)) for s in sources],
     }
-    int4 = [QuantLinear(s, None, torch.bfloat16, use_kernels=False) for s in sources]
-    variants["int4pack (Q8_0 head dense)"] = int4
+    if not args.skip_int4pack:
+        variants["int4pack (Q8_0 head dense)"] = [QuantLinear(s, None, torch.bfloat16, use_kernels=False) for s in sources]
     with torch.inference_mode():
         for rows in args.rows:
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {s.in_features for s in sources}}
@@ -73,6 +76,20 @@ def main() -> None:
             cells = ", ".join(f"{n} {min(t) * 1e3:.2f} ms (median {statistics.median(t) * 1e3:.2f})"
                               for n, t in times.items())
             print(f"rows {rows}: {cells}")
+
+
+class OldQLinear(torch.nn.Module):
+    """The previous kernel (bf16 activations, dpbf16), kept in the library for this comparison."""
+
+    def __init__(self, source: QuantSource) -> None:
+        super().__init__()
+        repack = torch.ops.loom.qlinear_bf16_repack_q4_1 if source.kind is QuantKind.Q4_1 else (
+            torch.ops.loom.qlinear_bf16_repack_q8_0)
+        self.packed, self.scales = repack(source.raw.contiguous(), source.in_features)
+        self.in_features, self.out_features = source.in_features, source.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.loom.qlinear_bf16(x, self.packed, self.scales, self.out_features, None)
 
 
 def _dense(source: QuantSource) -> torch.nn.Linear:

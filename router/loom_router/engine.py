@@ -323,11 +323,16 @@ class Engine(RequestBook):
 
     def _send_ahead(self, plan: StepPlan) -> InFlight | None:
         """Send the step after `plan` now, if it can be planned before plan's outputs (see lookahead)."""
-        if self._pending_adds or self._pending_aborts or self._between_steps:
+        if self._pending_aborts or self._between_steps:
             return None  # they change what runs: apply them between two steps, as without lookahead
         assert self.scheduler is not None
+        self._apply_pending()  # new requests: admitted into the step ahead when they fit
         ahead = plan_ahead(self.scheduler, plan, self._ahead_role)
-        return InFlight(ahead, asyncio.ensure_future(self._call(ahead))) if ahead is not None else None
+        if ahead is None:
+            return None
+        self._mark_scheduled(ahead)
+        self._masks.fill(ahead, self._matcher_of)
+        return InFlight(ahead, asyncio.ensure_future(self._call(ahead)))
 
     def _take_outputs(self, plan: StepPlan, result: StepResult | None, ahead: InFlight | None) -> None:
         """Fold a step's outputs in. Sequences that finished one step earlier while already in

@@ -7,7 +7,10 @@ the step's outputs into text and plans the next one. With it, in a steady decode
 
 Step N+1 is built before N's outputs are known. Only a steady decode qualifies (`plan_ahead`):
 every running sequence decodes one token in N, and N has nothing else (no new request, prompt
-chunk, fork, swap or grammar mask) while no group waits. Each sequence of N then decodes in
+chunk, fork, swap or grammar mask). Groups waiting to start are admitted into N+1 as the
+ordinary schedule() would admit them after N (their prompts do not depend on N's outputs):
+a request that arrives while N runs starts in N+1, not after a drained pipeline (which made
+it wait for N and N+1, raising TTFT p50 at 32 streams 1.55 -> 1.9 s, bench/BENCHMARKS.md). Each sequence of N then decodes in
 N+1 the token N samples: the shard already appended it to its own copy of the sequence, so
 the plan needs that token's slot (a block reserved one token ahead), never its value.
 The shard runs steps one at a time in arrival order (loom_shard.server); no contract change.
@@ -15,9 +18,9 @@ The shard runs steps one at a time in arrival order (loom_shard.server); no cont
 What a sequence that finishes in N (EOS, stop string) still costs: it was already in N+1.
 Its N+1 token is discarded and its blocks are released after N+1's outputs came back (one
 step late, never while a step may still write them); a sequence that must finish in N (its
-last allowed token) is left out of N+1. Anything else (a new request, an abort, a snapshot's
-callable, a grammar or held-blocks request, a group waiting for blocks, a failed step) lets
-the pipeline drain: the next step is planned the ordinary way, after N's outputs.
+last allowed token) is left out of N+1. Anything else (a prompt chunk in N, an abort, a
+snapshot's callable, a grammar or held-blocks request running, a failed step) lets the
+pipeline drain: the next step is planned the ordinary way, after N's outputs.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class InFlight:
 
 def plan_ahead(scheduler: Scheduler, plan: StepPlan, role: Callable[[Sequence], AheadRole]) -> StepPlan | None:
     """The step after `plan`, built before plan's outputs are known; None when it cannot be."""
-    if plan.new_requests or plan.swap_in or plan.swap_out or plan.allowed_token_masks or scheduler.has_waiting():
+    if plan.new_requests or plan.swap_in or plan.swap_out or plan.allowed_token_masks:
         return None
     if len(plan.running_requests) != scheduler.num_running_seqs():
         return None  # a sequence was left out of `plan` (no budget, or skipped ahead): resync
@@ -72,4 +75,6 @@ def plan_ahead(scheduler: Scheduler, plan: StepPlan, role: Callable[[Sequence], 
     if not seqs or sum(blocks.num_slot_blocks(seq, ahead=1) for seq in seqs) > blocks.num_free_blocks:
         return None  # out of blocks: the ordinary schedule() preempts, after N's outputs
     running = [RunningRequest(seq.seq_id, 1, blocks.append_slot(seq, ahead=1)) for seq in seqs]
-    return StepPlan(running_requests=running, released_ids=scheduler.take_releases())
+    ahead = StepPlan(running_requests=running, released_ids=scheduler.take_releases())
+    scheduler.admit_waiting(ahead, len(seqs))  # a request arriving now runs its prompt in this step
+    return ahead

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -26,6 +27,7 @@ from loom_router.tokenizer import load_tokenizer
 from loom_router.tracing import configure_tracing
 
 log = logging.getLogger("loom_router")
+T = TypeVar("T")
 
 EXIT_ENGINE_FAILED = 3  # the engine loop died (a divergence between shard ranks, or a bug)
 DESCRIPTION = ("Loom's router: HTTP API, scheduler, KV block manager; drives the shards over gRPC. "
@@ -70,11 +72,22 @@ async def serve(config: RouterConfig) -> int:
         await client.close()
 
 
+def run_event_loop(main_coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop where it is installed (a router dependency on Linux): its callbacks and
+    socket writes cost less CPU per streamed token than asyncio's selector loop, and on a
+    CPU-served model that CPU is taken from the shard's forward (bench/BENCHMARKS.md)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_coro)
+    return uvloop.run(main_coro)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(RouterConfig, argv, "loom-router", DESCRIPTION)
     configure_logging(config.log_level, config.json_output)
     try:
-        return asyncio.run(serve(config))
+        return run_event_loop(serve(config))
     except Exception as error:  # startup failures: one clear line, not a traceback
         log.error("router failed: %s", error, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

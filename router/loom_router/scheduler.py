@@ -159,6 +159,13 @@ class Scheduler:
             return None
         return plan
 
+    def admit_waiting(self, plan: StepPlan, num_decodes: int) -> None:
+        """Admit waiting groups into `plan`, a step of `num_decodes` decodes planned ahead
+        (loom_router.lookahead), as schedule() would after them: FIFO, the prefill budget
+        left by the decodes, no preemption."""
+        self._schedule_waiting(_Step(plan, self.config.max_batch_prefill_tokens - num_decodes))
+        self._refresh_gauges()
+
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Sequence, SeqOutput]]:
         """Fold a step's result in: advance computed counts, append sampled tokens, hash
         newly full blocks. Returns every output of a live sequence, in plan order (fork

@@ -234,3 +234,29 @@ async def test_failed_step_with_a_step_ahead_rolls_back(tokenizer: Tokenizer, fa
         assert probe.early_frees == [] and probe.max_in_flight == 2
     finally:
         await engine.stop(drain_timeout_s=1.0)
+
+
+async def test_a_request_arriving_mid_decode_starts_in_the_step_sent_ahead(tokenizer: Tokenizer) -> None:
+    """No drain for an arrival: its prompt runs in the next step sent ahead (it used to wait
+    for the step in flight and the one queued behind it), with the same events as without."""
+    outputs: dict[bool, tuple[list[Event], list[Event]]] = {}
+    for overlap in (False, True):
+        engine, _, probe = await start(tokenizer, overlap)
+        try:
+            first = engine.submit(tokenizer.encode("the first prompt"), params(1, max_new_tokens=30))
+            seen: list[Event] = []
+            second: asyncio.Future[list[Event]] | None = None
+            async for e in first:
+                seen.append((e.index, e.token.token_id, e.text, e.finish_reason.value if e.finish_reason else None))
+                if len(seen) == 5:  # a steady decode by now: with lookahead, two steps are on the shard
+                    second = asyncio.ensure_future(events(engine.submit(tokenizer.encode("a later prompt"),
+                                                                        params(7, max_new_tokens=12))))
+            assert second is not None
+            outputs[overlap] = (seen, await second)
+            await assert_all_free(engine)
+        finally:
+            await engine.stop(drain_timeout_s=1.0)
+        assert probe.early_frees == []
+        if overlap:
+            assert any(plan.new_requests for plan in probe.sent_ahead), "the arrival waited for a drain"
+    assert outputs[True] == outputs[False]

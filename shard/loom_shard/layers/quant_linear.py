@@ -1,8 +1,10 @@
 """Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized, bf16 or float32 activations.
 
-With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles (float32
-accumulation, a fixed reduction order per output: rows are batch-invariant). Without them, Q4_1 runs
-on torch's int4pack CPU kernel (groups of 32; also batch-invariant) and Q8_0 is dequantized to the
+With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
+llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
+with AVX-512 VNNI int8 dot products, float32 accumulation in a fixed order per output (rows are
+batch-invariant; one arithmetic for every row count). Without them, Q4_1 runs on torch's int4pack CPU
+kernel (groups of 32, unquantized activations; also batch-invariant) and Q8_0 is dequantized to the
 activations' dtype, so a shard without a compiler still serves the same model.
 """
 

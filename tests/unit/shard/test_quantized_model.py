@@ -87,8 +87,9 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
-    # The same quantized weights: only float32 summation order and the activations' 16-bit split differ.
-    assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
+    # The same quantized weights; the kernels quantize the activations to int8 per block of 32 as
+    # llama.cpp does (issue 15): measured 0.39% (llama) and 0.65% (qwen2) of the largest logit.
+    assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
 def test_safetensors_models_are_unaffected(tmp_path: Path) -> None:
@@ -112,7 +113,9 @@ def test_embedded_model_quantized_stays_close_to_dequantized(dtype: str) -> None
     assert agree >= 0.8, agree
     chosen = torch.tensor(expected)
     gap = (reference.gather(1, chosen[:, None]) - quantized.gather(1, chosen[:, None])).abs().max().item()
-    assert gap < (0.15 if dtype == "bfloat16" else 0.01), gap
+    # int8 activations (llama.cpp's numerics): measured 0.231 (bf16) and 0.123 (float32; for scale,
+    # bf16 `none` is 0.099 away from float32 `none`); argmax agreement 15 of 16 (bf16), 16 of 16 (float32).
+    assert gap < (0.25 if dtype == "bfloat16" else 0.15), gap
 
 
 def teacher_forced_logprobs(dtype: str, quantize: str, sequence: list[int]) -> torch.Tensor:
