@@ -1,9 +1,8 @@
 """Quantized linears vs oneDNN bf16: one decode step's linears of the embedded model (30 layers + LM head).
 
 Run: python bench/bench_qlinear.py [--threads 2] [--rows 1 8 32 512] [--clock cpu]
-Times loom::qlinear (Q4_1 / Q8_0 kept quantized, VNNI int8 activations), the previous dpbf16 kernel
-(loom::qlinear_bf16), torch's int4pack CPU kernel (Q4_1 layers only) and oneDNN bf16 (PackedLinear) on the
-real tensors of the embedded GGUF, interleaved; best and median of repeats (the best is the fairer number
+Times loom::qlinear (Q4_1 / Q8_0 kept quantized, VNNI int8 activations), torch's int4pack CPU kernel
+(Q4_1 layers only) and oneDNN bf16 (PackedLinear) on the real tensors of the embedded GGUF, interleaved; best and median of repeats (the best is the fairer number
 on a shared machine).
 """
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loom_shard import kernels
 from loom_shard.layers.packed_linear import PackedLinear
-from loom_shard.layers.quant_linear import QuantKind, QuantLinear, QuantSource
+from loom_shard.layers.quant_linear import QuantLinear, QuantSource
 from loom_shard.loader import resolve_model_path
 from loom_shard.loader_gguf import open_gguf, quant_source
 
@@ -61,7 +60,6 @@ def main() -> None:
     sources = layer_sources(open_gguf(resolve_model_path("")), args.layers)
     variants = {
         "qlinear vnni": [QuantLinear(s, None, torch.bfloat16) for s in sources],
-        "qlinear dpbf16 (old)": [OldQLinear(s) for s in sources],
         "bf16 oneDNN": [PackedLinear(_dense(s)) for s in sources],
     }
     if not args.skip_int4pack:
@@ -76,20 +74,6 @@ def main() -> None:
             cells = ", ".join(f"{n} {min(t) * 1e3:.2f} ms (median {statistics.median(t) * 1e3:.2f})"
                               for n, t in times.items())
             print(f"rows {rows}: {cells}")
-
-
-class OldQLinear(torch.nn.Module):
-    """The previous kernel (bf16 activations, dpbf16), kept in the library for this comparison."""
-
-    def __init__(self, source: QuantSource) -> None:
-        super().__init__()
-        repack = torch.ops.loom.qlinear_bf16_repack_q4_1 if source.kind is QuantKind.Q4_1 else (
-            torch.ops.loom.qlinear_bf16_repack_q8_0)
-        self.packed, self.scales = repack(source.raw.contiguous(), source.in_features)
-        self.in_features, self.out_features = source.in_features, source.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.loom.qlinear_bf16(x, self.packed, self.scales, self.out_features, None)
 
 
 def _dense(source: QuantSource) -> torch.nn.Linear:
