@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 import uvicorn
 
 from loom_proto.config import RouterConfig, parse_config
+from loom_proto.event_loop import run_event_loop
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.lifecycle import CLOSE_CONNECTIONS_TIMEOUT_S, DrainingServer
@@ -27,7 +27,6 @@ from loom_router.tokenizer import load_tokenizer
 from loom_router.tracing import configure_tracing
 
 log = logging.getLogger("loom_router")
-T = TypeVar("T")
 
 EXIT_ENGINE_FAILED = 3  # the engine loop died (a divergence between shard ranks, or a bug)
 DESCRIPTION = ("Loom's router: HTTP API, scheduler, KV block manager; drives the shards over gRPC. "
@@ -70,17 +69,6 @@ async def serve(config: RouterConfig) -> int:
         return 0 if server.started else 1
     finally:
         await client.close()
-
-
-def run_event_loop(main_coro: Coroutine[Any, Any, T]) -> T:
-    """Run on uvloop where it is installed (a router dependency on Linux): its callbacks and
-    socket writes cost less CPU per streamed token than asyncio's selector loop, and on a
-    CPU-served model that CPU is taken from the shard's forward (bench/BENCHMARKS.md)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main_coro)
-    return uvloop.run(main_coro)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

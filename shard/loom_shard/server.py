@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -21,6 +21,7 @@ from loom_proto import config as config_module
 from loom_proto import shard_pb2_grpc
 from loom_proto.codec import from_pb, pb, snapshot_status_to_pb, to_pb
 from loom_proto.config import ShardConfig
+from loom_proto.event_loop import run_event_loop
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_shard.snapshot import PartStore, clean_leftovers
@@ -337,17 +338,6 @@ def build_runner(config: ShardConfig) -> Runner:
 def fail(message: str, status: int) -> int:
     print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)  # one line
     return status
-
-
-def run_event_loop(main_coro: Coroutine[Any, Any, None]) -> None:
-    """uvloop where installed (a shard dependency on Linux): less CPU per step for the gRPC
-    server's callbacks and the forward thread's wakeups, CPU a CPU forward wants."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main_coro)
-        return
-    uvloop.run(main_coro)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

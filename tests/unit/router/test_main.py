@@ -51,17 +51,3 @@ def test_invalid_values_are_rejected(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         parse(["--shard-uds-path", "s", "--max-input-tokens", "10", "--max-total-tokens", "10"])
     assert "max_input_tokens" in capsys.readouterr().err
-
-
-async def _loop_module() -> str:
-    import asyncio
-
-    return type(asyncio.get_running_loop()).__module__
-
-
-def test_the_router_runs_on_uvloop_and_falls_back_to_asyncio_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loom_router.main import run_event_loop
-
-    assert run_event_loop(_loop_module()).startswith("uvloop")  # a router dependency on Linux
-    monkeypatch.setitem(__import__("sys").modules, "uvloop", None)  # import uvloop now fails
-    assert run_event_loop(_loop_module()).startswith("asyncio")

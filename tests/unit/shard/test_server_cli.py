@@ -46,21 +46,3 @@ def test_invalid_config_exits_with_usage_error(capsys):
         parse_config(["--uds-path", "/tmp/s", "--block-size", "0"])
     assert exited.value.code == 2
     assert "--block-size" in capsys.readouterr().err
-
-
-def test_the_shard_server_runs_on_uvloop_and_falls_back_to_asyncio_without_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
-    import sys
-
-    from loom_shard.server import run_event_loop
-
-    seen: list[str] = []
-
-    async def record() -> None:
-        seen.append(type(asyncio.get_running_loop()).__module__)
-
-    run_event_loop(record())
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now fails
-    run_event_loop(record())
-    assert seen[0].startswith("uvloop") and seen[1].startswith("asyncio")
