@@ -9,12 +9,14 @@ import pytest
 import torch
 import transformers
 
+from loom_proto.config import ShardConfig
 from loom_shard.attention import SeqSpan, build_metadata
 from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
 from loom_shard.loader import config_from_hf
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
+from loom_shard.runner import ModelRunner
 
 TINY = dict(
     vocab_size=160,
@@ -104,6 +106,15 @@ def run_chunks(model: LlamaModel, cache: PagedKVCache, chunks: list[SeqChunk]) -
     hidden = model(torch.tensor(ids), cache.device_blocks, meta)
     logits = model.compute_logits(hidden)
     return list(logits.split([c.num_compute for c in chunks]))
+
+
+def tiny_runner(pair: TinyPair, block_size: int, num_blocks: int, num_host_blocks: int = 0) -> ModelRunner:
+    """A float32 ModelRunner over the pair's Loom model, its KV pool allocated as warmup would."""
+    runner = ModelRunner(ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=block_size),
+                         model=pair.loom)
+    with torch.inference_mode():
+        runner.allocate_kv_cache(num_blocks=num_blocks, num_host_blocks=num_host_blocks)
+    return runner
 
 
 def random_tokens(n: int, seed: int, vocab: int = TINY["vocab_size"]) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from loom_proto.config import ShardConfig
 from loom_proto.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_shard.runner import ModelRunner
-from tests.unit.shard.conftest import hf_logits, random_tokens
+from tests.unit.shard.conftest import hf_logits, random_tokens, tiny_runner
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(seed=0, top_n_tokens=3)
@@ -16,10 +16,7 @@ GREEDY = SamplingParams(seed=0, top_n_tokens=3)
 
 @pytest.fixture()
 def runner(llama_pair) -> ModelRunner:
-    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE)
-    r = ModelRunner(config, model=llama_pair.loom)
-    r.allocate_kv_cache(num_blocks=32, num_host_blocks=8)
-    return r
+    return tiny_runner(llama_pair, BLOCK_SIZE, num_blocks=32, num_host_blocks=8)
 
 
 def _new(request_id: int, tokens: list[int], blocks: list[int], num_compute: int | None = None, **kw) -> NewRequest:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from loom_proto import snapshot as fmt
-from loom_proto.config import ShardConfig
 from loom_proto.snapshot import KVLayout, PartHeader, SnapshotError, SnapshotStatus
 from loom_shard import snapshot as snap
 from loom_shard.runner import ModelRunner
 from loom_shard.snapshot import PartStore
+from tests.unit.shard.conftest import tiny_runner
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "dtype": "float32", "weights_hash": "w1",
                "tokenizer_hash": "t1"}
@@ -205,11 +205,7 @@ def test_manifest_damage_and_version(tmp_path: Path) -> None:
 
 
 def make_runner(llama_pair, block_size: int) -> ModelRunner:
-    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=block_size)
-    runner = ModelRunner(config, model=llama_pair.loom)
-    with torch.inference_mode():  # as warmup allocates it
-        runner.allocate_kv_cache(num_blocks=16, num_host_blocks=0)
-    return runner
+    return tiny_runner(llama_pair, block_size, num_blocks=16)
 
 
 def test_runner_kv_round_trip_across_block_sizes(llama_pair, tmp_path: Path) -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, SeqOutput, StepPlan
 from loom_shard.runner import ModelRunner
-from tests.unit.shard.conftest import random_tokens
+from tests.unit.shard.conftest import random_tokens, tiny_runner
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(seed=0, top_n_tokens=2)
@@ -20,10 +19,7 @@ SAMPLED = SamplingParams(seed=11, do_sample=True, temperature=1.3, top_k=40, rep
 
 @pytest.fixture()
 def runner(llama_pair) -> ModelRunner:
-    config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE)
-    r = ModelRunner(config, model=llama_pair.loom)
-    r.allocate_kv_cache(num_blocks=64, num_host_blocks=0)
-    return r
+    return tiny_runner(llama_pair, BLOCK_SIZE, num_blocks=64)
 
 
 def _start(runner: ModelRunner, rid: int, prompt: list[int], sampling: SamplingParams, blocks: list[int]) -> SeqOutput:
