@@ -58,17 +58,20 @@ def test_api_key_from_the_environment_guards_the_routes_and_shows_nowhere(
 
 def test_sigterm_drains_then_errors_the_rest_and_every_process_exits_0(
         start_launcher: StartLauncher) -> None:
-    launcher = start_launcher("--graceful-termination-timeout", "3")
+    launcher = start_launcher("--graceful-termination-timeout", "3", "--max-total-tokens", "3100")
     base = launcher.base_url
     short: list[dict[str, Any]] = []
     long: list[dict[str, Any]] = []
     started = [threading.Event(), threading.Event()]
-    bodies = [{"inputs": COUNTING_PROMPT, "parameters": {"max_new_tokens": 8}},
-              {"inputs": COUNTING_PROMPT, "parameters": {"max_new_tokens": 400}}]
+    # The long one cannot finish within 3 s on any CPU (3000 tokens, no end of sequence); it is
+    # streamed on the OpenAI route, whose error event has its own shape.
+    requests = [("/generate_stream", {"inputs": COUNTING_PROMPT, "parameters": {"max_new_tokens": 8}}),
+                ("/v1/completions", {"prompt": COUNTING_PROMPT, "max_tokens": 3000, "ignore_eos": True,
+                                     "stream": True})]
     with httpx.Client(timeout=120) as client:
         threads = [threading.Thread(target=stream_until_end,
-                                    args=(client, f"{base}/generate_stream", body, event, events))
-                   for body, event, events in zip(bodies, started, (short, long))]
+                                    args=(client, f"{base}{route}", body, event, events))
+                   for (route, body), event, events in zip(requests, started, (short, long))]
         for thread in threads:
             thread.start()
         for event in started:
@@ -81,7 +84,7 @@ def test_sigterm_drains_then_errors_the_rest_and_every_process_exits_0(
     assert ready.status_code == 503
     assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
     assert short[-1]["generated_text"] is not None and len(short) == 8  # finished within the timeout
-    assert "--graceful-termination-timeout" in long[-1]["error"]  # an error event, not silence
+    assert "--graceful-termination-timeout" in long[-1]["error"]["message"]  # an error event, not silence
     assert launcher.wait(timeout=60) == 0
     log = launcher.log()
     assert "router exited with code 0" in log and "shard 0 exited with code 0" in log
