@@ -1,15 +1,20 @@
 """One streamed request per backend (TGI's /generate_stream, OpenAI's completions and chat
-completions), timed token by token: TTFT, each inter-token gap, end-to-end latency."""
+completions), timed token by token: TTFT, each inter-token gap, end-to-end latency.
+
+The client is aiohttp, as in vLLM's and SGLang's serving benchmarks: on a small machine the load
+generator shares the cores with the server under test, and httpx's streaming cost 3-4x more CPU
+per token (bench/BENCHMARKS.md), time taken from the server it measures."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from loom_bench.datasets import BenchRequest
 
@@ -40,15 +45,15 @@ class BackendOptions:
     temperature: float
 
 
-Backend = Callable[[httpx.AsyncClient, str, BenchRequest, BackendOptions], Awaitable[RequestResult]]
+Backend = Callable[[aiohttp.ClientSession, str, BenchRequest, BackendOptions], Awaitable[RequestResult]]
 
 
-async def _sse(response: httpx.Response) -> AsyncIterator[Any]:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+async def _sse(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+    async for line in response.content:  # one line at a time, its newline kept
+        if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             return
         yield json.loads(data)
 
@@ -75,12 +80,12 @@ class _Clock:
                              time.perf_counter() - self.start, self.gaps)
 
 
-async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+async def _post_stream(client: aiohttp.ClientSession, url: str, body: dict[str, Any],
                        on_event: Callable[[Any], None]) -> str | None:
     """Streams one request; returns an error message, or None."""
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            return f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
+    async with client.post(url, json=body) as response:
+        if response.status != 200:
+            return f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:200]}"
         async for event in _sse(response):
             if isinstance(event, dict) and "error" in event:
                 return f"stream error: {event['error']}"
@@ -88,7 +93,7 @@ async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     return None
 
 
-async def tgi(client: httpx.AsyncClient, server: str, req: BenchRequest, opts: BackendOptions) -> RequestResult:
+async def tgi(client: aiohttp.ClientSession, server: str, req: BenchRequest, opts: BackendOptions) -> RequestResult:
     clock, counts = _Clock(), {"out": 0, "in": 0}
     params: dict[str, Any] = {"max_new_tokens": req.output_len, "details": True}
     if opts.temperature > 0:
@@ -105,16 +110,16 @@ async def tgi(client: httpx.AsyncClient, server: str, req: BenchRequest, opts: B
     return _finish(clock, server, error, counts["in"], counts["out"])
 
 
-async def openai(client: httpx.AsyncClient, server: str, req: BenchRequest, opts: BackendOptions) -> RequestResult:
+async def openai(client: aiohttp.ClientSession, server: str, req: BenchRequest, opts: BackendOptions) -> RequestResult:
     return await _openai(client, server, req, opts, chat=False)
 
 
-async def openai_chat(client: httpx.AsyncClient, server: str, req: BenchRequest,
+async def openai_chat(client: aiohttp.ClientSession, server: str, req: BenchRequest,
                       opts: BackendOptions) -> RequestResult:
     return await _openai(client, server, req, opts, chat=True)
 
 
-async def _openai(client: httpx.AsyncClient, server: str, req: BenchRequest, opts: BackendOptions,
+async def _openai(client: aiohttp.ClientSession, server: str, req: BenchRequest, opts: BackendOptions,
                   chat: bool) -> RequestResult:
     clock, usage = _Clock(), {"prompt_tokens": 0, "completion_tokens": 0}
     body: dict[str, Any] = {"max_tokens": req.output_len, "temperature": opts.temperature, "stream": True,
@@ -150,12 +155,12 @@ def _finish(clock: _Clock, server: str, error: str | None, prompt_tokens: int, o
 BACKENDS: dict[str, Backend] = {"tgi": tgi, "openai": openai, "openai-chat": openai_chat}
 
 
-async def send(backend: Backend, client: httpx.AsyncClient, server: str, req: BenchRequest,
+async def send(backend: Backend, client: aiohttp.ClientSession, server: str, req: BenchRequest,
                opts: BackendOptions) -> RequestResult:
     """A failed connection or protocol error is a failed request, not a crash of the run."""
     start = time.perf_counter()
     try:
         return await backend(client, server, req, opts)
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as error:
         return RequestResult(False, server, error=f"{type(error).__name__}: {error}",
                              latency_s=time.perf_counter() - start)

@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from loom_bench.backends import Backend, BackendOptions, RequestResult, send
@@ -53,10 +53,11 @@ async def run_load(requests: list[BenchRequest], servers: list[str], backend: Ba
                    load: Load, seed: int, progress: bool = True, timeout_s: float = 600.0) -> RunResult:
     by_server: dict[str, list[RequestResult]] = {server: [] for server in servers}
     semaphore = asyncio.Semaphore(load.concurrency) if load.concurrency else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     bar = tqdm(total=len(requests) * len(servers), desc=load.label(), disable=not progress, unit="req")
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no pool limit: the load decides the connections
+    timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)  # per read, as httpx's
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
 
         async def one(index: int, request: BenchRequest) -> None:
             order = servers if index % 2 == 0 else servers[::-1]  # alternate who goes first
