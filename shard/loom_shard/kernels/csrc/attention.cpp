@@ -64,8 +64,10 @@ void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry&
                                      t.query_starts[task.seq], t.num_cached[task.seq]};
     loom::attention::attend(view, g, task);
   };
-  // A decode of a few short sequences is cheaper than waking the thread pool.
-  constexpr int64_t kInlineWork = 1 << 15;
+  // Below ~1k (one sequence of ~100 keys) waking the thread pool costs more than it saves. A
+  // batch-8 decode of 150-300 keys each (~16k) ran on one thread under the old 32k threshold,
+  // and its whole step took 1.2-1.35x longer (bench/BENCHMARKS.md).
+  constexpr int64_t kInlineWork = 1 << 10;
   if (work < kInlineWork || at::get_num_threads() == 1) {
     for (const Task& task : tasks) run(task);
     return;
