@@ -55,7 +55,10 @@ async def run_load(requests: list[BenchRequest], servers: list[str], backend: Ba
     semaphore = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     bar = tqdm(total=len(requests) * len(servers), desc=load.label(), disable=not progress, unit="req")
 
-    connector = aiohttp.TCPConnector(limit=0)  # no pool limit: the load decides the connections
+    # A connection per request (as vLLM's benchmark, a session per request): llama.cpp's server
+    # closes idle keep-alive connections, and aiohttp, unlike httpx, does not retry a request
+    # written to a closed one. No pool limit: the load decides how many are open.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)  # per read, as httpx's
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
 
