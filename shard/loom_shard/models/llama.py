@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from loom_shard.attention import AttentionMetadata, paged_attention
+from loom_shard.cpu_attention import paged_attention_cpu
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.norm import RMSNorm
-from loom_shard.layers.rotary import Rope, RotaryEmbedding
+from loom_shard.layers.quant_linear import QuantLinear
+from loom_shard.layers.rotary import KernelRope, Rope, RotaryEmbedding
 from loom_shard.model_config import ModelConfig
 
 
@@ -66,6 +68,8 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.use_fused_layers = True  # False: the modules below even where loom::decoder_layers can run
+        self._fused_weights: list[torch.Tensor] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -79,9 +83,34 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(meta.positions, meta.max_position, x.dtype)
+        paged = meta.paged
+        if isinstance(rope, KernelRope) and paged is not None and paged.kernel is paged_attention_cpu:
+            weights = self._fused_layer_weights()
+            if weights:
+                attn = self.layers[0].self_attn
+                return torch.ops.loom.decoder_layers(
+                    x, weights, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin, paged.block_tables,
+                    paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
+                    self.layers[0].mlp.intermediate_size, self.layers[0].input_layernorm.eps)
         for layer, kv_layer in zip(self.layers, kv_cache):
             x = layer(x, rope, kv_layer, meta)
         return x
+
+    def _fused_layer_weights(self) -> list[torch.Tensor]:
+        """loom::decoder_layers' tensors (kernels/csrc/decoder.cpp): the layers' arithmetic in one C++
+        call, bit-identical to the modules. Empty unless every projection is a bias-free QuantLinear
+        on Loom's kernels (not under tensor parallelism, whose projections are nn.Linear)."""
+        if not self.use_fused_layers:
+            return []
+        if self._fused_weights is None:
+            self._fused_weights = []
+            projections = [p for layer in self.layers for p in _projections(layer)]
+            if all(type(p) is QuantLinear and p.uses_kernels and p.bias is None for p in projections):
+                for layer in self.layers:
+                    qkv, o, gate_up, down = _projections(layer)
+                    self._fused_weights += [layer.input_layernorm.weight, *_qtensors(qkv), *_qtensors(o),
+                                            layer.post_attention_layernorm.weight, *_qtensors(gate_up), *_qtensors(down)]
+        return self._fused_weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
@@ -93,6 +122,7 @@ class LlamaModel(nn.Module):
         assign: take the tensors themselves as parameters (a model built on `meta`); the tied
         head and the rotary table are then rebuilt on the weights' device.
         """
+        self._fused_weights = None  # rebuilt from the new tensors at the next forward
         own = fuse_hf_weights(weights)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
         missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
@@ -103,6 +133,15 @@ class LlamaModel(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
             c = self.config
             self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling).to(self.embed_tokens.weight.device)
+
+
+def _projections(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _qtensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    assert isinstance(linear, QuantLinear)
+    return linear.packed, linear.scales.view(torch.float16)
 
 
 _FUSED = {  # our fused parameter -> the Hugging Face parts, concatenated in this order

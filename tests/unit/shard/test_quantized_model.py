@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from loom_proto.config import ShardConfig
 from loom_shard.attention import SeqSpan
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
+from loom_shard.models.llama import DecoderLayer
 from loom_shard.quantize import quantized_summary
 from loom_shard.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
@@ -84,12 +85,39 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert quantized.lm_head.kind is QuantKind.Q8_0 and quantized.layers[0].mlp.down_proj.kind is QuantKind.Q4_1
     assert not any(isinstance(m, QuantLinear) for m in reference.modules())
     assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
+    assert bool(quantized._fused_layer_weights()) == (arch == "llama")  # qwen2's qkv bias: the modules
     assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
     # The same quantized weights; the kernels quantize the activations to int8 per block of 32 as
     # llama.cpp does (issue 15): measured 0.39% (llama) and 0.65% (qwen2) of the largest logit.
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decoder_layers_match_the_modules_bit_for_bit(
+        tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, "llama", tiny_model(LlamaForCausalLM, LlamaConfig, tied=True), tied=True)
+    runner = ModelRunner(ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize="auto", block_size=16))
+    model = runner.model
+    # Prefill chunks (one after cached tokens) then decodes, over caches holding the same random K/V.
+    spans = [SeqSpan(0, 40, [0, 1, 2]), SeqSpan(20, 12, [3, 4]), SeqSpan(37, 1, [5, 6, 7]),
+             SeqSpan(100, 1, list(range(8, 15)))]
+    ids = torch.tensor(random_tokens(54, seed=5, vocab=TINY["vocab_size"]))
+    meta = runner.attention.build_metadata(spans, 16)
+    assert meta.paged is not None
+    fused_cache = make_cache(model, block_size=16, num_blocks=16, dtype=getattr(torch, dtype)).device_blocks
+    fused_cache.normal_(generator=torch.Generator().manual_seed(0))
+    module_cache = fused_cache.clone()
+    with torch.no_grad():
+        model.use_fused_layers = False
+        expected = model(ids, module_cache, meta)
+        model.use_fused_layers = True
+        monkeypatch.setattr(DecoderLayer, "forward", lambda *args: pytest.fail("the modules ran"))
+        got = model(ids, fused_cache, meta)
+    assert torch.equal(got, expected)
+    assert torch.equal(fused_cache, module_cache)  # the same K/V written
 
 
 def test_safetensors_models_are_unaffected(tmp_path: Path) -> None:
