@@ -1,6 +1,6 @@
 """Engine micro-benchmark: prefill and decode speed of the shard runner, next to machine ceilings.
 
-Run: python bench/bench_engine.py [--dtypes float32 bfloat16] [--threads 2] [--random-model] [--quantize none auto]
+Run: python bench/bench_engine.py [--dtypes float32 bfloat16] [--threads 2] [--random-model] [--quantize none auto] [--layers fused modules]
 Decode requests enter with their context already cached (as after a prefix-cache hit),
 so the numbers time the decode step itself: forward, sampling and runner bookkeeping.
 """
@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each line prints its min")
     parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "auto"],
                         help="weights dequantized (none) or kept quantized (auto); several: interleaved per batch")
+    parser.add_argument("--layers", nargs="+", default=["fused"], choices=["fused", "modules"],
+                        help="quantized layers in one C++ call (loom::decoder_layers) or module by module; interleaved")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
@@ -160,13 +162,14 @@ def main() -> None:
     for dtype in args.dtypes:
         for quantize, model in models.items():  # --quantize x --attention, interleaved over rounds
             runner = make_runner(model, dtype, num_blocks)
-            backends = {name: runner.attention if name == "default" else TorchBackend(runner.device)
-                        for name in args.attention}
-            prefill: dict[str, tuple[float, float]] = {}
-            decode: dict[tuple[str, int], DecodeResult] = {}
+            backends = {(name, layers): runner.attention if name == "default" else TorchBackend(runner.device)
+                        for name in args.attention for layers in args.layers}
+            prefill: dict[tuple[str, str], tuple[float, float]] = {}
+            decode: dict[tuple[tuple[str, str], int], DecodeResult] = {}
             for _ in range(args.rounds):  # interleaved A/B, min over rounds
                 for name, backend in backends.items():
                     runner.attention = backend
+                    model.use_fused_layers = name[1] == "fused"
                     p = bench_prefill(runner, 512, repeats=2)
                     prefill[name] = min(prefill.get(name, p), p)
                     for batch in args.batches:
@@ -174,7 +177,7 @@ def main() -> None:
                         if (name, batch) not in decode or r.step_ms < decode[name, batch].step_ms:
                             decode[name, batch] = r
             for name, backend in backends.items():
-                label = f"{dtype:9s} {quantize:4s} [{backend.kind.value}]"
+                label = f"{dtype:9s} {quantize:4s} [{backend.kind.value}, {name[1]}]"
                 prefill_ms, prefill_cpu_ms = prefill[name]
                 print(f"{label} prefill 512 tokens: {prefill_ms:7.1f} ms = {512 / prefill_ms * 1e3:7.0f} tokens/s "
                       f"(cpu {prefill_cpu_ms:7.1f} ms = {512 / prefill_cpu_ms * 1e3:7.0f} tokens/s)")
