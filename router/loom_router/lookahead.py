@@ -10,9 +10,10 @@ every running sequence decodes one token in N, and N has nothing else (no new re
 chunk, fork, swap or grammar mask). Groups waiting to start are admitted into N+1 as the
 ordinary schedule() would admit them after N (their prompts do not depend on N's outputs):
 a request that arrives while N runs starts in N+1, not after a drained pipeline (which made
-it wait for N and N+1, raising TTFT p50 at 32 streams 1.55 -> 1.9 s, bench/BENCHMARKS.md). Each sequence of N then decodes in
-N+1 the token N samples: the shard already appended it to its own copy of the sequence, so
-the plan needs that token's slot (a block reserved one token ahead), never its value.
+it wait for N and N+1, raising TTFT p50 at 32 streams 1.55 -> 1.9 s, bench/BENCHMARKS.md).
+Each sequence of N then decodes in N+1 the token N samples: the shard already appended it to
+its own copy of the sequence, so the plan needs that token's slot (a block reserved one token
+ahead), never its value.
 The shard runs steps one at a time in arrival order (loom_shard.server); no contract change.
 
 What a sequence that finishes in N (EOS, stop string) still costs: it was already in N+1.

@@ -109,7 +109,8 @@ class LlamaModel(nn.Module):
                 for layer in self.layers:
                     qkv, o, gate_up, down = _projections(layer)
                     self._fused_weights += [layer.input_layernorm.weight, *_qtensors(qkv), *_qtensors(o),
-                                            layer.post_attention_layernorm.weight, *_qtensors(gate_up), *_qtensors(down)]
+                                            layer.post_attention_layernorm.weight, *_qtensors(gate_up),
+                                            *_qtensors(down)]
         return self._fused_weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

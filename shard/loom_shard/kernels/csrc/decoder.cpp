@@ -56,14 +56,16 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const at::Tensor
     const at::Tensor* w = weights.data() + i * kPerLayer;
     const at::Tensor& kv_layer = kv_cache[i];
     // Attention (Attention.forward, paged_attention).
-    at::Tensor qkv = qlinear(rms_norm(x, w[0], eps), w[1], w[2], qkv_features).view({num_tokens, qk_heads + num_kv_heads, head_dim});
+    at::Tensor qkv = qlinear(rms_norm(x, w[0], eps), w[1], w[2], qkv_features)
+                         .view({num_tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), positions, cos, sin);
     std::vector<at::Tensor> q_k = qk.split_with_sizes({num_heads, num_kv_heads}, 1);
     at::Tensor v = qkv.slice(1, qk_heads);
     at::Tensor flat = kv_layer.view({2, kv_layer.size(1) * kv_layer.size(2), num_kv_heads, head_dim});
     flat[0].index_copy_(0, slot_mapping, q_k[1]);
     flat[1].index_copy_(0, slot_mapping, v);
-    at::Tensor attended = paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
+    at::Tensor attended =
+        paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
     x = x + qlinear(attended, w[3], w[4], hidden);
     // Feed-forward (GatedMLP.forward).
     at::Tensor gate_up = qlinear(rms_norm(x, w[5], eps), w[6], w[7], 2 * intermediate_size);
