@@ -70,6 +70,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.use_fused_layers = True  # False: the modules below even where loom::decoder_layers can run
         self._fused_weights: list[torch.Tensor] | None = None
+        self._fused_biases: list[torch.Tensor | None] = []
 
     @property
     def num_kv_heads(self) -> int:
@@ -89,8 +90,8 @@ class LlamaModel(nn.Module):
             if weights:
                 attn = self.layers[0].self_attn
                 return torch.ops.loom.decoder_layers(
-                    x, weights, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin, paged.block_tables,
-                    paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
+                    x, weights, self._fused_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
+                    paged.block_tables, paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
                     self.layers[0].mlp.intermediate_size, self.layers[0].input_layernorm.eps)
         for layer, kv_layer in zip(self.layers, kv_cache):
             x = layer(x, rope, kv_layer, meta)
@@ -98,14 +99,14 @@ class LlamaModel(nn.Module):
 
     def _fused_layer_weights(self) -> list[torch.Tensor]:
         """loom::decoder_layers' tensors (kernels/csrc/decoder.cpp): the layers' arithmetic in one C++
-        call, bit-identical to the modules. Empty unless every projection is a bias-free QuantLinear
-        on Loom's kernels (not under tensor parallelism, whose projections are nn.Linear)."""
+        call, bit-identical to the modules. Empty unless every projection is a QuantLinear on Loom's
+        kernels, bias-free but for qkv's (Qwen2); not under tensor parallelism, whose are nn.Linear."""
         if not self.use_fused_layers:
             return []
         if self._fused_weights is None:
             self._fused_weights = []
-            projections = [p for layer in self.layers for p in _projections(layer)]
-            if all(type(p) is QuantLinear and p.uses_kernels and p.bias is None for p in projections):
+            if all(_fusable(layer) for layer in self.layers):
+                self._fused_biases = [layer.self_attn.qkv_proj.bias for layer in self.layers]
                 for layer in self.layers:
                     qkv, o, gate_up, down = _projections(layer)
                     self._fused_weights += [layer.input_layernorm.weight, *_qtensors(qkv), *_qtensors(o),
@@ -138,6 +139,12 @@ class LlamaModel(nn.Module):
 
 def _projections(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _fusable(layer: DecoderLayer) -> bool:
+    projections = _projections(layer)
+    on_kernels = all(type(p) is QuantLinear and p.uses_kernels for p in projections)
+    return on_kernels and all(p.bias is None for p in projections[1:])  # only qkv may have a bias (Qwen2)
 
 
 def _qtensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,11 @@ namespace {
 
 constexpr int64_t kPerLayer = 10;  // tensors per layer in `weights`, in the order below
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features) {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
+                   const c10::optional<at::Tensor>& bias = c10::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("loom::qlinear", "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
-  return op.call(x, packed, scales, out_features, c10::nullopt);
+  return op.call(x, packed, scales, out_features, bias);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -40,23 +41,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
 
 // x [num_tokens, hidden] (the embeddings); weights: per layer input_layernorm.weight, qkv packed,
 // qkv scales, o packed, o scales, post_attention_layernorm.weight, gate_up packed, gate_up scales,
-// down packed, down scales; kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
+// down packed, down scales; qkv_biases: per layer its qkv projection's bias (Qwen2) or none;
+// kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
 // Returns the final hidden states [num_tokens, hidden] (before the final norm), as LlamaModel.forward.
-at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const at::Tensor& kv_cache,
+at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
+                          const at::Tensor& kv_cache,
                           const at::Tensor& slot_mapping, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& block_tables, const at::Tensor& query_starts,
                           const at::Tensor& num_cached, int64_t num_heads, int64_t num_kv_heads,
                           int64_t intermediate_size, double eps) {
   const int64_t num_layers = kv_cache.size(0), head_dim = kv_cache.size(5);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kPerLayer,
-              "decoder_layers: expected ", kPerLayer, " weight tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kPerLayer &&
+                  static_cast<int64_t>(qkv_biases.size()) == num_layers,
+              "decoder_layers: expected ", kPerLayer, " weight tensors and one qkv bias (or none) per layer");
   const int64_t num_tokens = x.size(0), hidden = x.size(1), qk_heads = num_heads + num_kv_heads;
   const int64_t qkv_features = (qk_heads + num_kv_heads) * head_dim;
   for (int64_t i = 0; i < num_layers; ++i) {
     const at::Tensor* w = weights.data() + i * kPerLayer;
     const at::Tensor& kv_layer = kv_cache[i];
     // Attention (Attention.forward, paged_attention).
-    at::Tensor qkv = qlinear(rms_norm(x, w[0], eps), w[1], w[2], qkv_features)
+    at::Tensor qkv = qlinear(rms_norm(x, w[0], eps), w[1], w[2], qkv_features, qkv_biases.get(i))
                          .view({num_tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), positions, cos, sin);
     std::vector<at::Tensor> q_k = qk.split_with_sizes({num_heads, num_kv_heads}, 1);
@@ -78,8 +82,8 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
-  m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor kv_cache, Tensor slot_mapping, Tensor positions, "
-        "Tensor cos, Tensor sin, Tensor block_tables, Tensor query_starts, Tensor num_cached, int num_heads, "
-        "int num_kv_heads, int intermediate_size, float eps) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_biases, Tensor kv_cache, Tensor slot_mapping, "
+        "Tensor positions, Tensor cos, Tensor sin, Tensor block_tables, Tensor query_starts, Tensor num_cached, "
+        "int num_heads, int num_kv_heads, int intermediate_size, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
