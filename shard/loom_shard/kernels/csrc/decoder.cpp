@@ -1,8 +1,9 @@
 // The decoder layers of a Llama-family model whose projections are Loom's quantized linears, in
 // one call from Python: the same kernels (loom::rms_norm, qlinear, rotary, paged_attention) and
 // ATen ops, in the same order and on the same shapes, as loom_shard/models/llama.py's modules,
-// so the result is bit-identical to them; what goes is the Python between the ~15 ops of each
-// layer (module calls, views, dispatch: ~1.3 ms of a 5.8 ms batch-1 decode step).
+// so the result is bit-identical to them. What goes is the Python between the ~15 ops of each
+// layer (module calls, views, dispatch), which a second thread does not shorten: a batch-1 decode
+// step of the embedded model went 6.6 -> 4.1 ms at 2 threads (bench/BENCHMARKS.md).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -45,11 +46,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
 // kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
 // Returns the final hidden states [num_tokens, hidden] (before the final norm), as LlamaModel.forward.
 at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
-                          const at::Tensor& kv_cache,
-                          const at::Tensor& slot_mapping, const at::Tensor& positions, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& block_tables, const at::Tensor& query_starts,
-                          const at::Tensor& num_cached, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t intermediate_size, double eps) {
+                          const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& positions,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& block_tables,
+                          const at::Tensor& query_starts, const at::Tensor& num_cached, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t intermediate_size, double eps) {
   const int64_t num_layers = kv_cache.size(0), head_dim = kv_cache.size(5);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kPerLayer &&
                   static_cast<int64_t>(qkv_biases.size()) == num_layers,
