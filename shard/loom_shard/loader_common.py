@@ -111,6 +111,10 @@ class Part:
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[self.index()].contiguous()
 
+    def shape_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this part of a tensor of `shape`."""
+        return shape[: self.dim] + (self.stop - self.start,) + shape[self.dim + 1 :]
+
 
 # (Hugging Face name, its whole shape) -> the part to read, None for all of it; see
 # loader.load_model_weights

@@ -192,7 +192,7 @@ def load_gguf_weights(
                 report.tensor_done(done)
                 continue
         cut = part(name, shape) if part else None
-        weight = _to_torch(path, reader, tensor, dtype, cut).reshape(cut_shape(shape, cut))
+        weight = _to_torch(path, reader, tensor, dtype, cut).reshape(cut.shape_of(shape) if cut else shape)
         if config.architecture == "LlamaForCausalLM":
             weight = _unpermute_qk(name, weight, config)
         tensors[name] = weight
@@ -220,12 +220,6 @@ def _unpermute_qk_source(name: str, source: QuantSource, config: ModelConfig) ->
         return source
     # Whole rows of blocks move, so the row permutation applies to the raw bytes unchanged.
     return QuantSource(source.kind, _unpermute_qk(name, source.raw, config).contiguous(), source.in_features)
-
-
-def cut_shape(shape: tuple[int, ...], cut: Part | None) -> tuple[int, ...]:
-    if cut is None:
-        return shape
-    return shape[: cut.dim] + (cut.stop - cut.start,) + shape[cut.dim + 1 :]
 
 
 def _to_torch(path: Path, reader: GGUFFile, tensor: TensorInfo, dtype: torch.dtype, cut: Part | None) -> torch.Tensor:

@@ -256,7 +256,7 @@ class ModelRunner:
             self._mark_sampling(phases)
         prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
-        samples = self._verify_sample(logits, [(sample_rows[i], s) for i, s in finishing], masks)
+        samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
         outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
         for (i, s), smps in zip(finishing, samples):
             outputs[i] = _output(s.state.request_id, smps[0], prompt_logprobs[i])
@@ -287,26 +287,18 @@ class ModelRunner:
     def _cache(self) -> torch.Tensor:
         return self._require_cache().device_blocks
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], states: list[RequestState],
-                masks: dict[int, bytes]) -> list[Sample]:
-        if not rows:
-            return []
-        sampling_states = [SeqSamplingState(s.sampling, s.token_ids, s.num_prompt_tokens, masks.get(s.request_id))
-                           for s in states]
-        return sample(_select_rows(logits, rows), sampling_states)
-
-    def _verify_sample(self, logits: torch.Tensor, finishing: list[tuple[int | None, _Scheduled]],
-                       masks: dict[int, bytes]) -> list[list[Sample]]:
-        """Sample every finishing sequence: one token, or one per verified position (drafts)."""
+    def _sample(self, logits: torch.Tensor, picks: list[tuple[int | None, RequestState, int]],
+                masks: dict[int, bytes]) -> list[list[Sample]]:
+        """Sample each (logits row, sequence, drafts): one token, or one per verified position."""
         rows: list[int] = []
         states: list[SeqSamplingState] = []
-        for row, s in finishing:
+        for row, state, num_drafts in picks:
             assert row is not None
-            rows.extend(range(row, row + s.num_drafts + 1))
-            states.extend(sampling_states(s.state, s.num_drafts, masks.get(s.state.request_id)))
+            rows.extend(range(row, row + num_drafts + 1))
+            states.extend(sampling_states(state, num_drafts, masks.get(state.request_id)))
         if not rows:
             return []
-        return regroup(sample(_select_rows(logits, rows), states), [s.num_drafts + 1 for _, s in finishing])
+        return regroup(sample(_select_rows(logits, rows), states), [num_drafts + 1 for _, _, num_drafts in picks])
 
     def _fork_all(
         self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None],
@@ -317,7 +309,7 @@ class ModelRunner:
         forks = [(sample_rows[i], self._create_fork(parent, fork)) for i, parent in parents for fork in parent.pending_forks]
         for _, parent in parents:
             parent.pending_forks = []
-        samples = self._sample(logits, [row for row, _ in forks], [state for _, state in forks], masks)
+        samples = [smps[0] for smps in self._sample(logits, [(row, state, 0) for row, state in forks], masks)]
         for (_, state), smp in zip(forks, samples):
             state.token_ids.append(smp.token_id)
         return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]
