@@ -69,8 +69,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.use_fused_layers = True  # False: the modules below even where loom::decoder_layers can run
-        self._fused_weights: list[torch.Tensor] | None = None
-        self._fused_biases: list[torch.Tensor | None] = []
+        self._fused: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None  # _fused_layer_args
 
     @property
     def num_kv_heads(self) -> int:
@@ -86,33 +85,29 @@ class LlamaModel(nn.Module):
         rope = self.rotary.lookup(meta.positions, meta.max_position, x.dtype)
         paged = meta.paged
         if isinstance(rope, KernelRope) and paged is not None and paged.kernel is paged_attention_cpu:
-            weights = self._fused_layer_weights()
+            weights, qkv_biases = self._fused_layer_args()
             if weights:
                 attn = self.layers[0].self_attn
                 return torch.ops.loom.decoder_layers(
-                    x, weights, self._fused_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
+                    x, weights, qkv_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
                     paged.block_tables, paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
                     self.layers[0].mlp.intermediate_size, self.layers[0].input_layernorm.eps)
         for layer, kv_layer in zip(self.layers, kv_cache):
             x = layer(x, rope, kv_layer, meta)
         return x
 
-    def _fused_layer_weights(self) -> list[torch.Tensor]:
-        """loom::decoder_layers' tensors (kernels/csrc/decoder.cpp): the layers' arithmetic in one C++
-        call, bit-identical to the modules. Empty unless every projection is a QuantLinear on Loom's
-        kernels, bias-free but for qkv's (Qwen2); not under tensor parallelism, whose are nn.Linear."""
+    def _fused_layer_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """loom::decoder_layers' weights and qkv biases (kernels/csrc/decoder.cpp): the layers'
+        arithmetic in one C++ call, bit-identical to the modules. Empty unless every projection is a
+        QuantLinear on Loom's kernels, bias-free but for qkv's (Qwen2); not under tensor
+        parallelism, whose projections are nn.Linear."""
         if not self.use_fused_layers:
-            return []
-        if self._fused_weights is None:
-            self._fused_weights = []
-            if all(_fusable(layer) for layer in self.layers):
-                self._fused_biases = [layer.self_attn.qkv_proj.bias for layer in self.layers]
-                for layer in self.layers:
-                    qkv, o, gate_up, down = _projections(layer)
-                    self._fused_weights += [layer.input_layernorm.weight, *_qtensors(qkv), *_qtensors(o),
-                                            layer.post_attention_layernorm.weight, *_qtensors(gate_up),
-                                            *_qtensors(down)]
-        return self._fused_weights
+            return [], []
+        if self._fused is None:
+            layers = list(self.layers) if all(_fusable(layer) for layer in self.layers) else []
+            self._fused = ([t for layer in layers for t in _layer_tensors(layer)],
+                           [layer.self_attn.qkv_proj.bias for layer in layers])
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
@@ -124,7 +119,7 @@ class LlamaModel(nn.Module):
         assign: take the tensors themselves as parameters (a model built on `meta`); the tied
         head and the rotary table are then rebuilt on the weights' device.
         """
-        self._fused_weights = None  # rebuilt from the new tensors at the next forward
+        self._fused = None  # rebuilt from the new tensors at the next forward
         own = fuse_hf_weights(weights)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
         missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
@@ -145,6 +140,12 @@ def _fusable(layer: DecoderLayer) -> bool:
     projections = _projections(layer)
     on_kernels = all(type(p) is QuantLinear and p.uses_kernels for p in projections)
     return on_kernels and all(p.bias is None for p in projections[1:])  # only qkv may have a bias (Qwen2)
+
+
+def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
+    """One layer's tensors in loom::decoder_layers' order."""
+    qkv, o, gate_up, down = (_qtensors(p) for p in _projections(layer))
+    return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
 
 
 def _qtensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,7 +85,8 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert quantized.lm_head.kind is QuantKind.Q8_0 and quantized.layers[0].mlp.down_proj.kind is QuantKind.Q4_1
     assert not any(isinstance(m, QuantLinear) for m in reference.modules())
     assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
-    assert len(quantized._fused_layer_weights()) == 10 * TINY["num_hidden_layers"]  # one C++ call (qwen2: qkv bias)
+    weights, qkv_biases = quantized._fused_layer_args()  # one C++ call (qwen2: with its qkv biases)
+    assert len(weights) == 10 * TINY["num_hidden_layers"] and len(qkv_biases) == TINY["num_hidden_layers"]
     assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
