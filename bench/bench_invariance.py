@@ -20,6 +20,7 @@ from loom_shard.attention import SeqSpan, paged_attention
 from loom_shard.attention_backend import TorchBackend, select_backend
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.rotary import RotaryEmbedding
+from loom_shard.layers.row_invariance import Gemm
 from loom_shard.sampler import SeqSamplingState, sample
 
 BATCHES = (1, 2, 4, 7, 8, 16, 32, 64)
@@ -42,11 +43,12 @@ def first_break(op: Op, row: torch.Tensor, make_rest: Callable[[int], torch.Tens
     return broke, worst
 
 
-def linear_op(k: int, n: int, dtype: torch.dtype, packed: bool, split_k: bool | None = None) -> tuple[Op, int]:
+def linear_op(k: int, n: int, dtype: torch.dtype, gemm: Gemm | None, packed: bool = True) -> tuple[Op, int]:
+    """gemm None with packed: the probe's choice on this CPU; packed False: F.linear."""
     torch.manual_seed(k + n)
     lin = nn.Linear(k, n, bias=False).to(dtype)
     if packed:
-        lin = PackedLinear(lin, split_k=split_k)
+        lin = PackedLinear(lin, gemm=gemm)
     return (lambda x: lin(x)), k
 
 
@@ -108,13 +110,12 @@ def main() -> None:
     for name, k, n in (("qkv_proj 576->960", HIDDEN, 960), ("gate_up 576->3072", HIDDEN, 2 * INTER),
                        ("o_proj 576->576", HIDDEN, HIDDEN), ("down_proj 1536->576", INTER, HIDDEN),
                        ("lm_head 576->49152", HIDDEN, VOCAB)):
-        for dtype, packed, split, label in ((torch.bfloat16, True, False, "bf16 oneDNN packed, one GEMM"),
-                                            (torch.bfloat16, True, None, "bf16 PackedLinear (default: K-split if probed)"),
-                                            (torch.bfloat16, False, None, "bf16 F.linear"),
-                                            (torch.float32, False, None, "fp32 F.linear")):
-            if split is None and packed and k <= 1024:
-                continue  # never split: the same as one GEMM
-            op, _ = linear_op(k, n, dtype, packed, split)
+        for dtype, gemm, packed, label in ((torch.bfloat16, Gemm.ONEDNN, True, "bf16 oneDNN packed, one GEMM"),
+                                           (torch.bfloat16, None, True, "bf16 PackedLinear (the probe's choice)"),
+                                           (torch.float32, None, True, "fp32 PackedLinear (the probe's choice)"),
+                                           (torch.bfloat16, None, False, "bf16 F.linear"),
+                                           (torch.float32, None, False, "fp32 F.linear")):
+            op, _ = linear_op(k, n, dtype, gemm, packed)
             cases.append((f"{name} {label}", op, rows(k, dtype), torch.randn(1, k).to(dtype)))
     logit_rows = rows(VOCAB, torch.float32)
     cases.append(("log_softmax fp32 [B, 49152]", lambda x: x.log_softmax(-1), logit_rows, torch.randn(1, VOCAB)))

@@ -56,6 +56,9 @@ class ShardFlags(ModelFlags):
     quantize: Literal["auto", "none"] = Field(
         "auto", description="auto: a GGUF's Q4_1/Q8_0 weights stay quantized (CPU, one rank); "
         "none: dequantized to the dtype (the parity reference)")
+    cpu_kernels: Literal["auto", "avx512", "avx2", "off"] = Field(
+        "auto", description="Loom's C++ CPU kernels: auto picks the best build this CPU runs (AVX-512 VNNI, "
+        "else AVX2); off: torch's paths (slower, bfloat16 linears not batch-invariant)")
     block_size: Positive = Field(16, description="tokens per KV cache block")
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of free GPU memory the KV cache may take")
     cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at warmup "

@@ -192,6 +192,7 @@ class ModelInfo:
     rank: int
     world_size: int
     quantization: str = "none"  # weights kept quantized (--quantize auto), e.g. "Q4_1 x120, Q8_0 x1 (loom kernels)"
+    cpu_kernels: str = ""  # CPU: the kernels build in use and why, e.g. "avx512 (...)"; "" on GPUs
 
 
 @dataclass(slots=True, frozen=True)

@@ -336,6 +336,8 @@ def _info(state: AppState) -> dict[str, Any]:
         "model_sha": model.weights_hash if model else None,
         "model_dtype": model.dtype if model else None,
         "model_device_type": model.device if model else None,
+        "model_quantization": model.quantization if model else None,
+        "cpu_kernels": model.cpu_kernels or None if model else None,
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": config.max_concurrent_requests,
         "max_best_of": config.max_n,

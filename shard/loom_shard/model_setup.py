@@ -6,10 +6,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 
 import torch
 
 from loom_proto.config import ShardConfig
+from loom_shard import kernels
+from loom_shard.layers import row_invariance
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
 
@@ -40,13 +43,54 @@ def resolve_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
 
 
-def default_dtype(device: str) -> torch.dtype:
-    """The dtype a shard runs in when none is configured.
+class ShardSetupError(Exception):
+    """The shard cannot run as configured on this machine; str() is one line saying why."""
 
-    CPU: bfloat16, measured faster than float32 on AVX-512-bf16 (bench/BENCHMARKS.md, Engine).
-    CUDA: bfloat16 (same speed as float16 on tensor cores, no overflow risk).
-    """
-    return torch.bfloat16
+
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_summary() -> str:
+    """"AMD EPYC (avx2 fma ... avx512_bf16)": the model name and the SIMD flags that matter here."""
+    flags = kernels.cpu_flags()
+    return f"{kernels.cpu_model()} ({' '.join(f for f in SIMD_FLAGS if f in flags) or 'no SIMD flags read'})"
+
+
+def native_bfloat16() -> bool:
+    """The CPU multiplies bfloat16 natively (AVX-512-bf16 or AMX) and oneDNN runs its GEMMs there."""
+    return bool({"avx512_bf16", "amx_bf16"} & kernels.cpu_flags()) and row_invariance.onednn_packs(torch.bfloat16)
+
+
+def choose_dtype(requested: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The shard's dtype and why. Unset: bfloat16 on CUDA and on CPUs that compute it natively
+    (measured faster than float32 there: bench/BENCHMARKS.md, Engine), else float32. An explicit
+    dtype the device cannot run raises ShardSetupError."""
+    if requested is not None:
+        dtype = getattr(torch, requested)
+        if device.type == "cpu" and dtype not in (torch.bfloat16, torch.float32):
+            raise ShardSetupError(f"--dtype {requested} is not supported on CPU: Loom's CPU kernels and "
+                                  "batch-invariant linears run bfloat16 and float32")
+        return dtype, "--dtype"
+    if device.type == "cuda":
+        return torch.bfloat16, "the CUDA default"
+    if native_bfloat16():
+        return torch.bfloat16, "this CPU computes bfloat16 natively"
+    return torch.float32, "this CPU has no native bfloat16 (avx512_bf16 or amx_bf16) that oneDNN uses"
+
+
+def announce(device: torch.device, dtype: torch.dtype, why: str) -> None:
+    """One line on stderr (which the launcher shows) saying what this shard computes on and with."""
+    where = f"CPU {cpu_summary()}; kernels {kernels.selection().describe()}" if device.type == "cpu" else str(device)
+    print(f"[loom_shard] {where}; dtype {str(dtype).removeprefix('torch.')} ({why})", file=sys.stderr, flush=True)
+
+
+def select_cpu_kernels(choice: str) -> kernels.Selection:
+    """The kernels build the shard runs (`--cpu-kernels`); one the CPU cannot run raises ShardSetupError."""
+    try:
+        return kernels.select(choice)
+    except (OSError, RuntimeError, ImportError, ValueError) as error:
+        raise ShardSetupError(f"--cpu-kernels {choice}: {' '.join(str(error).split())}") from error
 
 
 def keeps_quantized(config: ShardConfig, device: torch.device) -> bool:

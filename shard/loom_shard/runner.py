@@ -37,7 +37,14 @@ from loom_shard.kv_cache import (
     blocks_for_tokens,
 )
 from loom_shard.layers.packed_linear import pack_linears
-from loom_shard.model_setup import default_dtype, keep_freed_memory_mapped, load_model, resolve_device
+from loom_shard.model_setup import (
+    announce,
+    choose_dtype,
+    keep_freed_memory_mapped,
+    load_model,
+    resolve_device,
+    select_cpu_kernels,
+)
 from loom_shard.models.llama import LlamaModel
 from loom_shard.plan_check import PlanCheck
 from loom_shard.quantize import quantized_summary
@@ -83,14 +90,19 @@ class ModelRunner:
     def __init__(self, config: ShardConfig, model: LlamaModel | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device, config.rank)
-        self.dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(self.device.type)
+        if self.device.type == "cpu":
+            self.kernels = select_cpu_kernels(config.cpu_kernels)
+        self.dtype, why = choose_dtype(config.dtype, self.device)
+        announce(self.device, self.dtype, why)
         if model is None:
             model, self.weights_hash = load_model(config, self.dtype, self.device)
         else:
             self.weights_hash = "unhashed"
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.device.type == "cpu":
-            pack_linears(self.model)  # oneDNN-packed bfloat16 weights; float32 keeps F.linear
+            linears = pack_linears(self.model)  # each shape's GEMM chosen (and probed) here: row-invariant
+            if linears != "none":
+                log.info("dense linears: %s", linears)
             keep_freed_memory_mapped()
         mc = self.model.config
         self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
@@ -121,6 +133,7 @@ class ModelRunner:
             rank=self.config.rank,
             world_size=self.config.world_size,
             quantization=quantized_summary(self.model),
+            cpu_kernels=self.kernels.describe() if self.device.type == "cpu" else "",
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:

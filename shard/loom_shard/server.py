@@ -348,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until serve() takes the signals over, SIGTERM stops a long model load like SIGINT does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from loom_shard.loader import ModelLoadError
+    from loom_shard.model_setup import ShardSetupError
 
     worker = new_worker()
 
@@ -361,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_event_loop(serve(runner, config, worker))
     except KeyboardInterrupt:
         return 0
-    except ModelLoadError as error:
+    except (ModelLoadError, ShardSetupError) as error:
         return fail(str(error), EXIT_MODEL_LOAD_ERROR)
     except OSError as error:
         return fail(str(error), EXIT_SERVE_ERROR)

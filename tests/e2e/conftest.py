@@ -115,8 +115,8 @@ def start_launcher(e2e_dir: Path, started_launchers: list[Launcher]) -> Iterator
     """Starts a launcher of the test's own; every one started is stopped at teardown."""
     launchers: list[Launcher] = []
 
-    def start(*extra_args: str) -> Launcher:
-        launcher = spawn_launcher(e2e_dir, *extra_args)
+    def start(*extra_args: str, env: dict[str, str] | None = None) -> Launcher:
+        launcher = spawn_launcher(e2e_dir, *extra_args, env=env)
         launchers.append(launcher)
         started_launchers.append(launcher)
         wait_healthy(launcher)
@@ -139,7 +139,8 @@ def limits_for(extra_args: tuple[str, ...]) -> list[str]:
     return [item for pair in limits.items() for item in pair]
 
 
-def spawn_launcher(folder: Path, *extra_args: str) -> Launcher:
+def spawn_launcher(folder: Path, *extra_args: str, env: dict[str, str] | None = None) -> Launcher:
+    """A launcher on free ports; `env` adds to this process's environment (which it passes on)."""
     port = free_port()
     name = f"l{port}"
     log_path = folder / f"{name}.log"
@@ -149,8 +150,8 @@ def spawn_launcher(folder: Path, *extra_args: str) -> Launcher:
             *limits_for(extra_args), *extra_args]
     with open(log_path, "wb") as log_file:
         # Its own session, so a hung launcher can be killed with all its children.
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env={**os.environ, **(env or {})})
     return Launcher(process, f"http://127.0.0.1:{port}", log_path)
 
 

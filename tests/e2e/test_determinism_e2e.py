@@ -1,10 +1,13 @@
-"""Issue 14 through the real launcher, in the DEFAULT dtype (bfloat16 on CPU) with the embedded
-model: a request's greedy tokens and logprobs do not depend on what else the server is doing.
+"""Batch invariance through the real launcher, in the DEFAULT dtype with the embedded model: a
+request's greedy tokens and logprobs do not depend on what else the server is doing.
 
 - 16 different greedy requests one at a time, then all at once: identical tokens (with the GGUF's
-  linears kept quantized, the default, and dequantized to bfloat16); also with a
+  linears kept quantized, the default, and dequantized to dense linears); also with a
   KV budget so tight that requests are preempted (swapped and recomputed), and with prefill
   chunks of 16 tokens.
+- The same as an AVX2-only CPU runs it: the avx2 kernels build and oneDNN restricted to AVX2
+  (ONEDNN_MAX_CPU_ISA), so float32 is the default dtype and every linear shape is probed as
+  there.
 - One prompt cold, then with its prefix cached, restored from a snapshot into a fresh server, and
   as choice 0 of an n=4 request whose choice_params make choice 0 greedy: identical tokens and
   identical logprobs.
@@ -62,19 +65,36 @@ def _first_difference(solo: list[list[int]], together: list[list[int]]) -> str:
     return f"{len(diffs)} of {len(solo)} differ (request, first differing token): {diffs}"
 
 
-@pytest.mark.parametrize("flags", [(), ("--quantize", "none")], ids=["default", "bf16-linears"])
-def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLauncher, flags: tuple[str, ...]) -> None:
-    """The default (quantized GGUF linears) and the bfloat16 linears' path (oneDNN, row_invariance)."""
-    server = start_launcher(*flags)
+AS_AVX2_CPU = {"flags": ("--cpu-kernels", "avx2"), "env": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+THIS_CPU = {"flags": (), "env": {}}
+
+
+def _start(start_launcher: StartLauncher, cpu: dict, *flags: str) -> Launcher:
+    server = start_launcher(*cpu["flags"], *flags, env=cpu["env"])
+    if cpu is AS_AVX2_CPU:  # the shard said what it runs, and /info shows it
+        assert "kernels avx2" in server.log() and "dtype float32" in server.log(), server.log()
+        assert httpx.get(f"{server.base_url}/info", timeout=10).json()["cpu_kernels"].startswith("avx2")
+    return server
+
+
+@pytest.mark.parametrize("cpu", [THIS_CPU, AS_AVX2_CPU], ids=["this-cpu", "as-avx2-cpu"])
+@pytest.mark.parametrize("flags", [(), ("--quantize", "none")], ids=["default", "dense-linears"])
+def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLauncher, flags: tuple[str, ...],
+                                                       cpu: dict) -> None:
+    """The default (quantized GGUF linears) and the dense linears' path (each shape's GEMM probed)."""
+    server = _start(start_launcher, cpu, *flags)
     solo, together = _solo_then_together(server)
     assert together == solo, _first_difference(solo, together)
 
 
-def test_16_greedy_requests_agree_under_preemption(start_launcher: StartLauncher) -> None:
+@pytest.mark.parametrize(("cpu", "flags"), [(THIS_CPU, ()), (AS_AVX2_CPU, ("--quantize", "none"))],
+                         ids=["this-cpu", "as-avx2-cpu-dense-linears"])
+def test_16_greedy_requests_agree_under_preemption(start_launcher: StartLauncher, cpu: dict,
+                                                   flags: tuple[str, ...]) -> None:
     # ~30 prompt + 32 new tokens -> 4-5 blocks a request; 24 blocks hold ~5 of 16, and a host
-    # pool of 8 blocks makes some preemptions recompute instead of swapping.
-    server = start_launcher("--max-batch-total-tokens", "384", "--max-total-tokens", "384",
-                            "--max-input-tokens", "256", "--host-kv-cache-bytes", str(8 * BF16_BLOCK_BYTES))
+    # pool of 8 blocks (bfloat16; 4 in float32) makes some preemptions recompute instead of swapping.
+    server = _start(start_launcher, cpu, "--max-batch-total-tokens", "384", "--max-total-tokens", "384",
+                    "--max-input-tokens", "256", "--host-kv-cache-bytes", str(8 * BF16_BLOCK_BYTES), *flags)
     solo, together = _solo_then_together(server)
     assert together == solo, _first_difference(solo, together)
     assert _metric(server, "loom_preemptions_total") > 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from loom_shard import kernels
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -23,4 +25,4 @@ def paged_attention(
     num_cached: [num_seqs] int32 (keys before each sequence's first query).
     Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
-    return torch.ops.loom.paged_attention(q, kv_layer, block_tables, query_starts, num_cached)
+    return kernels.ops().paged_attention(q, kv_layer, block_tables, query_starts, num_cached)

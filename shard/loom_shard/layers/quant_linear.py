@@ -86,7 +86,7 @@ class QuantLinear(nn.Module):
         self.uses_kernels = kernels.available() if use_kernels is None else use_kernels
         # Tensors are integer typed so that Module.to(dtype) leaves them alone.
         if self.uses_kernels:
-            repack = {QuantKind.Q4_1: torch.ops.loom.qlinear_repack_q4_1, QuantKind.Q8_0: torch.ops.loom.qlinear_repack_q8_0}
+            repack = {QuantKind.Q4_1: kernels.ops().qlinear_repack_q4_1, QuantKind.Q8_0: kernels.ops().qlinear_repack_q8_0}
             packed, scales = repack[source.kind](source.raw.contiguous(), source.in_features)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales", scales.view(torch.int16), persistent=False)
@@ -99,7 +99,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_kernels:
-            return torch.ops.loom.qlinear(x, self.packed, self.scales.view(torch.float16), self.out_features, self.bias)
+            return kernels.ops().qlinear(x, self.packed, self.scales.view(torch.float16), self.out_features, self.bias)
         if self.kind is QuantKind.Q4_1:
             shape = x.shape
             x2 = x.reshape(-1, self.in_features)

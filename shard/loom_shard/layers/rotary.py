@@ -60,7 +60,7 @@ class KernelRope:
     sin: torch.Tensor  # [table_len, head_dim // 2] float32
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.loom.rotary(x, self.positions, self.cos, self.sin)
+        return kernels.ops().rotary(x, self.positions, self.cos, self.sin)
 
 
 Rope = GatheredRope | KernelRope

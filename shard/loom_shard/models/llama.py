@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loom_shard import kernels
 from loom_shard.attention import AttentionMetadata, paged_attention
 from loom_shard.cpu_attention import paged_attention_cpu
 from loom_shard.layers.mlp import GatedMLP
@@ -88,7 +89,7 @@ class LlamaModel(nn.Module):
             weights, qkv_biases = self._fused_layer_args()
             if weights:
                 attn = self.layers[0].self_attn
-                return torch.ops.loom.decoder_layers(
+                return kernels.ops().decoder_layers(
                     x, weights, qkv_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
                     paged.block_tables, paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
                     self.layers[0].mlp.intermediate_size, self.layers[0].input_layernorm.eps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import transformers
 
 from loom_proto.config import ShardConfig
+from loom_shard import kernels
 from loom_shard.attention import SeqSpan, build_metadata
 from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
 from loom_shard.loader import config_from_hf
@@ -17,6 +19,20 @@ from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.llama import LlamaModel
 from loom_shard.runner import ModelRunner
+
+
+@pytest.fixture(params=[isa.name for isa in kernels.ISAS])
+def kernel_isa(request: pytest.FixtureRequest) -> Iterator[kernels.Isa]:
+    """The test runs once per build of Loom's CPU kernels, each the shard's in turn. A build the CPU
+    cannot execute is skipped (the machine lacks the instructions); one that fails to build fails."""
+    isa = kernels.by_name(request.param)
+    if not kernels.runnable(isa):
+        pytest.skip(f"this CPU cannot execute the {isa.name} build")
+    previous = kernels.selection()
+    kernels.select(isa.name)
+    yield isa
+    kernels.select(previous.isa.name if previous.isa else "off")
+
 
 TINY = dict(
     vocab_size=160,

@@ -1,8 +1,16 @@
-"""Issue 14: a row's result is bit-identical whatever else is in its batch, for the CPU ops this
-branch owns: the bfloat16 linears (one GEMM and K-chunked), the LM head and its logits,
-log_softmax, and the sampler. (Attention and the quantized linears have their own tests.)"""
+"""A row's result is bit-identical whatever else is in its batch, for the CPU ops this file
+owns: the dense linears in every GEMM the probe may choose (oneDNN, oneDNN in K chunks, Loom's
+kernel), bfloat16 and float32, the LM head and its logits, log_softmax, and the sampler.
+(Attention and the quantized linears have their own tests.) The probe's decisions are also
+checked with oneDNN restricted to older ISAs (ONEDNN_MAX_CPU_ISA), so that this machine makes
+the decisions an AVX2 or an AVX-512-without-bf16 machine makes."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,12 +20,12 @@ from torch import nn
 from loom_proto.step import SamplingParams
 from loom_shard.layers import row_invariance
 from loom_shard.layers.packed_linear import PackedLinear
+from loom_shard.layers.row_invariance import Gemm
 from loom_shard.sampler import SeqSamplingState, sample
-
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 BATCHES = (1, 7, 64)
 SHAPES = [(576, 960), (1536, 576), (2048, 96), (3072, 64)]  # qkv_proj, down_proj (K > 1024), 2 and 3 K chunks
+DTYPES = [torch.bfloat16, torch.float32]
 
 
 def _rows_of(op, batch: torch.Tensor) -> list[torch.Tensor]:  # noqa: ANN001 - any row-wise op
@@ -35,10 +43,9 @@ def _all_equal(results: list[torch.Tensor]) -> bool:
     return all(torch.equal(r, results[0]) for r in results)
 
 
-def _linear(k: int, n: int, split_k: bool | None) -> PackedLinear:
+def _linear(k: int, n: int, dtype: torch.dtype, gemm: Gemm | None) -> PackedLinear:
     torch.manual_seed(k + n)
-    linear = nn.Linear(k, n, bias=True).to(torch.bfloat16)
-    return PackedLinear(linear, split_k=split_k)
+    return PackedLinear(nn.Linear(k, n, bias=True).to(dtype), gemm=gemm)
 
 
 def _every_row_as_alone(layer: nn.Module, batch: torch.Tensor) -> bool:
@@ -49,30 +56,61 @@ def _every_row_as_alone(layer: nn.Module, batch: torch.Tensor) -> bool:
         return all(torch.equal(layer(batch[:rows]), alone[:rows]) for rows in BATCHES)
 
 
+def _batch(k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(64, k, generator=torch.Generator().manual_seed(k)).to(dtype)  # not the probe's inputs
+
+
 @pytest.mark.parametrize(("k", "n"), SHAPES)
-@pytest.mark.parametrize("split_k", [None, False, True])
-def test_bfloat16_linear_rows_identical_at_batch_1_7_64(k: int, n: int, split_k: bool | None) -> None:
-    layer = _linear(k, n, split_k)
-    if split_k is False and row_invariance.onednn_needs_split(k, n):
-        pytest.skip(f"oneDNN's one-GEMM {k}x{n} is not row-invariant on this CPU: the default splits it")
-    gen = torch.Generator().manual_seed(k)
-    assert _every_row_as_alone(layer, torch.randn(64, k, generator=gen).to(torch.bfloat16))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chosen_linear_rows_identical_at_batch_1_7_64(k: int, n: int, dtype: torch.dtype) -> None:
+    """What the shard runs: the GEMM the probe chose for this shape on this CPU, on other weights and inputs."""
+    assert _every_row_as_alone(_linear(k, n, dtype, gemm=None), _batch(k, dtype))
 
 
-def test_probe_agrees_with_the_one_gemm() -> None:
-    """The probe says 'split' exactly when the one-GEMM layer changes some row with the row count."""
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chosen_linear_keeps_the_order_of_every_sum(k: int, n: int, dtype: torch.dtype) -> None:
+    """Rows built so that any change of the sum's order changes the result, other than the probe's."""
+    layer = _linear(k, n, dtype, gemm=None)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    rows = row_invariance.order_revealing_rows(64, k, torch.Generator().manual_seed(k + 7)).to(dtype)
+    assert _every_row_as_alone(layer, rows)
+
+
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loom_linear_is_invariant_by_construction(k: int, n: int, dtype: torch.dtype) -> None:
+    layer = _linear(k, n, dtype, gemm=Gemm.LOOM)
+    assert _every_row_as_alone(layer, _batch(k, dtype))
+    x = _batch(k, dtype)[:9]
+    with torch.inference_mode():
+        reference = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        tolerance = 1e-4 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(layer(x).double(), reference, atol=tolerance, rtol=tolerance / 5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_probe_never_keeps_a_onednn_gemm_that_varies(dtype: torch.dtype) -> None:
+    """Where one oneDNN GEMM (or its K chunks) changes a row with the row count here, the probe did not choose it."""
+    if not row_invariance.onednn_packs(dtype):
+        assert all(row_invariance.choose(k, n, dtype) is Gemm.LOOM for k, n in SHAPES)
+        return
     for k, n in SHAPES:
-        gen = torch.Generator().manual_seed(k + 1)
-        varies = not _every_row_as_alone(_linear(k, n, split_k=False), torch.randn(64, k, generator=gen).to(torch.bfloat16))
-        if varies:
-            assert row_invariance.onednn_needs_split(k, n), f"{k}x{n} varies but the probe keeps one GEMM"
+        chosen = row_invariance.choose(k, n, dtype)
+        for gemm in (Gemm.ONEDNN, Gemm.ONEDNN_K_CHUNKS):
+            if gemm is Gemm.ONEDNN_K_CHUNKS and k <= row_invariance.K_CHUNK:
+                continue
+            if not _every_row_as_alone(_linear(k, n, dtype, gemm), _batch(k, dtype)):
+                assert chosen is not gemm, f"{k}x{n} {dtype}: {gemm.value} varies but the probe chose it"
 
 
 @pytest.mark.parametrize(("k", "n"), SHAPES)
-def test_bfloat16_linear_rows_identical_across_chunkings(k: int, n: int) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_identical_across_chunkings(k: int, n: int, dtype: torch.dtype) -> None:
     """A prompt of 40 tokens computed in one step or in chunks of 16, 1 and 23: the same rows."""
-    layer = _linear(k, n, split_k=None)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    layer = _linear(k, n, dtype, gemm=None)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     with torch.inference_mode():
         whole = layer(x)
         chunked = torch.cat([layer(x[:16]), layer(x[16:17]), layer(x[17:])])
@@ -85,27 +123,70 @@ def test_k_chunks_cover_k_in_at_most_max_k() -> None:
     assert row_invariance.k_chunks(2049) == [683, 683, 683]
     for k in (1, 576, 1025, 4096, 11008):
         chunks = row_invariance.k_chunks(k)
-        assert sum(chunks) == k and max(chunks) <= row_invariance.MAX_INVARIANT_K
+        assert sum(chunks) == k and max(chunks) <= row_invariance.K_CHUNK
 
 
-def test_split_k_linear_agrees_with_one_gemm() -> None:
-    """The chunked sum rounds once more than one GEMM: close, never a different computation."""
-    one, split = _linear(1536, 576, split_k=False), _linear(1536, 576, split_k=True)
+@pytest.mark.skipif(not row_invariance.onednn_packs(torch.bfloat16), reason="oneDNN has no bfloat16 path on this CPU")
+def test_every_gemm_agrees_with_the_float_reference() -> None:
+    """The K-chunked sum rounds once more than one GEMM: close, never a different computation."""
     x = torch.randn(9, 1536).to(torch.bfloat16)
+    layers = [_linear(1536, 576, torch.bfloat16, gemm) for gemm in (Gemm.ONEDNN, Gemm.ONEDNN_K_CHUNKS, Gemm.LOOM)]
     with torch.inference_mode():
-        reference = F.linear(x.float(), one.weight.float(), one.bias.float())
-        assert len(split._packed_weight()) == 2
-        for out in (one(x), split(x)):
+        reference = F.linear(x.float(), layers[0].weight.float(), layers[0].bias.float())
+        assert len(layers[1]._packed_weight(Gemm.ONEDNN_K_CHUNKS)) == 2
+        for layer in layers:
+            out = layer(x)
             assert out.dtype == torch.bfloat16
             torch.testing.assert_close(out.float(), reference, atol=0.05, rtol=0.02)
 
 
-def test_lm_head_logits_and_log_softmax_rows_identical() -> None:
-    """compute_logits' path: bfloat16 head (K = 576, N = 49152) then float32 log_softmax."""
-    head = _linear(576, 49152, split_k=None)
-    hidden = torch.randn(64, 576).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_logits_and_log_softmax_rows_identical(dtype: torch.dtype) -> None:
+    """compute_logits' path: the head (K = 576, N = 49152) in the model's dtype, then float32 log_softmax."""
+    head = _linear(576, 49152, dtype, gemm=None)
+    hidden = torch.randn(64, 576).to(dtype)
     with torch.inference_mode():
         assert _all_equal(_rows_of(lambda x: head(x).float().log_softmax(-1), hidden))
+
+
+_RESTRICTED_PROBE = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from loom_shard.layers import row_invariance
+    from loom_shard.layers.packed_linear import PackedLinear
+    from loom_shard.layers.row_invariance import Gemm
+    from loom_shard.model_setup import choose_dtype
+    expect_bf16 = {expect_bf16}
+    assert row_invariance.onednn_packs(torch.bfloat16) is expect_bf16
+    dtype, why = choose_dtype(None, torch.device("cpu"))
+    print("default dtype", dtype, why)
+    if not expect_bf16:
+        assert dtype == torch.float32
+    for dtype in (torch.bfloat16, torch.float32):
+        for k, n in {shapes}:
+            gemm = row_invariance.choose(k, n, dtype)
+            print(dtype, k, n, gemm.value)
+            if dtype == torch.bfloat16 and not expect_bf16:
+                assert gemm is Gemm.LOOM
+            torch.manual_seed(k)
+            layer = PackedLinear(nn.Linear(k, n).to(dtype))
+            x = torch.randn(64, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+            with torch.inference_mode():
+                alone = torch.cat([layer(x[i : i + 1]) for i in range(64)])
+                assert all(torch.equal(layer(x[:r]), alone[:r]) for r in (7, 64)), (dtype, k, n, gemm)
+""")
+
+
+@pytest.mark.parametrize(("isa", "expect_bf16"), [("AVX2", False), ("AVX512_CORE", True)])
+def test_probe_decides_right_under_an_older_onednn_isa(isa: str, expect_bf16: bool) -> None:
+    """oneDNN restricted to AVX2 (an AVX2-only EPYC: no bfloat16 path, so Loom's kernel and a float32
+    default) or to AVX-512 without bf16 instructions: every chosen linear still keeps rows invariant."""
+    if isa == "AVX512_CORE" and "avx512bw" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX-512")
+    script = _RESTRICTED_PROBE.format(expect_bf16=expect_bf16, shapes=SHAPES[:2])
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _mixed_states(count: int, seed: int) -> list[SeqSamplingState]:

@@ -8,7 +8,7 @@ import torch
 from loom_shard import kernels
 from loom_shard.layers.norm import RMSNorm
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels could not be built here")
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,3 +38,4 @@ def test_rms_norm_module_uses_the_kernel_on_cpu() -> None:
 def test_rms_norm_rejects_a_wrong_weight() -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
         kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+

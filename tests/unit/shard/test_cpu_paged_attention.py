@@ -9,12 +9,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loom_shard import kernels
 from loom_shard.attention import SeqSpan
 from loom_shard.attention_backend import pack_step_tables
 from loom_shard.kernels.attention import paged_attention
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels could not be built here")
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 
 
 @dataclass(slots=True)

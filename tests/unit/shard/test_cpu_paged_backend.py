@@ -8,12 +8,11 @@ import random
 import pytest
 import torch
 
-from loom_shard import kernels
 from loom_shard.attention import SeqSpan
 from loom_shard.attention_backend import BackendKind, PagedBackend, select_backend
 from loom_shard.cpu_attention import paged_attention_cpu
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels could not be built here")
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 
 HEADS, KV_HEADS = 9, 3  # SmolLM2-135M's grouped-query shape (group of 3)
 BACKEND = PagedBackend(torch.device("cpu"), paged_attention_cpu, BackendKind.CPU_PAGED)

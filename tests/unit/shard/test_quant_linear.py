@@ -12,10 +12,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from loom_shard import kernels
 from loom_shard.layers.quant_linear import BLOCK, QuantKind, QuantLinear, QuantSource, raw_source
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels are not built here")
+needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 KINDS = [QuantKind.Q4_1, QuantKind.Q8_0]
 
 

@@ -7,11 +7,10 @@ from unittest import mock
 import pytest
 import torch
 
-from loom_shard import kernels
 from loom_shard.layers import rotary
 from loom_shard.layers.rotary import GatheredRope, KernelRope, RotaryEmbedding, apply_rotary
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels could not be built here")
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 
 HEAD_DIM, NUM_QK_HEADS, NUM_V_HEADS = 64, 12, 3
 

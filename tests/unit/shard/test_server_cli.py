@@ -22,7 +22,7 @@ CONFIG = ShardConfig(
     model_id="/models/x.gguf", uds_path="/tmp/s-1", dtype="bfloat16", device="cuda", rank=1, world_size=2,
     master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
     memory_fraction=0.5, cuda_graphs=False, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
-    otlp_endpoint="http://collector:4318", quantize="none",
+    otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2",
 )
 
 
@@ -46,3 +46,9 @@ def test_invalid_config_exits_with_usage_error(capsys):
         parse_config(["--uds-path", "/tmp/s", "--block-size", "0"])
     assert exited.value.code == 2
     assert "--block-size" in capsys.readouterr().err
+
+
+def test_cpu_kernels_choices_are_the_builds_the_shard_knows():
+    from loom_shard import kernels
+
+    assert ShardConfig.model_fields["cpu_kernels"].annotation.__args__ == kernels.CHOICES

@@ -138,7 +138,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(loom, m) {
+TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("paged_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor query_starts, Tensor num_cached) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,6 +1,7 @@
 // One task of the paged-attention kernel (attention.cpp): up to kMaxRows query rows of one
 // (sequence, kv head) against that sequence's keys, read in place through its block table.
-// AVX-512 path for head_dim 64 and 128 (rows held in registers), a scalar path otherwise.
+// A SIMD path (simd.h: AVX-512 or AVX2) for head_dim 64 and 128, rows held in registers; a scalar
+// path for other head sizes.
 // Both visit keys in blocks of kKeyBlock from key 0 and update each row from its own values only.
 #pragma once
 #include <algorithm>
@@ -9,12 +10,12 @@
 #include <limits>
 #include <vector>
 
-#include "attention_simd.h"
 #include "common.h"
+#include "simd.h"
 
 namespace loom::attention {
 
-constexpr int kKeyBlock = 16;  // keys per online-softmax step: one AVX-512 vector of scores
+constexpr int kKeyBlock = 16;  // keys per online-softmax step: one simd::F16 of scores
 constexpr int kMaxRows = 6;    // query rows per task: 6 x 4 float32 accumulators fit the registers
 
 struct Geometry {
@@ -91,28 +92,28 @@ void attend_scalar(const TaskView<T>& v, const Geometry& g, const Task& task) {
   }
 }
 
-// ---- AVX-512 path: head_dim = 16 * D, R rows in registers -------------------------------------
-#ifdef __AVX512F__
+// ---- SIMD path: head_dim = 16 * D, R rows in registers -----------------------------------------
 
 // One row's online-softmax step over a block: scores in, probabilities out (0 where not visible).
-inline void softmax_step(__m512 scores, int64_t visible, float& m, float& l, float* p, __m512* acc, int D) {
-  const __mmask16 mask = visible >= kKeyBlock ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
-  const float m_new = std::max(m, _mm512_mask_reduce_max_ps(mask, scores));
-  const float alpha = std::isinf(m) ? 0.0f : _mm512_cvtss_f32(simd::exp16(_mm512_set1_ps(m - m_new)));
-  const __m512 probs = _mm512_maskz_mov_ps(mask, simd::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-  l = std::fma(l, alpha, _mm512_reduce_add_ps(probs));
-  _mm512_store_ps(p, probs);
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int d = 0; d < D; ++d) acc[d] = _mm512_mul_ps(acc[d], a);
+inline void softmax_step(simd::F16 scores, int64_t visible, float& m, float& l, float* p, simd::F16* acc, int D) {
+  const int n = static_cast<int>(std::min<int64_t>(visible, kKeyBlock));
+  const float m_new = std::max(m, simd::max_first(scores, n));
+  const float alpha = std::isinf(m) ? 0.0f : simd::exp1(m - m_new);
+  const simd::F16 probs = simd::keep_first(simd::exp(simd::sub(scores, simd::set1(m_new))), n);
+  l = std::fma(l, alpha, simd::sum(probs));
+  simd::store(p, probs);
+  const simd::F16 a = simd::set1(alpha);
+  for (int d = 0; d < D; ++d) acc[d] = simd::mul(acc[d], a);
   m = m_new;
 }
 
 template <typename T, int D, int R>
-void attend_avx512(const TaskView<T>& v, const Geometry& g, const Task& task) {
+void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
+  using simd::F16;
   alignas(64) float q[R][16 * D];
   alignas(64) float p[R][kKeyBlock];
-  __m512 lanes[R][kKeyBlock];
-  __m512 acc[R][D];
+  F16 lanes[R][kKeyBlock];
+  F16 acc[R][D];
   int64_t limit[R];
   float m[R], l[R];
   for (int r = 0; r < R; ++r) {
@@ -122,31 +123,31 @@ void attend_avx512(const TaskView<T>& v, const Geometry& g, const Task& task) {
     limit[r] = v.row_limit(g, row);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
-    for (int d = 0; d < D; ++d) acc[r][d] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) acc[r][d] = simd::zero();
   }
   for (int64_t b = 0; b < task.keys; b += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, task.keys - b));
     // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below.
     for (int j = 0; j < nk; ++j) {
       const T* kp = v.key(g, task.kv_head, b + j);
-      __m512 k[D];
+      F16 k[D];
 #pragma GCC unroll 8
-      for (int d = 0; d < D; ++d) k[d] = simd::load16(kp + 16 * d);
+      for (int d = 0; d < D; ++d) k[d] = simd::load(kp + 16 * d);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
-        __m512 s = _mm512_mul_ps(_mm512_load_ps(q[r]), k[0]);
+        F16 s = simd::mul(simd::load(q[r]), k[0]);
 #pragma GCC unroll 8
-        for (int d = 1; d < D; ++d) s = _mm512_fmadd_ps(_mm512_load_ps(q[r] + 16 * d), k[d], s);
+        for (int d = 1; d < D; ++d) s = simd::fma(simd::load(q[r] + 16 * d), k[d], s);
         lanes[r][j] = s;
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int j = nk; j < kKeyBlock; ++j) lanes[r][j] = _mm512_setzero_ps();
+      for (int j = nk; j < kKeyBlock; ++j) lanes[r][j] = simd::zero();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const int64_t visible = limit[r] - b;
       if (visible <= 0) {  // this row's keys ended in an earlier block: it adds exact zeros
-        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        simd::store(p[r], simd::zero());
         continue;
       }
       softmax_step(simd::reduce16(lanes[r]), visible, m[r], l[r], p[r], acc[r], D);
@@ -154,44 +155,42 @@ void attend_avx512(const TaskView<T>& v, const Geometry& g, const Task& task) {
     // P.V: keys in ascending order, one FMA per (row, key, 16 dims).
     for (int j = 0; j < nk; ++j) {
       const T* vp = v.key(g, task.kv_head, b + j) + g.v_offset;
-      __m512 val[D];
+      F16 val[D];
 #pragma GCC unroll 8
-      for (int d = 0; d < D; ++d) val[d] = simd::load16(vp + 16 * d);
+      for (int d = 0; d < D; ++d) val[d] = simd::load(vp + 16 * d);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r][j]);
+        const F16 pj = simd::set1(p[r][j]);
 #pragma GCC unroll 8
-        for (int d = 0; d < D; ++d) acc[r][d] = _mm512_fmadd_ps(pj, val[d], acc[r][d]);
+        for (int d = 0; d < D; ++d) acc[r][d] = simd::fma(pj, val[d], acc[r][d]);
       }
     }
   }
   alignas(64) float result[16 * D];
   for (int r = 0; r < R; ++r) {
-    const __m512 inv = _mm512_set1_ps(l[r]);
-    for (int d = 0; d < D; ++d) _mm512_store_ps(result + 16 * d, _mm512_div_ps(acc[r][d], inv));
+    const F16 inv = simd::set1(l[r]);
+    for (int d = 0; d < D; ++d) simd::store(result + 16 * d, simd::div(acc[r][d], inv));
     store_row(v.out + v.row_offset(g, task.kv_head, task.first_row + r), result, 16 * D);
   }
 }
 
 template <typename T, int D>
 void attend_rows(const TaskView<T>& v, const Geometry& g, const Task& task) {
+  static_assert(kMaxRows == 6, "one case per row count");
   switch (task.rows) {
-    case 1: return attend_avx512<T, D, 1>(v, g, task);
-    case 2: return attend_avx512<T, D, 2>(v, g, task);
-    case 3: return attend_avx512<T, D, 3>(v, g, task);
-    case 4: return attend_avx512<T, D, 4>(v, g, task);
-    case 5: return attend_avx512<T, D, 5>(v, g, task);
-    default: return attend_avx512<T, D, kMaxRows>(v, g, task);
+    case 1: return attend_simd<T, D, 1>(v, g, task);
+    case 2: return attend_simd<T, D, 2>(v, g, task);
+    case 3: return attend_simd<T, D, 3>(v, g, task);
+    case 4: return attend_simd<T, D, 4>(v, g, task);
+    case 5: return attend_simd<T, D, 5>(v, g, task);
+    default: return attend_simd<T, D, kMaxRows>(v, g, task);
   }
 }
-#endif  // __AVX512F__
 
 template <typename T>
 void attend(const TaskView<T>& v, const Geometry& g, const Task& task) {
-#ifdef __AVX512F__
   if (g.head_dim == 64) return attend_rows<T, 4>(v, g, task);
   if (g.head_dim == 128) return attend_rows<T, 8>(v, g, task);
-#endif
   attend_scalar(v, g, task);
 }
 

@@ -1,6 +1,18 @@
-// Shared helpers of Loom's CPU kernels: float conversions and fixed-order lane sums.
+// Shared helpers of Loom's CPU kernels: the ops' namespace, float conversions, fixed-order lane sums.
 #pragma once
 #include <c10/util/BFloat16.h>
+
+// Each ISA's build (-DLOOM_ISA=avx512, avx2) registers its ops in a namespace of its own
+// (torch.ops.loom_avx512, ...), so every build the CPU can run loads into one process side by side.
+#ifndef LOOM_ISA
+#error "build with -DLOOM_ISA=<the build's name>"
+#endif
+#define LOOM_CAT_(a, b) a##b
+#define LOOM_CAT(a, b) LOOM_CAT_(a, b)
+#define LOOM_STR_(x) #x
+#define LOOM_STR(x) LOOM_STR_(x)
+#define LOOM_OPS LOOM_CAT(loom_, LOOM_ISA)  // TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m)
+#define LOOM_OP(name) LOOM_STR(LOOM_OPS) "::" name  // "loom_avx512::qlinear"
 
 namespace loom {
 

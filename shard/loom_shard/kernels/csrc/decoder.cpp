@@ -8,6 +8,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <vector>
 
 namespace {
@@ -16,26 +18,26 @@ constexpr int64_t kPerLayer = 10;  // tensors per layer in `weights`, in the ord
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
                    const c10::optional<at::Tensor>& bias = c10::nullopt) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("loom::qlinear", "").typed<at::Tensor(
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("qlinear"), "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
   return op.call(x, packed, scales, out_features, bias);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("loom::rms_norm", "").typed<at::Tensor(
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("rms_norm"), "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, double)>();
   return op.call(x.contiguous(), weight, eps);
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("loom::rotary", "").typed<at::Tensor(
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("rotary"), "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   return op.call(x, positions, cos, sin);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& query_starts, const at::Tensor& num_cached) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("loom::paged_attention", "").typed<at::Tensor(
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("paged_attention"), "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   return op.call(q, kv_layer, block_tables, query_starts, num_cached);
 }
@@ -81,9 +83,9 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(loom, m) {
+TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_biases, Tensor kv_cache, Tensor slot_mapping, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor block_tables, Tensor query_starts, Tensor num_cached, "
         "int num_heads, int num_kv_heads, int intermediate_size, float eps) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
+TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

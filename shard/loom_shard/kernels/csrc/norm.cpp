@@ -47,5 +47,5 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(loom, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
-TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("rms_norm", &rms_norm); }

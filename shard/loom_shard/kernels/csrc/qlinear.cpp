@@ -1,27 +1,28 @@
 // Weight-only quantized linears: y = x @ W^T with W kept in GGUF's Q4_1 or Q8_0 blocks of 32, run
 // llama.cpp's way: each activation row is quantized per block of 32 to int8 (d = amax / 127, round to
-// nearest even) and multiplied with AVX-512 VNNI int8 dot products (qlinear_vnni.h).
+// nearest even) and multiplied with exact int8 dot products (qlinear_tiles.h: AVX-512 VNNI or AVX2).
 //
-// At load the GGUF blocks are repacked into tile-blocks of 16 output columns x 32 inputs laid out for
-// `dpbusd` (4 consecutive inputs of one column per int32 lane); fp16 scales are kept as in the file.
-// Batch invariance (issue 14): the activation quantization is per row, and every row of every tile
-// runs the same instruction sequence whatever the row count, so a row's result is bit-identical at
+// At load the GGUF blocks are repacked into tile-blocks of 16 output columns x 32 inputs (4
+// consecutive inputs of one column per int32 lane; the same layout for every ISA); fp16 scales are
+// kept as in the file. Batch invariance: the activation quantization is per row, and every row of
+// every tile runs the same arithmetic whatever the row count, so a row's result is bit-identical at
 // any batch size. There is one arithmetic for every row count (decode and prefill alike).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstring>
 
-#include "qlinear_vnni.h"
+#include "qlinear_tiles.h"
 
 namespace {
 
 using namespace loom::qlinear;
+namespace simd = loom::simd;
 
-constexpr int kRows = 4;            // rows per register tile
-constexpr int kTiles = 2;           // column tiles per register tile
 constexpr int64_t kRowChunk = 64;   // rows whose activations stay cached while the tiles stream by
 
 enum class Format { kQ4_1, kQ8_0 };
@@ -93,34 +94,23 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(const at::Tensor& raw, int64_t in
 
 // ---------------------------------------------------------------------------- activations
 
-// 16 activations as float32.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const at::BFloat16* x) {
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-
 // One block of 32 activations -> int8 q as llama.cpp's Q8_0 (d = amax / 127, q = round(x / d), ties to
-// even), stored XOR `flip` (0x80: q + 128 as u8, for Q8_0 weights). Sets d; returns sum(q).
+// even), stored XOR `flip` (0x80: q + 128 as u8, for Q8_0 weights on VNNI). Sets d; returns sum(q).
 template <typename T>
 int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
-  const __m512 v0 = load16(x), v1 = load16(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));  // exact
+  const simd::F16 v0 = simd::load(x), v1 = simd::load(x + 16);
+  const float amax = simd::max_first(simd::max(simd::abs(v0), simd::abs(v1)), 16);  // exact
   d = amax / 127.0f;
-  const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, inverse), kRound);
-  const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, inverse), kRound);
-  const __m128i mask = _mm_set1_epi8(static_cast<char>(flip));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(_mm512_cvtepi32_epi8(q0), mask));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(q1), mask));
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // integers: exact in any order
+  const simd::F16 inverse = simd::set1(d != 0.0f ? 1.0f / d : 0.0f);
+  const auto q0 = to_int(simd::mul(v0, inverse)), q1 = to_int(simd::mul(v1, inverse));
+  store_q8(q, q0, q1, flip);
+  return sum_int(q0, q1);
 }
 
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, Format format, uint8_t* q, float* d, float* s) {
   const int64_t nb = k / kBlock;
-  const uint8_t flip = format == Format::kQ8_0 ? 0x80 : 0x00;
+  const uint8_t flip = format == Format::kQ8_0 && kQ8Unsigned ? 0x80 : 0x00;
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
     for (int64_t i = first * nb; i < last * nb; ++i) {  // block i of the flattened rows
       const int32_t sum = quantize_block(x + i * kBlock, q + i * kBlock, d[i], flip);
@@ -132,20 +122,22 @@ void quantize_rows(const T* x, int64_t m, int64_t k, Format format, uint8_t* q, 
 // ---------------------------------------------------------------------------- the matmul
 
 template <typename T>
-inline void store(T* out, int64_t n_total, int64_t col0, const float* bias, __m512 acc) {
+inline void store(T* out, int64_t n_total, int64_t col0, const float* bias, simd::F16 acc) {
   alignas(64) float v[kCols];
-  _mm512_store_ps(v, acc);
+  simd::store(v, acc);
   const int64_t count = std::min<int64_t>(kCols, n_total - col0);
   for (int64_t c = 0; c < count; ++c) out[col0 + c] = static_cast<T>(bias ? v[c] + bias[col0 + c] : v[c]);
 }
 
 template <typename T, int R, int C>
 void run_tile(Format format, const QTiles& w, const QRows& x, int64_t r0, int64_t n, const float* bias, T* out) {
-  __m512 acc[R][C];
+  simd::F16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = simd::zero();
   if (format == Format::kQ4_1) q4_1_tile<R, C>(w, x, r0, acc);
   else q8_0_tile<R, C>(w, x, r0, acc);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store(out + (r0 + r) * n, n, (w.group * C + c) * kCols, bias, acc[r][c]);
+    for (int c = 0; c < C; ++c) store(out + (r0 + r) * n, n, (w.group * kTiles + w.first_tile + c) * kCols, bias, acc[r][c]);
 }
 
 // Fewer rows at the end: smaller register tiles, the same per-row arithmetic.
@@ -154,21 +146,24 @@ void run_rows(Format format, const QTiles& w, const QRows& x, int64_t r0, int ro
   if constexpr (R > 1) {
     if (rows < R) return run_rows<T, R - 1>(format, w, x, r0, rows, n, bias, out);
   }
-  run_tile<T, R, kTiles>(format, w, x, r0, n, bias, out);
+  run_tile<T, R, kTileCols>(format, w, x, r0, n, bias, out);
 }
 
 template <typename T>
 void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n, int64_t groups, const float* bias, T* out) {
+  static_assert(kTiles % kTileCols == 0, "register tiles cover a group's tiles");
   // Parallel over column groups only: a column is computed whole by one thread.
   // Rows go in chunks so that a chunk's activations stay in L2 while the thread's tiles stream by.
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t chunk = 0; chunk < m; chunk += kRowChunk)
-      for (int64_t g = first; g < last; ++g) {
-        QTiles wg = w;
-        wg.group = g;
-        for (int64_t r0 = chunk; r0 < std::min(m, chunk + kRowChunk); r0 += kRows)
-          run_rows<T>(format, wg, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), n, bias, out);
-      }
+      for (int64_t g = first; g < last; ++g)
+        for (int tile = 0; tile < kTiles; tile += kTileCols) {
+          QTiles wg = w;
+          wg.group = g;
+          wg.first_tile = tile;
+          for (int64_t r0 = chunk; r0 < std::min(m, chunk + kRowChunk); r0 += kRows)
+            run_rows<T>(format, wg, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), n, bias, out);
+        }
   });
 }
 
@@ -200,7 +195,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     bias_f = bias->to(at::kFloat).contiguous();
     bp = bias_f.data_ptr<float>();
   }
-  const QTiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nb, 0};
+  const QTiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nb, 0, 0};
   const QRows rows{q.data_ptr<uint8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), k, nb};
   if (x.scalar_type() == at::kFloat) matmul<float>(format, w, rows, m, out_features, groups, bp, out.data_ptr<float>());
   else matmul<at::BFloat16>(format, w, rows, m, out_features, groups, bp, out.data_ptr<at::BFloat16>());
@@ -209,12 +204,12 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(loom, m) {
+TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("qlinear_repack_q4_1(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear_repack_q8_0(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(loom, CPU, m) {
+TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) {
   m.impl("qlinear_repack_q4_1", &repack_q4_1);
   m.impl("qlinear_repack_q8_0", &repack_q8_0);
   m.impl("qlinear", &qlinear);

@@ -68,5 +68,5 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(loom, m) { m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor"); }
-TORCH_LIBRARY_IMPL(loom, CPU, m) { m.impl("rotary", &rotary); }
+TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) { m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor"); }
+TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("rotary", &rotary); }

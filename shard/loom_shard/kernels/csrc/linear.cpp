@@ -1,0 +1,134 @@
+// Dense linears y = x W^T (+ bias) with W in bfloat16 or float32, for CPUs and shapes where no
+// library GEMM keeps a row's result independent of the batch (packed_linear.py decides).
+//
+// Every output is one chain of float32 FMAs over k = 0, 1, ..., K-1 from zero, then + bias, rounded
+// once to x's dtype: the same arithmetic whatever the row count, the register tiling, the thread
+// or the ISA (simd.h), so a row is bit-identical at any batch size by construction.
+//
+// At load W [N, K] is repacked into tiles of 16 output columns, [tiles, K, 16] (its own dtype, the
+// last tile zero-padded), so each tile streams from memory in one sequential pass.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "common.h"
+#include "simd.h"
+
+namespace {
+
+using loom::simd::F16;
+
+constexpr int64_t kCols = 16;       // output columns per tile
+constexpr int64_t kRowChunk = 64;   // rows whose activations stay cached while the tiles stream by
+#if defined(__AVX512F__)
+constexpr int kRows = 4, kTileCols = 4;  // register tile: 16 accumulators of 32 zmm registers
+#else
+constexpr int kRows = 2, kTileCols = 2;  // 8 of 16 ymm registers (an F16 is two)
+#endif
+
+at::Tensor linear_repack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "linear_repack: weight must be bfloat16 or float32 [out_features, in_features]");
+  const int64_t n = weight.size(0), k = weight.size(1), tiles = (n + kCols - 1) / kCols;
+  at::Tensor padded = at::zeros({tiles * kCols, k}, weight.options());
+  padded.slice(0, 0, n).copy_(weight);
+  return padded.view({tiles, kCols, k}).transpose(1, 2).contiguous();  // [tiles, K, 16]
+}
+
+struct Problem {
+  const float* x;  // [m, k] float32
+  int64_t m, k, n;
+  const float* bias;  // [n] or null
+};
+
+template <typename TW, int R, int C>
+void run_tile(const Problem& p, const TW* w, int64_t first_tile, int64_t r0, at::BFloat16* out_bf16, float* out_f32) {
+  F16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = loom::simd::zero();
+  const TW* tile = w + first_tile * p.k * kCols;
+  for (int64_t kk = 0; kk < p.k; ++kk) {
+    F16 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = loom::simd::load(tile + (c * p.k + kk) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const F16 xb = loom::simd::set1(p.x[(r0 + r) * p.k + kk]);
+      for (int c = 0; c < C; ++c) acc[r][c] = loom::simd::fma(xb, wv[c], acc[r][c]);
+    }
+  }
+  alignas(64) float v[kCols];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      loom::simd::store(v, acc[r][c]);
+      const int64_t col0 = (first_tile + c) * kCols, count = std::min<int64_t>(kCols, p.n - col0);
+      for (int64_t j = 0; j < count; ++j) {
+        const float y = p.bias ? v[j] + p.bias[col0 + j] : v[j];
+        if (out_bf16) out_bf16[(r0 + r) * p.n + col0 + j] = static_cast<at::BFloat16>(y);
+        else out_f32[(r0 + r) * p.n + col0 + j] = y;
+      }
+    }
+}
+
+// Fewer rows or tiles at the edges: smaller register tiles, the same per-output arithmetic.
+template <typename TW, int R = kRows, int C = kTileCols>
+void run_edge(const Problem& p, const TW* w, int64_t first_tile, int64_t r0, int rows, int cols, at::BFloat16* ob,
+              float* of) {
+  if constexpr (R > 1) {
+    if (rows < R) return run_edge<TW, R - 1, C>(p, w, first_tile, r0, rows, cols, ob, of);
+  }
+  if constexpr (C > 1) {
+    if (cols < C) return run_edge<TW, R, C - 1>(p, w, first_tile, r0, rows, cols, ob, of);
+  }
+  run_tile<TW, R, C>(p, w, first_tile, r0, ob, of);
+}
+
+template <typename TW>
+void matmul(const Problem& p, const TW* w, int64_t tiles, at::BFloat16* ob, float* of) {
+  const int64_t groups = (tiles + kTileCols - 1) / kTileCols;
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {  // a column is computed whole by one thread
+    for (int64_t chunk = 0; chunk < p.m; chunk += kRowChunk)
+      for (int64_t g = first; g < last; ++g) {
+        const int cols = static_cast<int>(std::min<int64_t>(kTileCols, tiles - g * kTileCols));
+        for (int64_t r0 = chunk; r0 < std::min(p.m, chunk + kRowChunk); r0 += kRows)
+          run_edge<TW>(p, w, g * kTileCols, r0, static_cast<int>(std::min<int64_t>(kRows, p.m - r0)), cols, ob, of);
+      }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear: bfloat16 or float32 x");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous(), "linear: packed [tiles, K, 16]");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kFloat, "linear: bfloat16 or float32 weight");
+  const int64_t k = x.size(-1), tiles = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k && out_features <= tiles * kCols && out_features > (tiles - 1) * kCols,
+              "linear: shapes do not match the packed weight");
+  const at::Tensor xf = x.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16 -> float32 is exact
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor out = at::empty(out_shape, x.options());
+  at::Tensor bias_f;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "linear: bias must have out_features elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const Problem p{xf.data_ptr<float>(), xf.size(0), k, out_features, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+  if (p.m == 0) return out;
+  at::BFloat16* ob = x.scalar_type() == at::kBFloat16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* of = ob ? nullptr : out.data_ptr<float>();
+  if (packed.scalar_type() == at::kBFloat16) matmul(p, packed.data_ptr<at::BFloat16>(), tiles, ob, of);
+  else matmul(p, packed.data_ptr<float>(), tiles, ob, of);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
+  m.def("linear_repack(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) {
+  m.impl("linear_repack", &linear_repack);
+  m.impl("linear", &linear);
+}

@@ -1,0 +1,265 @@
+// Register tiles of loom::qlinear: R rows x C column tiles of 16 outputs, exact int8 dot products
+// per block of 32, for the ISA this library is built for: AVX-512 VNNI (`dpbusd`) or AVX2
+// (`maddubs` + `madd`, exact here: see each tile). Both produce the same int32 dot for every
+// (row, column, block), and fold it into a float32 accumulator with the same lane-wise
+// instructions (simd.h), so a row's result is bit-identical on either ISA, at any row count and
+// in any register tiling.
+//
+// Activations arrive quantized per row and block of 32 (Q8_0-like: int8 q, float32 d, and for Q4_1
+// s = d * sum(q)).
+//   Q4_1: weights are the unsigned operand (nibbles 0..15), x the signed one;
+//         y += (d_w d_x) * dot + m_w * s_x.
+//   Q8_0: weights are signed; x arrives as q + 128 (q XOR 0x80). VNNI multiplies it as the unsigned
+//         operand and starts the dot from -128 * sum(q_w), precomputed per column and block at
+//         load; AVX2 flips it back. y += (d_w d_x) * dot.
+#pragma once
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace loom::qlinear {
+
+constexpr int64_t kBlock = 32;      // inputs per quantization block (GGUF)
+constexpr int64_t kCols = 16;       // output columns per tile: one simd::F16 of float32 lanes
+constexpr int64_t kQ4Bytes = 256;   // Q4_1 tile-block: 4 chunks of 64 bytes of nibble pairs
+constexpr int64_t kQ8Bytes = 544;   // Q8_0 tile-block: 8 groups of 64 int8, then 16 int16 -sum(q)
+constexpr int kTiles = 2;           // column tiles per group in the packed layout
+
+// One row chunk's quantized activations: q [rows, K] (int8 for Q4_1, q + 128 as u8 for Q8_0),
+// d and s [rows, K/32].
+struct QRows {
+  const uint8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k;
+  int64_t nb;
+};
+
+// Column group `group` of kTiles tiles: tile-blocks [groups, nb, kTiles, bytes], scales [groups, nb,
+// kTiles, 16 or 32] (a group's blocks are interleaved so that its weights stream from memory in one
+// sequential pass). A register tile covers C of them from `first_tile`.
+struct QTiles {
+  const uint8_t* q;
+  const at::Half* scales;
+  int64_t nb;
+  int64_t group;
+  int first_tile;
+
+  const uint8_t* block(int64_t b, int c, int64_t bytes) const {
+    return q + ((group * nb + b) * kTiles + first_tile + c) * bytes;
+  }
+  const at::Half* scale(int64_t b, int c, int64_t count) const {
+    return scales + ((group * nb + b) * kTiles + first_tile + c) * count;
+  }
+};
+
+// Folds block b's exact dots into the accumulators: acc = fma(dot, d_w d_x, acc) [+ m_w s_x].
+template <int R, int C, bool kHasMin>
+inline void fold_block(const QTiles& w, const QRows& x, int64_t r0, int64_t b, const simd::F16 (&dot)[R][C],
+                       simd::F16 (&acc)[R][C]) {
+  constexpr int64_t count = kHasMin ? 2 * kCols : kCols;
+  simd::F16 d[C], m[C];
+  for (int c = 0; c < C; ++c) {
+    const at::Half* s = w.scale(b, c, count);
+    d[c] = simd::load(s);
+    if constexpr (kHasMin) m[c] = simd::load(s + kCols);
+  }
+  for (int r = 0; r < R; ++r) {
+    const simd::F16 dx = simd::set1(x.d[(r0 + r) * x.nb + b]);
+    const simd::F16 sx = simd::set1(kHasMin ? x.s[(r0 + r) * x.nb + b] : 0.0f);
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = simd::fma(dot[r][c], simd::mul(d[c], dx), acc[r][c]);
+      if constexpr (kHasMin) acc[r][c] = simd::fma(m[c], sx, acc[r][c]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+
+constexpr int kRows = 4;              // rows per register tile
+constexpr int kTileCols = 2;          // column tiles per register tile
+constexpr bool kQ8Unsigned = true;    // Q8_0 activations arrive as q + 128
+
+inline __m512i bcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Q4_1: chunk j (0..3) byte 4c+i holds column c's input 4j+i in its low nibble and 4(j+4)+i in its
+// high nibble. Scales per tile-block: d[16] then m[16], fp16.
+template <int R, int C>
+inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w.block(b, c, kQ4Bytes) + 64 * j);
+        lo[c] = _mm512_and_si512(v, low);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* xr = x.q + (r0 + r) * x.k + b * kBlock;
+        const __m512i xl = bcast4(xr + 4 * j), xh = bcast4(xr + 4 * (j + 4));
+        for (int c = 0; c < C; ++c) {
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], xl);
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], xh);
+        }
+      }
+    }
+    simd::F16 dots[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dots[r][c] = {_mm512_cvtepi32_ps(dot[r][c])};
+    fold_block<R, C, true>(w, x, r0, b, dots, acc);
+  }
+}
+
+// Q8_0: group g (0..7) byte 4c+i holds column c's input 4g+i; then int16[16] = -sum of the column's
+// 32 weights (the dot starts from 128 times that). Scales per tile-block: d[16], fp16.
+template <int R, int C>
+inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m512i dot[R][C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* sums = w.block(b, c, kQ8Bytes) + 512;
+      const __m512i start = _mm512_slli_epi32(
+          _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums))), 7);
+      for (int r = 0; r < R; ++r) dot[r][c] = start;
+    }
+    for (int g = 0; g < 8; ++g) {
+      __m512i wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w.block(b, c, kQ8Bytes) + 64 * g);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xg = bcast4(x.q + (r0 + r) * x.k + b * kBlock + 4 * g);
+        for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], xg, wv[c]);
+      }
+    }
+    simd::F16 dots[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dots[r][c] = {_mm512_cvtepi32_ps(dot[r][c])};
+    fold_block<R, C, false>(w, x, r0, b, dots, acc);
+  }
+}
+
+// One block of 32 activations as int8 q (32 bytes, XOR flip), from 32 int32 lanes holding them.
+inline void store_q8(uint8_t* q, __m512i q0, __m512i q1, uint8_t flip) {
+  const __m128i mask = _mm_set1_epi8(static_cast<char>(flip));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(_mm512_cvtepi32_epi8(q0), mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(q1), mask));
+}
+
+inline __m512i to_int(simd::F16 a) { return _mm512_cvt_roundps_epi32(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline int32_t sum_int(__m512i a, __m512i b) { return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b)); }
+
+#else  // AVX2
+
+constexpr int kRows = 2;
+constexpr int kTileCols = 1;
+constexpr bool kQ8Unsigned = false;   // Q8_0 activations arrive as q
+
+inline __m256i bcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// int32 lane m = bytes 4m..4m+3 of u (unsigned) times those of s (signed), summed; exact while no
+// pair of products exceeds the int16 range (maddubs saturates).
+inline __m256i dot4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+
+// Q4_1 as on AVX-512. A maddubs lane is at most 2 * 15 * 127 = 3810, so a block's 8 of them add
+// up exactly in int16 (30,480 < 32,767) before one widening madd per half.
+template <int R, int C>
+inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m256i sum16[R][C][2];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sum16[r][c][0] = sum16[r][c][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m256i lo[C][2], hi[C][2];
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, c, kQ4Bytes) + 64 * j + 32 * h));
+          lo[c][h] = _mm256_and_si256(v, low);
+          hi[c][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* xr = x.q + (r0 + r) * x.k + b * kBlock;
+        const __m256i xl = bcast4(xr + 4 * j), xh = bcast4(xr + 4 * (j + 4));
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < 2; ++h) {
+            sum16[r][c][h] = _mm256_add_epi16(sum16[r][c][h], _mm256_maddubs_epi16(lo[c][h], xl));
+            sum16[r][c][h] = _mm256_add_epi16(sum16[r][c][h], _mm256_maddubs_epi16(hi[c][h], xh));
+          }
+      }
+    }
+    simd::F16 dots[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        dots[r][c] = {_mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r][c][0], ones)),
+                      _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r][c][1], ones))};
+    fold_block<R, C, true>(w, x, r0, b, dots, acc);
+  }
+}
+
+// Q8_0: |w| (0..128, unsigned) times x with w's sign (-127..127): a pair is at most 32,512, exact.
+template <int R, int C>
+inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m256i dot[R][C][2];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c][0] = dot[r][c][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      __m256i wv[C][2], wabs[C][2];
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) {
+          wv[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, c, kQ8Bytes) + 64 * g + 32 * h));
+          wabs[c][h] = _mm256_abs_epi8(wv[c][h]);
+        }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xg = bcast4(x.q + (r0 + r) * x.k + b * kBlock + 4 * g);
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < 2; ++h)
+            dot[r][c][h] = _mm256_add_epi32(dot[r][c][h], dot4(wabs[c][h], _mm256_sign_epi8(xg, wv[c][h])));
+      }
+    }
+    simd::F16 dots[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dots[r][c] = {_mm256_cvtepi32_ps(dot[r][c][0]), _mm256_cvtepi32_ps(dot[r][c][1])};
+    fold_block<R, C, false>(w, x, r0, b, dots, acc);
+  }
+}
+
+struct Int16 {
+  __m256i lo, hi;
+};
+
+inline void store_q8(uint8_t* q, Int16 q0, Int16 q1, uint8_t flip) {
+  // packs interleave 128-bit lanes; permute4x64(0xD8) puts each result back in element order.
+  const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0.lo, q0.hi), 0xD8);  // 16 int16
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q1.lo, q1.hi), 0xD8);
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(a, b), 0xD8);       // 32 int8
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(flip))));
+}
+
+inline Int16 to_int(simd::F16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }  // MXCSR: nearest even
+inline int32_t sum_int(Int16 a, Int16 b) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(_mm256_add_epi32(a.lo, a.hi), _mm256_add_epi32(b.lo, b.hi)));
+  int32_t total = 0;
+  for (int32_t v : lanes) total += v;  // integers: exact in any order
+  return total;
+}
+
+#endif
+
+}  // namespace loom::qlinear

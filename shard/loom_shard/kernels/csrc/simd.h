@@ -1,0 +1,211 @@
+// Sixteen float32 lanes, the unit every Loom kernel computes in, for the ISA this library is
+// built for: one zmm register (AVX-512) or two ymm registers (AVX2 + FMA + F16C). Each build of
+// the kernels (one per ISA, chosen at run time from cpuid) compiles the same kernel code against
+// one of the two. Every operation is lane-wise IEEE arithmetic, and every horizontal reduction
+// follows one tree (lane i + lane i+8, then +4, +2, +1: `sum_lanes`), so the two builds compute
+// bit-identical results: the ISA changes the speed, never a value.
+#pragma once
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace loom::simd {
+
+#if defined(__AVX512F__)
+
+struct F16 {
+  __m512 v;
+};
+
+inline F16 zero() { return {_mm512_setzero_ps()}; }
+inline F16 set1(float x) { return {_mm512_set1_ps(x)}; }
+inline F16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline F16 load(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32: widen, exact
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline F16 load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline void store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+inline F16 add(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F16 sub(F16 a, F16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F16 mul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 div(F16 a, F16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline F16 max(F16 a, F16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F16 min(F16 a, F16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline F16 fma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }    // a * b + c
+inline F16 fnma(F16 a, F16 b, F16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
+inline F16 abs(F16 a) { return {_mm512_abs_ps(a.v)}; }
+inline F16 round_even(F16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// a * 2^n for integral n in [-126, 127]: 2^n is exact, so this rounds once, like a multiply.
+inline F16 scale_pow2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+// Lanes n.. set to zero.
+inline F16 keep_first(F16 a, int n) {
+  return {_mm512_maskz_mov_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), a.v)};
+}
+
+// The 16 horizontal sums of v[0..15], in the tree's own lane order (see reduce16 below).
+inline F16 reduce16_raw(const F16* v) {
+  auto fold256 = [](__m512 a, __m512 b) {  // [a.lo + a.hi | b.lo + b.hi]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  };
+  auto fold128 = [](__m512 x, __m512 y) {  // 128-bit lane pairs of two fold256 results
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  };
+  auto fold64 = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE)); };
+  auto fold32 = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD)); };
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold256(v[i].v, v[i + 8].v);
+  for (int i = 0; i < 4; ++i) b[i] = fold128(a[i], a[i + 4]);
+  for (int i = 0; i < 2; ++i) c[i] = fold64(b[i], b[i + 2]);
+  return {fold32(c[0], c[1])};
+}
+
+// Lane k of the result = lane order[k] of a.
+inline F16 permute(F16 a, const int* order) {
+  return {_mm512_permutexvar_ps(_mm512_loadu_si512(order), a.v)};
+}
+
+#else  // AVX2 + FMA + F16C
+
+struct F16 {
+  __m256 lo, hi;  // lanes 0..7, 8..15
+};
+
+inline F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline F16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline F16 load(const c10::BFloat16* p) {
+  return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline F16 load(const c10::Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void store(float* p, F16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+#define LOOM_F16_BINARY(name, op) \
+  inline F16 name(F16 a, F16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+LOOM_F16_BINARY(add, _mm256_add_ps)
+LOOM_F16_BINARY(sub, _mm256_sub_ps)
+LOOM_F16_BINARY(mul, _mm256_mul_ps)
+LOOM_F16_BINARY(div, _mm256_div_ps)
+LOOM_F16_BINARY(max, _mm256_max_ps)
+LOOM_F16_BINARY(min, _mm256_min_ps)
+#undef LOOM_F16_BINARY
+inline F16 fma(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 fnma(F16 a, F16 b, F16 c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 abs(F16 a) {
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, mask), _mm256_and_ps(a.hi, mask)};
+}
+inline F16 round_even(F16 a) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+}
+inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127], built from its exponent bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline F16 scale_pow2(F16 a, F16 n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
+inline F16 keep_first(F16 a, int n) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i limit = _mm256_set1_epi32(n);
+  const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, index));
+  const __m256 keep_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, _mm256_add_epi32(index, _mm256_set1_epi32(8))));
+  return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
+}
+
+inline F16 reduce16_raw(const F16* v) {
+  auto fold128 = [](__m256 x, __m256 y) {  // [x.lo128 + x.hi128 | y.lo128 + y.hi128]
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  };
+  auto fold64 = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE)); };
+  auto fold32 = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD)); };
+  __m256 a[16], b[8], c[4];
+  for (int i = 0; i < 16; ++i) a[i] = _mm256_add_ps(v[i].lo, v[i].hi);
+  for (int i = 0; i < 8; ++i) b[i] = fold128(a[i], a[i + 8]);
+  for (int i = 0; i < 4; ++i) c[i] = fold64(b[i], b[i + 4]);
+  return {fold32(c[0], c[2]), fold32(c[1], c[3])};
+}
+
+inline F16 permute(F16 a, const int* order) {
+  auto half = [&](const int* at) {  // 8 lanes, each taken from a.lo or a.hi
+    const __m256i index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m256 from_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(index, _mm256_set1_epi32(7)));
+    const __m256i lane = _mm256_and_si256(index, _mm256_set1_epi32(7));
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(a.lo, lane), _mm256_permutevar8x32_ps(a.hi, lane), from_hi);
+  };
+  return {half(order), half(order + 8)};
+}
+
+#endif
+
+// ---- written once on the operations above -------------------------------------------------
+
+inline float sum(F16 a) {  // the halving tree of sum_lanes
+  alignas(64) float lanes[16];
+  store(lanes, a);
+  return loom::sum_lanes(lanes);
+}
+
+inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
+  alignas(64) float lanes[16];
+  store(lanes, a);
+  return *std::max_element(lanes, lanes + std::min(n, 16));
+}
+
+// Where reduce16_raw leaves each vector's sum: found once by reducing vectors filled with their
+// index (exact in float32), so the shuffles need no hand-derived table.
+inline const int* key_order() {
+  static const auto order = [] {
+    F16 v[16];
+    for (int i = 0; i < 16; ++i) v[i] = set1(static_cast<float>(i));
+    alignas(64) float lane[16];
+    store(lane, reduce16_raw(v));
+    struct Order {
+      int at[16];
+    } o{};
+    for (int i = 0; i < 16; ++i) o.at[static_cast<int>(lane[i]) / 16] = i;
+    return o;
+  }();
+  return order.at;
+}
+
+// Lane k = the sum of the 16 lanes of v[k], each by the halving tree.
+inline F16 reduce16(const F16* v) { return permute(reduce16_raw(v), key_order()); }
+
+// exp(x) in float32 (Cephes' polynomial, about 1 ulp); exp(0) is exactly 1.
+inline F16 exp(F16 x) {
+  x = min(max(x, set1(-87.3f)), set1(88.3f));
+  const F16 n = round_even(mul(x, set1(1.44269504088896341f)));
+  F16 r = fnma(n, set1(0.693359375f), x);
+  r = fnma(n, set1(-2.12194440e-4f), r);
+  F16 y = set1(1.9875691500e-4f);
+  y = fma(y, r, set1(1.3981999507e-3f));
+  y = fma(y, r, set1(8.3334519073e-3f));
+  y = fma(y, r, set1(4.1665795894e-2f));
+  y = fma(y, r, set1(1.6666665459e-1f));
+  y = fma(y, r, set1(5.0000001201e-1f));
+  y = fma(y, mul(r, r), add(r, set1(1.0f)));
+  return scale_pow2(y, n);
+}
+
+inline float exp1(float x) {
+  alignas(64) float lanes[16];
+  store(lanes, exp(set1(x)));
+  return lanes[0];
+}
+
+}  // namespace loom::simd
