@@ -1,4 +1,4 @@
-"""How often a greedy request's tokens are the same alone and in a batch (issue 14), per CPU
+"""How often a greedy request's tokens are the same alone and in a batch, per CPU
 attention backend, on the shard runner with the embedded model.
 
 Run: python bench/bench_agreement.py [--requests 8] [--new-tokens 32] [--dtype bfloat16]

@@ -1,4 +1,4 @@
-"""Which CPU operations break batch invariance (issue 14): for each op, 64 random rows are computed
+"""Which CPU operations break batch invariance: for each op, 64 random rows are computed
 one at a time and then as batches of B rows; the table says at which B some row's result is no
 longer bit-identical, and the largest difference seen.
 

@@ -1,4 +1,4 @@
-"""/health latency while the router processes the largest inputs it accepts (issue 10).
+"""/health latency while the router processes the largest inputs it accepts.
 
 Starts the real launcher with the embedded model, then for each big request polls /health
 from a second connection until the big one ends: a request that stalls the router's event

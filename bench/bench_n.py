@@ -1,4 +1,4 @@
-"""n completions (issue 4): one request with n=8 against 8 separate requests sent at once.
+"""n completions: one request with n=8 against 8 separate requests sent at once.
 
     python bench/bench_n.py                    # starts loom-launcher (bfloat16) on the embedded model
     python bench/bench_n.py --url http://...   # or measures a running server

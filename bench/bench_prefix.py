@@ -1,4 +1,4 @@
-"""Prefix cache and KV budget (issue 5): cached-prefix TTFT, and concurrency at a fixed KV budget.
+"""Prefix cache and KV budget: cached-prefix TTFT, and concurrency at a fixed KV budget.
 
     python bench/bench_prefix.py                 # both parts, each on its own loom-launcher (bfloat16)
     python bench/bench_prefix.py --part ttft     # or only one part: ttft | budget

@@ -1,4 +1,4 @@
-"""Rotary kernel A/B (issue 15, lever 2): the decode step with Loom's rotary CPU kernel against
+"""Rotary kernel A/B: the decode step with Loom's rotary CPU kernel against
 the torch path (per-step cos/sin gathers, per-layer roll + mul + addcmul), interleaved in one
 process so both variants see the same machine load; and, with --profile, what one decode step
 spends its time on, per op kind (torch.profiler).

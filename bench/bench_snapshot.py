@@ -1,4 +1,4 @@
-"""KV snapshots (issue 6): restore + first token against a cold prefill, for a 2,000-token prefix.
+"""KV snapshots: restore + first token against a cold prefill, for a 2,000-token prefix.
 
     python bench/bench_snapshot.py            # 5 repetitions, default dtype (bfloat16)
     python bench/bench_snapshot.py --reps 3 --dtype float32

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding (`--speculate`, issue 15 lever 4): Loom with and without it,
+"""Prompt-lookup speculative decoding (`--speculate`): Loom with and without it,
 on the same loads, taking turns, in one run.
 
 Loads (streaming /v1/completions, greedy, ignore_eos, 128 new tokens, fresh prompts every run):
@@ -208,7 +208,7 @@ def main() -> int:
     if args.step_cost:
         step_cost(args.speculate, args.steps)
         return 0
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     spec_name = f"speculate {args.speculate}"
     base = args.loom_args.split()
     with launcher(*base) as off_url, launcher(*base, "--speculate", str(args.speculate)) as on_url:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 from common import machine
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}, torch {torch.__version__}, "
+    print(f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     router_us, shard_us = tracing_only_us(args.batch)
     print(f"tracing code per step, batch {args.batch}: router {router_us:.0f} µs, shard {shard_us:.0f} µs")

@@ -1,5 +1,5 @@
-"""Loom against llama.cpp's `llama-server` on the same machine, the same model and the same load
-(issue 15): streaming /v1/completions, greedy, ignore_eos, ~150-word prompts, 128 new tokens.
+"""Loom against llama.cpp's `llama-server` on the same machine, the same model and the same load:
+streaming /v1/completions, greedy, ignore_eos, ~150-word prompts, 128 new tokens.
 
 Both servers are started (Loom through loom-launcher with its defaults; llama-server with the
 embedded Q4_1 GGUF, `-t 2 -np 32 -c 16384`) and measured one at a time, taking turns, never
@@ -118,7 +118,7 @@ async def compare(args: argparse.Namespace, urls: dict[str, str]) -> tuple[list[
 
 def main() -> int:
     args = build_parser().parse_args()
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     server_versions = {PEER: peer_version(args.llama_server)}
     with llama_server(args.llama_server, args.peer_args.split()) as peer_url, \
             launcher(*args.loom_args.split()) as loom_url:

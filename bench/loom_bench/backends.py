@@ -8,7 +8,6 @@ server it measures."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -162,6 +161,6 @@ async def send(backend: Backend, client: aiohttp.ClientSession, server: str, req
     start = time.perf_counter()
     try:
         return await backend(client, server, req, opts)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as error:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as error:
         return RequestResult(False, server, error=f"{type(error).__name__}: {error}",
                              latency_s=time.perf_counter() - start)

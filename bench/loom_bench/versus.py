@@ -1,4 +1,4 @@
-"""Loom against llama.cpp's server (issue 15): the side-by-side table and its targets.
+"""Loom against llama.cpp's server: the side-by-side table and its targets.
 
 Each (concurrency, round) is measured once per server, the servers taking turns; the table
 shows each number as the range over rounds, the ratios paired round by round (the two servers
@@ -62,7 +62,7 @@ class Target:
     min_ttft_ratio: float = 3.0
 
 
-# Issue 15's "must be true" list.
+# The CPU-speed targets against llama.cpp.
 TARGETS = (Target(1, 1.2), Target(8, 3.0), Target(32, 4.0))
 
 

@@ -164,7 +164,7 @@ class Engine(RequestBook):
         try:  # between steps, so that no step's output lands on a request that is gone
             await asyncio.wait_for(self.run_between_steps(lambda scheduler: self._abort_all(scheduler, error)),
                                    timeout=DRAIN_ABORT_TIMEOUT_S)
-        except (asyncio.TimeoutError, GenerationError):  # the loop is stuck in a step, or gone
+        except (TimeoutError, GenerationError):  # the loop is stuck in a step, or gone
             self._fail_all(error)
 
     def _abort_all(self, scheduler: Scheduler, error: GenerationError) -> None:

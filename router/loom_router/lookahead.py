@@ -1,4 +1,4 @@
-"""One step of lookahead (issue 15): plan and send step N+1 while the shards compute step N.
+"""One step of lookahead: plan and send step N+1 while the shards compute step N.
 
 Without it the router idles while a step runs and the shard idles while the router turns
 the step's outputs into text and plans the next one. With it, in a steady decode:

@@ -28,7 +28,7 @@ async def start_metrics_server(metrics: RouterMetrics, host: str, port: int) -> 
                          + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
                          + body)
             await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:
             writer.close()

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 REQUEST_LOGGER = "loom.requests"
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -48,7 +48,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, object] = {
-            "timestamp": datetime.fromtimestamp(record.created, tz=timezone.utc).isoformat(),
+            "timestamp": datetime.fromtimestamp(record.created, tz=UTC).isoformat(),
             "level": record.levelname,
             "target": record.name,
             "message": record.getMessage(),

@@ -128,7 +128,7 @@ class ShardClient:
             try:
                 await asyncio.wait_for(r.channel.channel_ready(), max(deadline - loop.time(), 0.0))
                 await r.stub.Health(pb.HealthRequest(), timeout=max(deadline - loop.time(), 0.001))
-            except (asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
+            except (TimeoutError, grpc.aio.AioRpcError) as error:
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else "no answer"
                 raise ShardError(rank, "UNAVAILABLE", f"not ready after {timeout_s:g} s ({detail})") from None
 
@@ -264,7 +264,7 @@ class ShardClient:
 def agreed_step_reply(tasks: list[asyncio.Future[Any]]) -> Any:
     """Rank 0's reply when every rank succeeded; the first rank's ShardError when every rank
     failed; ShardDivergence (naming the ranks) otherwise."""
-    outcomes = [asyncio.TimeoutError("no answer") if not t.done() or t.cancelled() else t.exception()
+    outcomes = [TimeoutError("no answer") if not t.done() or t.cancelled() else t.exception()
                 for t in tasks]
     if all(error is None for error in outcomes):
         return tasks[0].result()

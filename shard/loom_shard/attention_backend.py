@@ -4,7 +4,7 @@
   gather-decode paths of `loom_shard.attention`.
 - `PagedBackend` with `BackendKind.CPU_PAGED` (CPU, when Loom's C++ kernels build): one C++
   kernel with the Triton kernel's contract (`loom_shard.cpu_attention`), batch- and
-  chunk-invariant (issue 14).
+  chunk-invariant.
 - `PagedBackend` with `BackendKind.TRITON` (CUDA): one Triton kernel for prefill chunks and decodes that reads
   K/V blocks in place through block tables (`loom_shard.triton_attention`). Its step tables
   travel to the GPU as one int32 transfer; positions and slots are derived there, so the same

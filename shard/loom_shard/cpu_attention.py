@@ -2,7 +2,7 @@
 `loom_shard.triton_attention`: prefill chunks and decodes of one step in one call, reading K/V
 blocks in place through block tables. Every query row reduces over keys 0..p in fixed 16-key
 chunks from key 0 with a float32 online softmax, so its output is bit-identical whatever else
-is in the batch and however its prompt was chunked (issue 14).
+is in the batch and however its prompt was chunked.
 """
 
 from __future__ import annotations

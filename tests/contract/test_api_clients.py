@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer
+from tests.net import free_port
 
 
 @dataclass
@@ -29,11 +29,6 @@ class Served:
     backend: FakeShardClient
     tokenizer: Tokenizer
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -21,15 +21,11 @@ from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import load_tokenizer
+from tests.net import free_port
 
 NUM_STREAMS = 12
 HANG_UP_AFTER = {0: 1, 3: 2, 5: 5, 8: 9, 11: 3}  # stream -> events read before hanging up
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RecordingShard(FakeShardClient):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import load_tokenizer
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +46,6 @@ class Served:
     url: str
     engine: Engine
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_router.shard_client import ShardClient, ShardError
 from loom_router.types import ShardDivergence
 from loom_shard.server import start_server
+from tests.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -245,11 +245,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
         proc.wait()
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_cli_prints_readiness_serves_and_exits_on_sigterm(tmp_path):

@@ -9,7 +9,6 @@ blocked loop answers none), not milliseconds; bench/bench_loop.py measures the l
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable
 
@@ -22,16 +21,12 @@ from loom_proto.config import RouterConfig
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer
+from tests.net import free_port
 
 CONTEXT = 8192
 # A text of many short tokens (the worst case for per-token work) with non-ASCII characters.
 UNIT = "word é 日 "
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

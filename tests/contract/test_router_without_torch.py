@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from grpc_fakes import FakeRunner
 from loom_proto.config import RouterConfig
 from loom_proto.step import SeqOutput, StepPlan
 from loom_shard.server import start_server
+from tests.net import free_port
 
 # Any import of these raises ImportError in the router process, deferred imports included.
 BLOCKED = ("torch", "loom_shard", "loom_launcher")
@@ -43,11 +43,6 @@ class DecodingRunner(FakeRunner):
         ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running_requests]
         return [SeqOutput(request_id=i, token_id=1000, logprob=-0.5) for i in ids]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_healthy(client: httpx.AsyncClient, router: subprocess.Popen[bytes]) -> None:

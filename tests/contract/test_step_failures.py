@@ -9,7 +9,6 @@ import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
 from test_api import router_config
-from test_loop_responsiveness import free_port
 
 from loom_proto.step import StepPlan, StepResult
 from loom_router import main
@@ -18,6 +17,7 @@ from loom_router.shard_client import ShardError, agreed_step_reply
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams, ShardDivergence
 from loom_router.validation import Limits, TGIParameters, tgi_generation_params
+from tests.net import free_port
 
 
 def params(seed: int, max_new_tokens: int = 4) -> GenerationParams:

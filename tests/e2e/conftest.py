@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from tests.net import free_port
 from tests.otlp_collector import collector  # noqa: F401 (a fixture: the stand-in OTLP collector)
 
 STARTUP_TIMEOUT_S = 300.0
@@ -33,11 +33,6 @@ SMALL_LIMITS = {"--max-total-tokens": "512", "--max-input-tokens": "384",
                 "--max-batch-total-tokens": "4096", "--max-batch-prefill-tokens": "512",
                 "--host-kv-cache-bytes": str(64 << 20)}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(slots=True)

@@ -6,10 +6,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+
+from tests.e2e.conftest import spawn_launcher
 
 if TYPE_CHECKING:  # conftest is pytest's to import, not ours
     from conftest import Launcher, StartLauncher
@@ -34,6 +37,8 @@ def test_health_and_info_report_the_launchers_limits(launcher: Launcher) -> None
     assert info["max_total_tokens"] == 512 and info["max_input_tokens"] == 384
     assert info["max_concurrent_requests"] == 128 and info["max_batch_prefill_tokens"] == 512
     assert info["model_device_type"] == "cpu" and info["world_size"] == 1
+    assert info["cpu_kernels"].split()[0] in {"avx512", "avx2"}  # the build this CPU runs
+    assert "kernels " + info["cpu_kernels"].split()[0] in launcher.log()  # said once at shard start
 
 
 def test_generate_through_the_launched_router(launcher: Launcher) -> None:
@@ -82,3 +87,14 @@ def test_a_killed_shard_stops_the_launcher_with_its_last_lines(
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.kill(pids["router"], 0)  # the router was stopped too
+
+
+def test_a_dtype_the_cpu_cannot_run_is_refused_at_start_in_one_line(e2e_dir: Path) -> None:
+    launcher = spawn_launcher(e2e_dir, "--dtype", "float16")
+    try:
+        assert launcher.wait(timeout=120) != 0
+    finally:
+        launcher.stop()
+    log = launcher.log()
+    assert "[shard 0] error: --dtype float16 is not supported on CPU: Loom's CPU kernels" in log, log
+    assert "Traceback" not in log and "warmup" not in log.lower()

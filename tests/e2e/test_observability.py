@@ -18,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import Launcher, StartLauncher, free_port
+from conftest import Launcher, StartLauncher
 
+from tests.net import free_port
 from tests.otlp_collector import Collector
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ from loom_router.tokenizer import load_tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
 from api_fakes import FakeShardClient  # noqa: E402
 
+from tests.net import free_port
+
 pytestmark = pytest.mark.slow
 
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
@@ -44,11 +45,6 @@ WAIT_MS = 120_000  # the real model on 2 shared CPU cores
 HOSTILE_TEXT = ' <script>window.__injected = 1</script><img src="x" onerror="window.__injected = 2"> <b>bold</b>'
 CANCELLED = re.compile(r'^loom_requests_finished_total\{reason="cancelled"\} (\S+)$', re.M)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def find_chromium() -> str | None:
@@ -258,7 +254,7 @@ def test_model_output_is_shown_as_text(page: Any, scripted_router: tuple[str, st
 
 
 def test_json_mode_sends_response_format(page: Any, scripted_router: tuple[str, str, ScriptedShardClient]) -> None:
-    """The toggle asks for JSON; the server enforces it (issue 16's tests check the JSON itself)."""
+    """The toggle asks for JSON; the server enforces it (tests/e2e/test_structured_e2e.py checks the JSON itself)."""
     url, expected, _ = scripted_router
     page.goto(url + "/")
     page.wait_for_function("document.getElementById('model-info').textContent.startsWith('Model: scripted')")

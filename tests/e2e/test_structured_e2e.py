@@ -60,7 +60,7 @@ def test_n4_with_a_schema_gives_four_valid_different_outputs(client: openai.Open
     assert len(set(texts)) == 4, texts
 
 
-class Mood(str, Enum):
+class Mood(str, Enum):  # noqa: UP042 - as a user of pydantic writes it
     happy = "happy"
     sad = "sad"
 

@@ -1,4 +1,4 @@
-"""Issue 14 on CUDA: the Triton paged-attention kernel gives a sequence's rows bit-identical
+"""Batch invariance on CUDA: the Triton paged-attention kernel gives a sequence's rows bit-identical
 results whatever else is in the launch and however its prompt is chunked.
 
 Why it holds by design (shard/loom_shard/triton_attention.py): one program owns one query tile

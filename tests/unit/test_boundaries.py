@@ -4,10 +4,10 @@ launcher -> proto's configuration only; the router's distribution never needs to
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"proto": "loom_proto", "router": "loom_router", "shard": "loom_shard", "launcher": "loom_launcher"}

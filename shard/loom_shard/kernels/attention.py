@@ -2,7 +2,7 @@
 
 Same contract as `loom_shard.triton_attention.paged_attention_triton`: prefill chunks and
 decodes of one step in a single call, K/V read in place through block tables. A row's output
-is bit-identical whatever else is in the batch and however its prompt was chunked (issue 14).
+is bit-identical whatever else is in the batch and however its prompt was chunked.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Loom-vs-llama.cpp table and target checks (issue 15), from hand-made measures."""
+"""The Loom-vs-llama.cpp table and target checks, from hand-made measures."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 from loom_launcher.cli import child_env, health_url, load_settings, router_spec, shard_spec, threads_per_shard
 from loom_launcher.supervisor import ExitStatus, ProcessSpec, serve
 from loom_proto.config import LauncherSettings, RouterConfig, ShardConfig, build_parser, env_var, option, parse_config
+from tests.net import free_port
 
 # One fake child for every role. argv: name notes_path mode [port].
 # It notes what happens to it in notes_path, so a test can check the order of events.
@@ -60,11 +60,6 @@ while True:  # "silent": never says it is ready
     time.sleep(0.05)
 """
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fake(name: str, notes: Path, mode: str, *extra: str) -> ProcessSpec:

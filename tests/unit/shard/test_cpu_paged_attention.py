@@ -1,5 +1,5 @@
 """The C++ paged-attention kernel against a float64 reference, and its invariances:
-a row is bit-identical at any batch size and however its prompt was chunked (issue 14)."""
+a row is bit-identical at any batch size and however its prompt was chunked (batch invariance)."""
 
 from __future__ import annotations
 

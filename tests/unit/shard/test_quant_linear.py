@@ -1,4 +1,4 @@
-"""QuantLinear and loom::qlinear against the dequantized float reference (issue 15, lever 1).
+"""QuantLinear and loom::qlinear against the dequantized float reference.
 
 Weights are real GGUF blocks made by gguf-py's quantizer from random floats; the reference is
 gguf-py's own dequantization multiplied in float64.

@@ -91,7 +91,7 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
     # The same quantized weights; the kernels quantize the activations to int8 per block of 32 as
-    # llama.cpp does (issue 15): measured 0.39% (llama) and 0.65% (qwen2) of the largest logit.
+    # llama.cpp does: measured 0.39% (llama) and 0.65% (qwen2) of the largest logit.
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from loom_shard.loader import load_model_weights
 from loom_shard.tensor_parallel import apply_tensor_parallel, build_rank_model, rank_part
+from tests.net import free_port
 from tests.unit.shard.conftest import SeqChunk, make_cache, make_pair, random_tokens, run_chunks
 
 WORLD_SIZE = 2
@@ -35,11 +35,6 @@ def _rank_main(rank: int, port: int, kind: str, results: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -48,7 +43,7 @@ def test_two_ranks_match_one(kind: str) -> None:
     expected = torch.cat(run_chunks(pair.loom, make_cache(pair.loom, 4, 8), _chunks()))
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(_free_port(), kind, results), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_rank_main, args=(free_port(), kind, results), nprocs=WORLD_SIZE, join=True)
         for rank in range(WORLD_SIZE):
             torch.testing.assert_close(results[rank], expected, rtol=1e-4, atol=1e-4)
 
@@ -97,6 +92,6 @@ def test_ranks_loaded_slice_by_slice_match_one(tmp_path: Path) -> None:
     expected = torch.cat(run_chunks(pair.loom, make_cache(pair.loom, 4, 8), _chunks()))
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main_loaded, args=(_free_port(), str(tmp_path), results), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_rank_main_loaded, args=(free_port(), str(tmp_path), results), nprocs=WORLD_SIZE, join=True)
         for rank in range(WORLD_SIZE):
             torch.testing.assert_close(results[rank], expected, rtol=1e-4, atol=1e-4)

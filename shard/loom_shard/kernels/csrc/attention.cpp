@@ -3,7 +3,7 @@
 // sequence's block table (no gather, no padding), grouped-query heads fold into query rows
 // (row = token * group + g) so K/V are never repeated, and a query at position p sees keys 0..p.
 //
-// Determinism (issue 14): a row's arithmetic depends only on its sequence and its position.
+// Batch invariance: a row's arithmetic depends only on its sequence and its position.
 // Keys are visited in blocks of kKeyBlock from key 0 in ascending order; each block's scores
 // (fixed-order dot products), online-softmax update (float32) and P.V accumulation (keys in
 // order) use only the row's own values. Rows of a tile that cannot see a key add exact zeros.
