@@ -113,9 +113,11 @@ def test_dockerfiles_pin_the_makefiles_torch_and_run_the_launcher() -> None:
     assert 'ENTRYPOINT ["loom-router"]' in router_only
 
 
-def test_cpu_image_can_build_the_shards_kernels() -> None:
+def test_cpu_image_builds_every_isa_of_the_shards_kernels() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"apt-get install .*\bg\+\+", text), "loom_shard.kernels needs a C++ compiler"
+    build = text.index("RUN python -m loom_shard.kernels")  # every ISA, at image time, failing the build
+    assert text.index("ENV TORCH_EXTENSIONS_DIR=") < build < text.index("USER loom")
 
 
 def test_readme_documents_every_flag_and_the_ci_command() -> None:
