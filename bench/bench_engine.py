@@ -1,6 +1,7 @@
 """Engine micro-benchmark: prefill and decode speed of the shard runner, next to machine ceilings.
 
-Run: python bench/bench_engine.py [--dtypes float32 bfloat16] [--threads 2] [--random-model] [--quantize none auto] [--layers fused modules]
+Run: python bench/bench_engine.py [--dtypes float32 bfloat16] [--threads 2] [--random-model] [--quantize none auto]
+     [--layers fused modules] [--cpu-kernels auto|avx512|avx2|off]
 Decode requests enter with their context already cached (as after a prefix-cache hit),
 so the numbers time the decode step itself: forward, sampling and runner bookkeeping.
 """
@@ -88,8 +89,8 @@ def load_model(random_model: bool, quantize: str = "none") -> tuple[LlamaModel, 
     return build_model(SMOLLM2_SHAPE), "random model of SmolLM2-135M's shape"
 
 
-def make_runner(model: LlamaModel, dtype: str, num_blocks: int) -> ModelRunner:
-    config = ShardConfig(model_id="bench", uds_path="", dtype=dtype, block_size=BLOCK_SIZE)
+def make_runner(model: LlamaModel, dtype: str, num_blocks: int, cpu_kernels: str = "auto") -> ModelRunner:
+    config = ShardConfig(model_id="bench", uds_path="", dtype=dtype, block_size=BLOCK_SIZE, cpu_kernels=cpu_kernels)
     runner = ModelRunner(config, model=model)
     cache = runner.allocate_kv_cache(num_blocks, num_host_blocks=1)
     # Cached blocks hold real K/V in serving; never-written pages of a fresh allocation
@@ -148,6 +149,7 @@ def main() -> None:
                         help="weights dequantized (none) or kept quantized (auto); several: interleaved per batch")
     parser.add_argument("--layers", nargs="+", default=["fused"], choices=["fused", "modules"],
                         help="quantized layers in one C++ call (loom::decoder_layers) or module by module; interleaved")
+    parser.add_argument("--cpu-kernels", default="auto", help="the kernels build (as loom-launcher's flag)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
@@ -161,7 +163,7 @@ def main() -> None:
     num_blocks = max(args.batches) * -(-(300 + 64) // BLOCK_SIZE) + 64
     for dtype in args.dtypes:
         for quantize, model in models.items():  # --quantize x --attention, interleaved over rounds
-            runner = make_runner(model, dtype, num_blocks)
+            runner = make_runner(model, dtype, num_blocks, args.cpu_kernels)
             backends = {(name, layers): runner.attention if name == "default" else TorchBackend(runner.device)
                         for name in args.attention for layers in args.layers}
             prefill: dict[tuple[str, str], tuple[float, float]] = {}

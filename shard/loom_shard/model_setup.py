@@ -63,9 +63,10 @@ def native_bfloat16() -> bool:
 
 
 def choose_dtype(requested: str | None, device: torch.device) -> tuple[torch.dtype, str]:
-    """The shard's dtype and why. Unset: bfloat16 on CUDA and on CPUs that compute it natively
-    (measured faster than float32 there: bench/BENCHMARKS.md, Engine), else float32. An explicit
-    dtype the device cannot run raises ShardSetupError."""
+    """The shard's dtype and why. Unset: bfloat16 on CUDA, on CPUs that compute it natively, and
+    wherever Loom's CPU kernels run it (they read half the bytes of float32: measured faster on an
+    AVX2 path too, bench/BENCHMARKS.md, CPUs); float32 only with the kernels off on a CPU without
+    native bfloat16. An explicit dtype the device cannot run raises ShardSetupError."""
     if requested is not None:
         dtype = getattr(torch, requested)
         if device.type == "cpu" and dtype not in (torch.bfloat16, torch.float32):
@@ -76,7 +77,9 @@ def choose_dtype(requested: str | None, device: torch.device) -> tuple[torch.dty
         return torch.bfloat16, "the CUDA default"
     if native_bfloat16():
         return torch.bfloat16, "this CPU computes bfloat16 natively"
-    return torch.float32, "this CPU has no native bfloat16 (avx512_bf16 or amx_bf16) that oneDNN uses"
+    if kernels.available():
+        return torch.bfloat16, "no native bfloat16 here, but Loom's kernels run it, reading half float32's bytes"
+    return torch.float32, "no native bfloat16 here and Loom's CPU kernels are off"
 
 
 def announce(device: torch.device, dtype: torch.dtype, why: str) -> None:

@@ -160,8 +160,7 @@ _RESTRICTED_PROBE = textwrap.dedent("""
     assert row_invariance.onednn_packs(torch.bfloat16) is expect_bf16
     dtype, why = choose_dtype(None, torch.device("cpu"))
     print("default dtype", dtype, why)
-    if not expect_bf16:
-        assert dtype == torch.float32
+    assert dtype == torch.bfloat16  # natively, or through Loom's kernels
     for dtype in (torch.bfloat16, torch.float32):
         for k, n in {shapes}:
             gemm = row_invariance.choose(k, n, dtype)
@@ -179,8 +178,9 @@ _RESTRICTED_PROBE = textwrap.dedent("""
 
 @pytest.mark.parametrize(("isa", "expect_bf16"), [("AVX2", False), ("AVX512_CORE", True)])
 def test_probe_decides_right_under_an_older_onednn_isa(isa: str, expect_bf16: bool) -> None:
-    """oneDNN restricted to AVX2 (an AVX2-only EPYC: no bfloat16 path, so Loom's kernel and a float32
-    default) or to AVX-512 without bf16 instructions: every chosen linear still keeps rows invariant."""
+    """oneDNN restricted to AVX2 (an AVX2-only EPYC: no bfloat16 path, so Loom's kernel runs its
+    bfloat16 linears) or to AVX-512 without bf16 instructions: every chosen linear still keeps rows
+    invariant, in bfloat16 and float32."""
     if isa == "AVX512_CORE" and "avx512bw" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX-512")
     script = _RESTRICTED_PROBE.format(expect_bf16=expect_bf16, shapes=SHAPES[:2])
