@@ -50,8 +50,8 @@ class ModelFlags(Frozen):
 
 
 class ShardFlags(ModelFlags):
-    dtype: Dtype | None = Field(None, description="weights and activations dtype; default: fastest that passes "
-                                "parity on the device")
+    dtype: Dtype | None = Field(None, description="weights and activations dtype (float16: CUDA only); default: "
+                                "bfloat16 (float32 on a CPU without native bfloat16 and --cpu-kernels off)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
     quantize: Literal["auto", "none"] = Field(
         "auto", description="auto: a GGUF's Q4_1/Q8_0 weights stay quantized (CPU, one rank); "
