@@ -63,7 +63,7 @@ class Target:
 
 
 # The CPU-speed targets against llama.cpp.
-TARGETS = (Target(1, 1.2), Target(8, 3.0), Target(32, 4.0))
+TARGETS = (Target(1, 1.5), Target(8, 3.5), Target(32, 5.0))
 
 
 @dataclass(slots=True, frozen=True)
