@@ -70,7 +70,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 128, 4), (6, 2, 32, 8), (8, 2, 64, 5)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 128, 4), (6, 2, 32, 8), (8, 2, 64, 5), (4, 2, 96, 16), (2, 1, 256, 8), (4, 2, 48, 16)])
 def test_mixed_batch_matches_float64_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
     # prefill from scratch, prefill after a cached prefix, decodes at and across block boundaries
     spans = [(0, 23), (17, 40), (31, 1), (32, 1), (0, 1), (70, 1)]
@@ -86,7 +87,7 @@ def test_mixed_batch_matches_float64_reference(dtype: torch.dtype, heads: int, k
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("head_dim", [64, 32, 256, 48])
 def test_a_row_is_bit_identical_at_batch_1_7_and_64(dtype: torch.dtype, head_dim: int) -> None:
     rng = random.Random(1)
     spans = [(rng.randrange(0, 300), rng.choice([1, 1, 1, 5, 40])) for _ in range(64)]

@@ -40,7 +40,7 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     results.append(ops.rms_norm(torch.randn(9, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype), 1e-5))
     table = torch.randn(64, 32, generator=gen)
     results.append(ops.rotary(torch.randn(7, 3, 64, generator=gen).to(dtype), torch.arange(7) * 9, table.cos(), table.sin()))
-    for head_dim in (64, 128, 48):
+    for head_dim in (32, 64, 96, 128, 256, 48):
         results.append(ops.paged_attention(*_attention_case(head_dim, dtype)))
     return results
 

@@ -1,7 +1,7 @@
 // One task of the paged-attention kernel (attention.cpp): up to kMaxRows query rows of one
 // (sequence, kv head) against that sequence's keys, read in place through its block table.
-// A SIMD path (simd.h: AVX-512 or AVX2) for head_dim 64 and 128, rows held in registers; a scalar
-// path for other head sizes.
+// A SIMD path (simd.h: AVX-512 or AVX2) for head_dim 32, 64, 96, 128 and 256, rows held in
+// registers; a scalar path for other head sizes.
 // Both visit keys in blocks of kKeyBlock from key 0 and update each row from its own values only.
 #pragma once
 #include <algorithm>
@@ -131,7 +131,7 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
     for (int j = 0; j < nk; ++j) {
       const T* kp = v.key(g, task.kv_head, b + j);
       F16 k[D];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int d = 0; d < D; ++d) k[d] = simd::load(kp + 16 * d);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
@@ -189,9 +189,14 @@ void attend_rows(const TaskView<T>& v, const Geometry& g, const Task& task) {
 
 template <typename T>
 void attend(const TaskView<T>& v, const Geometry& g, const Task& task) {
-  if (g.head_dim == 64) return attend_rows<T, 4>(v, g, task);
-  if (g.head_dim == 128) return attend_rows<T, 8>(v, g, task);
-  attend_scalar(v, g, task);
+  switch (g.head_dim) {  // the head sizes of the model families Loom serves
+    case 32: return attend_rows<T, 2>(v, g, task);
+    case 64: return attend_rows<T, 4>(v, g, task);
+    case 96: return attend_rows<T, 6>(v, g, task);
+    case 128: return attend_rows<T, 8>(v, g, task);
+    case 256: return attend_rows<T, 16>(v, g, task);
+    default: return attend_scalar(v, g, task);
+  }
 }
 
 }  // namespace loom::attention
