@@ -128,12 +128,31 @@ class RouterFlags(ModelFlags):
     speculate_ngram_max: Positive = Field(3, description="longest n-gram looked up for drafts (--speculate)")
     speculate_ngram_min: Positive = Field(1, description="shortest n-gram looked up for drafts (--speculate)")
 
-    @field_validator("api_key", "cors_allow_origin", mode="before")
+    @field_validator("cors_allow_origin", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):  # from an environment variable
             return tuple(item.strip() for item in value.split(",") if item.strip())
         return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        # Blank items are kept, so that `LOOM_API_KEY=` or `k1,` is refused below, not read as "no key".
+        return tuple(item.strip() for item in value.split(",")) if isinstance(value, str) else value
+
+    @field_validator("api_key")
+    @classmethod
+    def _no_blank_key(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        """A blank key (an unset variable expanded into `--api-key ''`) would let an empty token in."""
+        for key in keys:
+            value = key.get_secret_value()
+            if not value.strip():
+                raise ValueError("a blank API key (from an empty or unset variable?) is refused: give a key, "
+                                 "or leave --api-key out to serve without keys")
+            if value != value.strip():
+                raise ValueError("an API key must not begin or end with whitespace (a token never does)")
+        return keys
 
     @model_validator(mode="after")
     def _token_limits(self) -> RouterFlags:

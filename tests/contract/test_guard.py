@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from api_fakes import FakeShardClient
+from starlette.responses import JSONResponse
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import SamplingParams
@@ -114,6 +115,27 @@ async def test_keys_from_a_file_and_the_flag_together(serve: Serve, tmp_path: Pa
     for key in (KEYS[0], "sk-from-file"):
         assert (await client.get("/info", headers=bearer(key))).status_code == 200
     assert (await client.get("/info", headers=bearer("# ops keys"))).status_code == 401
+
+
+async def test_a_key_file_without_a_key_is_refused_at_start(serve: Serve, tmp_path: Path) -> None:
+    """A key file of comments and blank lines would leave every route open."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# keys go here\n\n   \n")
+    with pytest.raises(ValueError, match="no API key"):
+        await serve(api_key_file=str(key_file))
+
+
+@pytest.mark.parametrize("authorization", ["Bearer", "Bearer ", "Bearer    ", "bearer \t"])
+async def test_an_empty_token_never_matches_even_a_blank_key(authorization: str) -> None:
+    """The guard itself refuses an empty token, whatever keys it was given."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await JSONResponse({"ok": True})(scope, receive, send)
+
+    policy = guard.GuardPolicy((b"",), frozenset(), 1000, lambda: True)
+    transport = httpx.ASGITransport(app=guard.Guard(app, policy))
+    async with httpx.AsyncClient(transport=transport, base_url="http://loom") as client:
+        response = await client.get("/info", headers={"Authorization": authorization})
+    assert response.status_code == 401
 
 
 async def test_metrics_can_require_the_key(serve: Serve) -> None:
