@@ -19,6 +19,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from loom_proto.codec import unencodable_requests
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_router.engine_requests import RequestBook, _Active
@@ -290,8 +291,8 @@ class Engine(RequestBook):
                         if not (self._pending_adds or self._pending_aborts or self._between_steps):
                             await self._wakeup.wait()
                         continue
-                    self._mark_scheduled(plan)
-                    self._masks.fill(plan, self._matcher_of)
+                    if not self._prepare(plan):
+                        continue
                     if not self.config.overlap_steps:
                         self._take_outputs(plan, await self._step(plan), None)
                         await asyncio.sleep(0)  # let handlers stream and requests arrive
@@ -328,11 +329,25 @@ class Engine(RequestBook):
         assert self.scheduler is not None
         self._apply_pending()  # new requests: admitted into the step ahead when they fit
         ahead = plan_ahead(self.scheduler, plan, self._ahead_role)
-        if ahead is None:
+        if ahead is None or not self._prepare(ahead):
             return None
-        self._mark_scheduled(ahead)
-        self._masks.fill(ahead, self._matcher_of)
         return InFlight(ahead, asyncio.ensure_future(self._call(ahead)))
+
+    def _prepare(self, plan: StepPlan) -> bool:
+        """Get a planned step ready to send: queue times end, grammar masks are filled. A request
+        the step cannot carry (a value protobuf cannot encode) is withdrawn from it and fails
+        alone. False when nothing is left to send."""
+        assert self.scheduler is not None
+        failures = {self._group_of(request_id): GenerationError(f"the request cannot be sent to the shards: {reason}")
+                    for request_id, reason in unencodable_requests(plan).items()}
+        if failures:
+            log.error("withdrawn from a step: %s", {group_id: str(error) for group_id, error in failures.items()})
+            self.scheduler.withdraw(plan, failures.keys())
+            for group_id, error in failures.items():
+                self._fail(group_id, error)
+        self._mark_scheduled(plan)
+        self._masks.fill(plan, self._matcher_of)
+        return bool(plan.num_requests or plan.released_ids or plan.swap_in or plan.swap_out)
 
     def _take_outputs(self, plan: StepPlan, result: StepResult | None, ahead: InFlight | None) -> None:
         """Fold a step's outputs in. Sequences that finished one step earlier while already in

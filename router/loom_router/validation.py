@@ -20,13 +20,20 @@ from loom_router.types import GenerationParams, ValidationError
 SEED_LIMIT = 2**63  # seeds are 63-bit so that seed + choice index stays a valid int64
 OPENAI_MAX_TOP_LOGPROBS = 20
 
+# Counts and sizes: the shard protocol carries them as uint32 (a larger value could not be sent,
+# and would fail the step of every request in it); TGI's own bound for them is i32.
+MAX_COUNT = 2**31 - 1
+
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Positive = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class _Strict(BaseModel):
-    # strict: a string where a number belongs is a 422, not silently coerced
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: a string where a number belongs is a 422, not silently coerced; no Infinity or NaN
+    # (JSON's 1e999 reads as Infinity): a temperature or penalty of Infinity only makes garbage
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -64,22 +71,22 @@ class TGIParameters(_Strict):
     """TGI's `parameters`, with TGI's names and ranges."""
 
     do_sample: bool = False
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None  # None: the rest of the context
+    max_new_tokens: Positive | None = None  # None: the rest of the context
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     frequency_penalty: Penalty | None = None
     return_full_text: bool | None = False
     stop: list[str] = Field(default_factory=list)
     seed: Seed | None = None
     temperature: Annotated[float, Field(gt=0.0)] | None = None
-    top_k: Annotated[int, Field(gt=0)] | None = None
+    top_k: Positive | None = None
     top_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     typical_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
-    truncate: Annotated[int, Field(ge=1)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    truncate: Positive | None = None
+    best_of: Positive | None = None
     watermark: bool = False  # accepted and ignored
     details: bool = False
     decoder_input_details: bool = False
-    top_n_tokens: Annotated[int, Field(ge=0)] | None = None
+    top_n_tokens: Count | None = None
     grammar: Any = None
 
     @property
@@ -154,7 +161,7 @@ class ChoiceOverride(_Strict):
 
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
@@ -170,15 +177,15 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    max_tokens: Positive | None = None
+    n: Positive = 1
     stop: str | list[str] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Count = 0
     choice_params: list[ChoiceOverride] | None = None
 
     @property
@@ -234,7 +241,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(OpenAISampling, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
 

@@ -193,6 +193,9 @@ async def test_tokenize(harness: Harness) -> None:
     (json.dumps({"inputs": 5}).encode(), "`inputs`"),
     (json.dumps({"inputs": "x", "parameters": {"temperature": "hot"}}).encode(), "parameters.temperature"),
     (json.dumps({"inputs": "x", "parameters": {"top_p": 1.5}}).encode(), "parameters.top_p"),
+    (b'{"inputs": "x", "parameters": {"temperature": 1e999}}', "parameters.temperature"),  # reads as Infinity
+    (b'{"inputs": "x", "parameters": {"repetition_penalty": Infinity}}', "parameters.repetition_penalty"),
+    (b'{"inputs": "x", "parameters": {"truncate": 1180591620717411303424}}', "parameters.truncate"),  # 2**70
     (json.dumps({"inputs": ""}).encode(), "`inputs` cannot be empty"),
     (json.dumps({"inputs": "x", "parameters": {"stop": ["a", "b", "c"]}}).encode(), "stop sequences"),
     (json.dumps({"inputs": "x", "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS}}).encode(),
@@ -370,9 +373,53 @@ async def test_openai_bad_requests_get_422_in_openai_shape(harness: Harness, rou
     assert error["param"] == param and "code" in error
 
 
+@pytest.mark.parametrize("route, content, param", [
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "repetition_penalty": Infinity}',
+     "repetition_penalty"),
+])
+async def test_openai_infinite_numbers_are_refused(harness: Harness, route: str, content: bytes, param: str) -> None:
+    response = await harness.client.post(route, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param and "finite" in response.json()["error"]["message"]
+
+
 async def test_openai_malformed_json(harness: Harness) -> None:
     response = await harness.client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
     assert response.status_code == 422 and "not valid JSON" in response.json()["error"]["message"]
+
+
+UINT32_OVERFLOW = 2**32  # one past the shard protocol's uint32 fields
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 2, "top_k": UINT32_OVERFLOW}}, "top_k"),
+    ("/generate_stream", {"inputs": "x", "parameters": {"max_new_tokens": 2, "top_k": UINT32_OVERFLOW}}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": UINT32_OVERFLOW}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": UINT32_OVERFLOW}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "temperature": 1.0,
+                         "choice_params": [{}, {"top_k": UINT32_OVERFLOW}]}, "choice_params.1.top_k"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "top_k": UINT32_OVERFLOW}, "top_k"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": UINT32_OVERFLOW}, "min_tokens"),
+])
+async def test_an_integer_past_the_protocol_is_a_422_and_hurts_no_other_request(
+        harness: Harness, route: str, body: dict, field: str) -> None:
+    """One request's out-of-range integer must not fail the step every other request is in."""
+    harness.backend.step_delay_s = 0.01
+    other = asyncio.create_task(harness.client.post(
+        "/generate", json={"inputs": "the quick", "parameters": {"max_new_tokens": 12, "seed": 3, "do_sample": True}}))
+    while harness.engine.stats().num_running == 0:
+        await asyncio.sleep(0.005)
+    response = await harness.client.post(route, json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    message = error["message"] if route.startswith("/v1/") else error
+    assert field.rsplit(".", 1)[-1] in message, message
+    if route.startswith("/v1/"):
+        assert error["param"] == field
+    finished = await other
+    assert finished.status_code == 200, finished.text
+    assert finished.json()["generated_text"] == expected_text(harness, "the quick", 3, 12)
 
 
 async def test_openai_overload_is_429_in_openai_shape(harness: Harness) -> None:
