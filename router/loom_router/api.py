@@ -30,6 +30,7 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
+from loom_router.json_body import UnicodeJSONRoute
 from loom_router.lifecycle import add_readiness_routes
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
 from loom_router.structured import compile_constraint, tgi_constraint_spec
@@ -87,6 +88,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
 
     app = FastAPI(title="Loom", version=VERSION, lifespan=lifespan,
                   description="LLM serving: text-generation-inference and OpenAI compatible APIs")
+    app.router.route_class = UnicodeJSONRoute  # a lone surrogate in a JSON body is a 422, as malformed JSON
     app.state.loom = AppState(config, engine, metrics, served_model_name(config))
     _add_error_handlers(app)
     openapi_errors.install(app)  # documents every error status; FastAPI's own errors in Loom's shapes

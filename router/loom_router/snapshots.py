@@ -32,6 +32,7 @@ from loom_proto.snapshot import Manifest, SnapshotError, SnapshotReply, Snapshot
 from loom_proto.step import SamplingParams
 from loom_router.block_manager import CachedFill
 from loom_router.http_common import AppState, encode, get_state
+from loom_router.json_body import UnicodeJSONRoute
 from loom_router.metrics import note_snapshot_failure
 from loom_router.scheduler import Scheduler
 from loom_router.shard_client import ShardError
@@ -360,7 +361,7 @@ class AnyNameConvertor(PathConvertor):
 def build_router() -> APIRouter:
     """The snapshot routes (mounted by loom_router.api.create_app)."""
     register_url_convertor("any_name", AnyNameConvertor())  # idempotent
-    router = APIRouter(tags=["Snapshots"])
+    router = APIRouter(tags=["Snapshots"], route_class=UnicodeJSONRoute)
     name_path = ROUTE_PREFIX + "/{name:any_name}"
     router.add_api_route(name_path, snapshot_action, methods=["POST"],
                          summary="Save (action=save) or restore (action=restore) a KV snapshot")

@@ -214,6 +214,25 @@ async def test_tgi_bad_requests_get_422_and_the_server_stays_healthy(harness: Ha
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("route, content", [
+    ("/generate", b'{"inputs": "a\\ud800b", "parameters": {"max_new_tokens": 2}}'),
+    ("/generate", b'{"inputs": "ab", "parameters": {"max_new_tokens": 2, "stop": ["\\udfff"]}}'),
+    ("/tokenize", b'{"inputs": "a\\ud800b"}'),
+    ("/v1/completions", b'{"prompt": "a\\udc00", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
+])
+async def test_a_lone_surrogate_is_a_422(harness: Harness, route: str, content: bytes) -> None:
+    """JSON can spell half of a UTF-16 pair (\ud800) that is no Unicode text: refused at the door."""
+    response = await harness.client.post(route, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert "surrogate" in (error["message"] if route.startswith("/v1/") else error)
+    pair = await harness.client.post("/tokenize", content=b'{"inputs": "\\ud83d\\ude00"}',  # a whole pair: fine
+                                     headers={"content-type": "application/json"})
+    assert pair.status_code == 200 and "".join(t["text"] for t in pair.json()) == "\N{GRINNING FACE}"
+
+
 async def test_overload_gives_429(harness: Harness) -> None:
     harness.backend.step_delay_s = 0.02
     body = {"inputs": "x", "parameters": {"max_new_tokens": 20}}
