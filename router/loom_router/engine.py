@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from loom_proto.codec import unencodable_requests
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
-from loom_router.engine_requests import RequestBook, _Active
+from loom_router.engine_requests import CONSTRAINT_FAILED, RequestBook, _Active
 from loom_router.grammar import GrammarCompiler, MaskFiller
 from loom_router.lookahead import AheadRole, InFlight, plan_ahead
 from loom_router.request import Sequence, SequenceGroup
@@ -141,6 +141,7 @@ class Engine(RequestBook):
                 pass
         for _, future in self._between_steps:
             future.cancel()
+        self.grammars.close()
 
     @property
     def accepting(self) -> bool:
@@ -335,19 +336,25 @@ class Engine(RequestBook):
 
     def _prepare(self, plan: StepPlan) -> bool:
         """Get a planned step ready to send: queue times end, grammar masks are filled. A request
-        the step cannot carry (a value protobuf cannot encode) is withdrawn from it and fails
-        alone. False when nothing is left to send."""
-        assert self.scheduler is not None
-        failures = {self._group_of(request_id): GenerationError(f"the request cannot be sent to the shards: {reason}")
-                    for request_id, reason in unencodable_requests(plan).items()}
-        if failures:
-            log.error("withdrawn from a step: %s", {group_id: str(error) for group_id, error in failures.items()})
-            self.scheduler.withdraw(plan, failures.keys())
-            for group_id, error in failures.items():
-                self._fail(group_id, error)
+        the step cannot carry (a value protobuf cannot encode, a grammar that cannot go on) is
+        withdrawn from it and fails alone. False when nothing is left to send."""
+        self._withdraw(plan, {request_id: f"the request cannot be sent to the shards: {reason}"
+                              for request_id, reason in unencodable_requests(plan).items()})
         self._mark_scheduled(plan)
-        self._masks.fill(plan, self._matcher_of)
+        self._withdraw(plan, {seq_id: f"{CONSTRAINT_FAILED}: {reason}"
+                              for seq_id, reason in self._masks.fill(plan, self._matcher_of).items()})
         return bool(plan.num_requests or plan.released_ids or plan.swap_in or plan.swap_out)
+
+    def _withdraw(self, plan: StepPlan, reasons: dict[int, str]) -> None:
+        """Take the groups of these sequences out of the unsent plan and fail each alone."""
+        if not reasons:
+            return
+        assert self.scheduler is not None
+        failures = {self._group_of(seq_id): reason for seq_id, reason in reasons.items()}
+        log.warning("requests %s withdrawn from a step: %s", sorted(failures), sorted(set(failures.values())))
+        self.scheduler.withdraw(plan, failures.keys())
+        for group_id, reason in failures.items():
+            self._fail(group_id, GenerationError(reason))
 
     def _take_outputs(self, plan: StepPlan, result: StepResult | None, ahead: InFlight | None) -> None:
         """Fold a step's outputs in. Sequences that finished one step earlier while already in

@@ -10,7 +10,6 @@ Compilation (and its 422) happens in `loom_router.grammar`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Literal
 
@@ -146,7 +145,8 @@ def tgi_constraint_spec(grammar: Any) -> ConstraintSpec | None:
 
 
 async def compile_constraint(engine: Any, spec: ConstraintSpec | None) -> Grammar | None:
-    """Compiles off the event loop (a large schema takes a while); ValidationError (422) on failure."""
+    """Compiles off the event loop and the tokenizing threads, in bounded time (a large schema
+    takes a while); ValidationError (422) on failure."""
     if spec is None:
         return None
-    return await asyncio.to_thread(engine.grammars.compile, spec)
+    return await engine.grammars.compile_async(spec)
