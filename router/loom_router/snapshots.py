@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import unicodedata
 import uuid
@@ -50,6 +51,8 @@ HTTP_STATUS = {
     SnapshotStatus.INVALID: 400, SnapshotStatus.DISABLED: 501, SnapshotStatus.FAILED: 500,
 }
 DISABLED_MESSAGE = "snapshots are off: start the server with --snapshot-dir DIR to enable them"
+# A path from the root ("/tmp/x/snaps", not "a/b" or a URL's "//host/x"); group 1 is its last part.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s'\"/]+/)*([^\s'\"/]*)")
 
 
 class SnapshotHTTPError(Exception):
@@ -240,9 +243,14 @@ class Snapshots:
         async with self._locks[name]:
             reply = await self.engine.client.delete_snapshot(name)
             _raise_for([reply])
-        # Its prefix-cache entries go too, unless a running request still uses them.
+        # Its prefix-cache entries go too, unless a running request still uses them or another
+        # snapshot (a copy, a longer one) holds the same tokens.
         token_ids = reply.token_ids
-        num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids))
+        listed, entries = await self.engine.client.list_snapshots()
+        if listed.status is not SnapshotStatus.OK:
+            return {"name": name, "deleted": True, "cached_blocks_dropped": 0}
+        keep = [entry.manifest.token_ids for entry in entries if entry.manifest is not None]
+        num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids, keep))
         return {"name": name, "deleted": True, "cached_blocks_dropped": num_dropped}
 
     async def list_all(self) -> list[dict[str, Any]]:
@@ -349,7 +357,14 @@ def _error(error: SnapshotHTTPError | ShardError) -> JSONResponse:
     if isinstance(error, ShardError):
         error = SnapshotHTTPError(500, f"the shards failed: {error}", "failed")
     note_snapshot_failure(error.error_type)
-    return JSONResponse({"error": error.message, "error_type": error.error_type}, status_code=error.status)
+    return JSONResponse({"error": redact_paths(error.message), "error_type": error.error_type},
+                        status_code=error.status)
+
+
+def redact_paths(message: str) -> str:
+    """Absolute paths (an OSError's, from the shards) cut to their last part: a client learns
+    which file, not where the server keeps it."""
+    return ABSOLUTE_PATH.sub(lambda match: match.group(1), message)
 
 
 class AnyNameConvertor(PathConvertor):
