@@ -113,6 +113,15 @@ class RouterFlags(ModelFlags):
     api_key_file: str | None = Field(None, description="file of API keys, one per line, read by the router at start")
     metrics_require_api_key: bool = Field(False, description="true: /metrics asks for the API key too")
     payload_limit: Positive = Field(DEFAULT_PAYLOAD_LIMIT, description="largest request body in bytes (413 past it)")
+    header_timeout: Seconds = Field(10.0, description="seconds a client may take to send a request's line and "
+                                    "headers (from connecting, or from its first byte); past it the connection "
+                                    "is closed (slow-loris)")
+    body_timeout: Seconds = Field(60.0, description="seconds a client may take to send a request's body once "
+                                  "its headers are in; past it the connection is closed")
+    keep_alive_timeout: Seconds = Field(5.0, description="seconds an idle keep-alive connection stays open "
+                                        "between requests")
+    max_connections: Positive = Field(1024, description="open HTTP connections (or requests in progress) past "
+                                      "which a new request gets 503 at once")
     cors_allow_origin: StrList = Field((), description="origins browsers may call from (repeat the flag; "
                                        "env: comma-separated); none: no CORS headers")
     snapshot_routes: bool = Field(True, description="false: no /snapshots routes even with --snapshot-dir")
