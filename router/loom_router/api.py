@@ -190,7 +190,8 @@ def _add_tgi_routes(app: FastAPI) -> None:
     async def info_route(request: Request) -> dict[str, Any]:
         return _info(get_state(request))
 
-    @app.get("/health", tags=["TGI"], summary="200 when the engine and every shard are healthy, else 503")
+    @app.get("/health", tags=["TGI"], summary="200 when the engine and every shard are healthy, else 503",
+             response_class=Response, responses={200: {"description": "healthy (an empty body, as TGI's)"}})
     async def health_route(request: Request) -> Response:
         if await get_state(request).engine.health():
             return Response(status_code=200)
@@ -206,7 +207,9 @@ def _add_tgi_routes(app: FastAPI) -> None:
         content = await asyncio.to_thread(_tokenize_json, state.tokenizer, body.inputs, body.parameters.truncate)
         return Response(content, media_type="application/json")
 
-    @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics", response_class=Response,
+             responses={200: {"description": "the Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route(request: Request) -> Response:
         state = get_state(request)
         if hasattr(state.engine, "health"):

@@ -20,12 +20,12 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote_to_bytes
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from loom_proto import snapshot as snap
@@ -38,7 +38,7 @@ from loom_router.metrics import note_snapshot_failure
 from loom_router.scheduler import Scheduler
 from loom_router.shard_client import ShardError
 from loom_router.types import GenerationParams
-from loom_router.validation import ChatMessage
+from loom_router.validation import ChatMessage, Text, TokenIds
 
 log = logging.getLogger("loom.snapshots")
 
@@ -315,18 +315,24 @@ def _answer(name: str, num_tokens: int, num_bytes: int, start: float) -> dict[st
 # ---- routes ---------------------------------------------------------------------------------
 
 
-class SaveRequest(BaseModel):
+class _SaveBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    inputs: str | None = None
-    messages: list[ChatMessage] | None = None
-    token_ids: list[int] | None = None
 
-    @model_validator(mode="after")
-    def _exactly_one(self) -> SaveRequest:
-        if sum(x is not None for x in (self.inputs, self.messages, self.token_ids)) != 1:
-            raise ValueError("give exactly one of `inputs`, `messages`, `token_ids`")
-        return self
+class SaveInputs(_SaveBody):
+    inputs: Text
+
+
+class SaveMessages(_SaveBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class SaveTokenIds(_SaveBody):
+    token_ids: TokenIds
+
+
+# Exactly one of the three, each its own shape: the OpenAPI document says so too.
+SaveRequest = SaveInputs | SaveMessages | SaveTokenIds
 
 
 def _service(request: Request) -> Snapshots:
@@ -340,16 +346,16 @@ def _service(request: Request) -> Snapshots:
 
 
 async def _prompt_ids(state: AppState, body: SaveRequest) -> list[int]:
-    if body.token_ids is not None:
+    if isinstance(body, SaveTokenIds):
         vocab_size = state.engine.model_info.vocab_size
         if any(not 0 <= t < vocab_size for t in body.token_ids):
             raise SnapshotHTTPError(422, f"`token_ids` must lie in 0..{vocab_size - 1}", "validation")
         return list(body.token_ids)
-    if body.messages is not None:
+    if isinstance(body, SaveMessages):
         messages = [m.as_template_message() for m in body.messages]
         prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True)
         return await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
-    return await encode(state, body.inputs or "")
+    return await encode(state, body.inputs)
 
 
 def _error(error: SnapshotHTTPError | ShardError) -> JSONResponse:
@@ -387,7 +393,7 @@ def build_router() -> APIRouter:
 
 
 async def snapshot_action(name: str, action: Literal["save", "restore"], request: Request,
-                          body: SaveRequest | None = None) -> Any:
+                          body: SaveRequest = Body(None)) -> Any:  # restore takes none
     try:
         service = _service(request)
         valid_name = validate_name(name_from_request(request))

@@ -10,10 +10,10 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loom_proto.step import SamplingParams
-from loom_router.structured import ConstraintFields
+from loom_router.structured import ConstraintFields, TGIGrammar
 from loom_router.tools import ToolFields
 from loom_router.types import GenerationParams, ValidationError
 
@@ -28,12 +28,28 @@ Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Positive = Annotated[int, Field(ge=1, le=MAX_COUNT)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Text = Annotated[str, Field(min_length=1)]  # an input: "" is refused, and the schema says so
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(min_length=1)]
+
+
+def _document_nulls(schema: dict[str, Any]) -> None:
+    """The JSON schema of a `_Strict` model: its optional fields take null (`_null_means_default`)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _takes_null(prop):
+            continue
+        kept = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **kept}
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(branch.get("type") == "null" for branch in prop.get("anyOf", ()))
 
 
 class _Strict(BaseModel):
     # strict: a string where a number belongs is a 422, not silently coerced; no Infinity or NaN
     # (JSON's 1e999 reads as Infinity): a temperature or penalty of Infinity only makes garbage
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, json_schema_extra=_document_nulls)
 
     @model_validator(mode="before")
     @classmethod
@@ -87,7 +103,7 @@ class TGIParameters(_Strict):
     details: bool = False
     decoder_input_details: bool = False
     top_n_tokens: Count | None = None
-    grammar: Any = None
+    grammar: TGIGrammar | None = None
 
     @property
     def sampling(self) -> bool:
@@ -98,13 +114,13 @@ class TGIParameters(_Strict):
 
 
 class TGIRequest(_Strict):
-    inputs: str
+    inputs: Text
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
 
 
 class TokenizeRequest(_Strict):
-    inputs: str
+    inputs: Text
     parameters: TGIParameters = Field(default_factory=TGIParameters)
 
 
@@ -203,10 +219,22 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # One prompt: text or token ids, alone or in a list of one (batches are not supported).
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """The common mistakes, in words rather than as a union's every branch."""
+        if prompt == "" or prompt == [] or prompt == [""] or prompt == [[]]:
+            raise ValueError("`prompt` cannot be empty")
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"`prompt` must be a single prompt; batches are not supported. Given: {len(prompt)}")
+        return prompt
 
     @property
     def top_n_tokens(self) -> int | None:

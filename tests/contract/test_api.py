@@ -196,7 +196,7 @@ async def test_tokenize(harness: Harness) -> None:
     (b'{"inputs": "x", "parameters": {"temperature": 1e999}}', "parameters.temperature"),  # reads as Infinity
     (b'{"inputs": "x", "parameters": {"repetition_penalty": Infinity}}', "parameters.repetition_penalty"),
     (b'{"inputs": "x", "parameters": {"truncate": 1180591620717411303424}}', "parameters.truncate"),  # 2**70
-    (json.dumps({"inputs": ""}).encode(), "`inputs` cannot be empty"),
+    (json.dumps({"inputs": ""}).encode(), "`inputs`: String should have at least 1 character"),
     (json.dumps({"inputs": "x", "parameters": {"stop": ["a", "b", "c"]}}).encode(), "stop sequences"),
     (json.dumps({"inputs": "x", "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS}}).encode(),
      f"must be <= {MAX_TOTAL_TOKENS}"),
@@ -376,8 +376,8 @@ async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatc
 @pytest.mark.parametrize("route, body, param, message", [
     ("/v1/completions", {"prompt": "x", "n": 5}, None, "`n` must be <= 4"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature"),
-    ("/v1/completions", {"prompt": ""}, None, "`prompt` cannot be empty"),
-    ("/v1/completions", {"prompt": [[1], [2]]}, None, "batches are not supported"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "`prompt` cannot be empty"),
+    ("/v1/completions", {"prompt": [[1], [2]]}, "prompt", "batches are not supported"),
     ("/v1/completions", {"prompt": [10**9]}, None, "token ids must be in"),
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_TOTAL_TOKENS}, None, f"<= {MAX_TOTAL_TOKENS}"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
@@ -450,6 +450,33 @@ async def test_openai_overload_is_429_in_openai_shape(harness: Harness) -> None:
     response = await harness.client.post("/v1/completions", json=body)
     assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
     await asyncio.gather(*running)
+
+
+async def test_the_openapi_document_says_what_the_server_accepts_and_answers(harness: Harness) -> None:
+    document = (await harness.client.get("/openapi.json")).json()
+    schemas, paths = document["components"]["schemas"], document["paths"]
+    assert schemas["TGIRequest"]["properties"]["inputs"]["minLength"] == 1  # "" is refused
+    assert schemas["TokenizeRequest"]["properties"]["inputs"]["minLength"] == 1
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt and all(p.get("minItems") == 1 for p in prompt[1:])
+    guided = [s for s in schemas["ConstraintFields" if "ConstraintFields" in schemas else "CompletionRequest"]
+              ["properties"]["guided_choice"]["anyOf"] if s.get("type") == "array"]
+    assert guided[0]["minItems"] == 1 and guided[0]["maxItems"] == 10_000
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]  # an empty 200, as TGI's
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(paths["/"]["get"]["responses"]) >= {"200", "406"} and "405" not in paths["/"]["get"]["responses"]
+    health = await harness.client.get("/health")
+    assert health.status_code == 200 and health.content == b""
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("GET", "/generate", "POST"), ("OPTIONS", "/", "GET, POST"), ("PUT", "/v1/completions", "POST"),
+    ("GET", "/tokenize", "POST"), ("POST", "/health", "GET"),
+])
+async def test_405_allows_every_method_the_document_lists(harness: Harness, method: str, path: str,
+                                                         allow: str) -> None:
+    response = await harness.client.request(method, path)
+    assert response.status_code == 405 and response.headers["allow"] == allow
 
 
 async def test_openapi_docs(harness: Harness) -> None:

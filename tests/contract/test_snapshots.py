@@ -233,6 +233,16 @@ async def test_refusals_leave_the_cache_unchanged(served, root: Path) -> None:
     await complete(client, [1, 2, 3])  # still serving
 
 
+async def test_405_on_a_snapshot_allows_both_its_methods(served) -> None:
+    _, client, _ = served
+    response = await client.get("/snapshots/x")
+    assert response.status_code == 405 and response.headers["allow"] == "DELETE, POST"
+    save = (await client.get("/openapi.json")).json()["paths"]["/snapshots/{name}"]["post"]["requestBody"]
+    body = save["content"]["application/json"]["schema"]
+    shapes = {item.get("$ref", "").rsplit("/", 1)[-1] for item in body["anyOf"]}
+    assert {"SaveInputs", "SaveMessages", "SaveTokenIds"} <= shapes  # exactly one of them, each its own shape
+
+
 async def test_delete_and_list(served, root: Path) -> None:
     _, client, _ = served
     assert (await client.post("/snapshots/d?action=save", json={"token_ids": [1, 2, 3]})).status_code == 200
