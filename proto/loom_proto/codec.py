@@ -34,7 +34,7 @@ from loom_proto.step import (
     WarmupResult,
 )
 
-__all__ = ["from_pb", "pb", "snapshot_reply_from_pb", "snapshot_status_to_pb", "to_pb"]
+__all__ = ["from_pb", "pb", "snapshot_reply_from_pb", "snapshot_status_to_pb", "to_pb", "unencodable_requests"]
 
 _OPTIONAL_SAMPLING = ("top_k", "top_p", "typical_p", "min_p", "repetition_penalty")
 
@@ -126,6 +126,21 @@ def _plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         swap_in=_pairs_to_pb(plan.swap_in),
         allowed_token_masks=plan.allowed_token_masks,
     )
+
+
+def unencodable_requests(plan: StepPlan) -> dict[int, str]:
+    """The plan's requests whose messages protobuf cannot build (a value out of its field's
+    range), by request id, each with the reason. Only what a request brought (a new request
+    in full, the sampling of a fork) can be at fault; the rest is the router's own counting."""
+    bad: dict[int, str] = {}
+    parts: list[tuple[int, Any]] = [(r.request_id, r) for r in plan.new_requests]
+    parts += [(r.request_id, fork) for r in plan.running_requests for fork in r.forks]
+    for request_id, part in parts:
+        try:
+            to_pb(part)
+        except (ValueError, TypeError) as error:
+            bad.setdefault(request_id, str(error))
+    return bad
 
 
 @to_pb.register

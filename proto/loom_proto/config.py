@@ -116,6 +116,15 @@ class RouterFlags(ModelFlags):
     api_key_file: str | None = Field(None, description="file of API keys, one per line, read by the router at start")
     metrics_require_api_key: bool = Field(False, description="true: /metrics asks for the API key too")
     payload_limit: Positive = Field(DEFAULT_PAYLOAD_LIMIT, description="largest request body in bytes (413 past it)")
+    header_timeout: Seconds = Field(10.0, description="seconds a client may take to send a request's line and "
+                                    "headers (from connecting, or from its first byte); past it the connection "
+                                    "is closed (slow-loris)")
+    body_timeout: Seconds = Field(60.0, description="seconds a client may take to send a request's body once "
+                                  "its headers are in; past it the connection is closed")
+    keep_alive_timeout: Seconds = Field(5.0, description="seconds an idle keep-alive connection stays open "
+                                        "between requests")
+    max_connections: Positive = Field(1024, description="open HTTP connections (or requests in progress) past "
+                                      "which a new request gets 503 at once")
     cors_allow_origin: StrList = Field((), description="origins browsers may call from (repeat the flag; "
                                        "env: comma-separated); none: no CORS headers")
     snapshot_routes: bool = Field(True, description="false: no /snapshots routes even with --snapshot-dir")
@@ -131,12 +140,31 @@ class RouterFlags(ModelFlags):
     speculate_ngram_max: Positive = Field(3, description="longest n-gram looked up for drafts (--speculate)")
     speculate_ngram_min: Positive = Field(1, description="shortest n-gram looked up for drafts (--speculate)")
 
-    @field_validator("api_key", "cors_allow_origin", mode="before")
+    @field_validator("cors_allow_origin", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):  # from an environment variable
             return tuple(item.strip() for item in value.split(",") if item.strip())
         return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        # Blank items are kept, so that `LOOM_API_KEY=` or `k1,` is refused below, not read as "no key".
+        return tuple(item.strip() for item in value.split(",")) if isinstance(value, str) else value
+
+    @field_validator("api_key")
+    @classmethod
+    def _no_blank_key(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        """A blank key (an unset variable expanded into `--api-key ''`) would let an empty token in."""
+        for key in keys:
+            value = key.get_secret_value()
+            if not value.strip():
+                raise ValueError("a blank API key (from an empty or unset variable?) is refused: give a key, "
+                                 "or leave --api-key out to serve without keys")
+            if value != value.strip():
+                raise ValueError("an API key must not begin or end with whitespace (a token never does)")
+        return keys
 
     @model_validator(mode="after")
     def _token_limits(self) -> RouterFlags:

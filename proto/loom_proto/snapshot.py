@@ -182,6 +182,8 @@ def check_part(header: PartHeader, fingerprint: Mapping[str, Any], rank: int, wo
 
 # ---- the manifest ----------------------------------------------------------------------------
 
+TOKEN_ID_LIMIT = 2**32  # token ids cross the shard protocol as uint32
+
 
 @dataclass(slots=True)
 class Manifest:
@@ -202,18 +204,41 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes | str, name: str) -> Manifest:
-        """The manifest of snapshot `name`; SnapshotError DAMAGED or MISMATCH."""
+        """The manifest of snapshot `name`; SnapshotError DAMAGED (also for a field of the wrong
+        type or range: its token ids decide which cached blocks a DELETE drops) or MISMATCH."""
         try:
             raw = json.loads(data)
             if raw.pop("kind") != MANIFEST_KIND:
                 raise ValueError("not a Loom KV snapshot manifest")
             manifest = cls(**raw)
+            if manifest.format_version == FORMAT_VERSION:
+                manifest._check_fields()
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise SnapshotError(SnapshotStatus.DAMAGED, f"snapshot {name!r} is damaged: manifest: {error}") from None
         if manifest.format_version != FORMAT_VERSION:
             raise SnapshotError(SnapshotStatus.MISMATCH, f"format version: the snapshot has "
                                 f"{manifest.format_version}, the server reads {FORMAT_VERSION}")
         return manifest
+
+    def _check_fields(self) -> None:
+        """ValueError unless every field has its type and range (JSON's own types say little)."""
+        if not (_is_int(self.num_shards) and self.num_shards >= 1 and _is_int(self.num_tokens)):
+            raise ValueError("num_shards and num_tokens must be counts")
+        if not isinstance(self.fingerprint, dict) or not isinstance(self.parts, dict):
+            raise ValueError("fingerprint and parts must be objects")
+        if not all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in self.parts.items()):
+            raise ValueError("parts must map file names to byte counts")
+        if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
+            raise ValueError("created must be a time")
+        tokens = self.token_ids
+        if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in tokens):
+            raise ValueError(f"token_ids must be token ids (0..{TOKEN_ID_LIMIT - 1})")
+        if len(tokens) != self.num_tokens:
+            raise ValueError(f"{len(tokens)} token_ids for num_tokens {self.num_tokens}")
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # not a bool
 
 
 @dataclass(slots=True)

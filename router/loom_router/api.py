@@ -30,6 +30,7 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
+from loom_router.json_body import UnicodeJSONRoute
 from loom_router.lifecycle import add_readiness_routes
 from loom_router.metrics import MetricsMiddleware, RouterMetrics
 from loom_router.structured import compile_constraint, tgi_constraint_spec
@@ -87,6 +88,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None 
 
     app = FastAPI(title="Loom", version=VERSION, lifespan=lifespan,
                   description="LLM serving: text-generation-inference and OpenAI compatible APIs")
+    app.router.route_class = UnicodeJSONRoute  # a lone surrogate in a JSON body is a 422, as malformed JSON
     app.state.loom = AppState(config, engine, metrics, served_model_name(config))
     _add_error_handlers(app)
     openapi_errors.install(app)  # documents every error status; FastAPI's own errors in Loom's shapes
@@ -188,7 +190,8 @@ def _add_tgi_routes(app: FastAPI) -> None:
     async def info_route(request: Request) -> dict[str, Any]:
         return _info(get_state(request))
 
-    @app.get("/health", tags=["TGI"], summary="200 when the engine and every shard are healthy, else 503")
+    @app.get("/health", tags=["TGI"], summary="200 when the engine and every shard are healthy, else 503",
+             response_class=Response, responses={200: {"description": "healthy (an empty body, as TGI's)"}})
     async def health_route(request: Request) -> Response:
         if await get_state(request).engine.health():
             return Response(status_code=200)
@@ -204,7 +207,9 @@ def _add_tgi_routes(app: FastAPI) -> None:
         content = await asyncio.to_thread(_tokenize_json, state.tokenizer, body.inputs, body.parameters.truncate)
         return Response(content, media_type="application/json")
 
-    @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["Monitoring"], summary="Prometheus metrics", response_class=Response,
+             responses={200: {"description": "the Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route(request: Request) -> Response:
         state = get_state(request)
         if hasattr(state.engine, "health"):

@@ -475,11 +475,13 @@ class BlockManager:
             self._release_block(block_id)
         fill.block_ids, fill.block_indices = [], []
 
-    def drop_cached(self, token_ids: Seq[int]) -> int:
+    def drop_cached(self, token_ids: Seq[int], keep: Iterable[Seq[int]] = ()) -> int:
         """Forget the cached blocks holding token_ids' full blocks that no sequence uses
-        (a deleted snapshot); blocks in use stay. Returns how many were dropped."""
+        (a deleted snapshot); blocks in use stay, and so do those of the sequences in `keep`
+        (the snapshots left). Returns how many were dropped."""
         hit_ids, _ = self._find_prefix(token_ids, len(token_ids) // self.block_size)
-        dropped = [block_id for block_id in hit_ids if self.blocks[block_id].ref_count == 0]
+        kept = {block_id for other in keep for block_id in self._find_prefix(other, len(other) // self.block_size)[0]}
+        dropped = [block_id for block_id in hit_ids if self.blocks[block_id].ref_count == 0 and block_id not in kept]
         for block_id in dropped:
             del self._cached_ids[block_id]
             self._unhash(self.blocks[block_id])

@@ -19,14 +19,16 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from loom_proto.codec import unencodable_requests
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
-from loom_router.engine_requests import RequestBook, _Active
+from loom_router.engine_requests import CONSTRAINT_FAILED, RequestBook, _Active
 from loom_router.grammar import GrammarCompiler, MaskFiller
 from loom_router.lookahead import AheadRole, InFlight, plan_ahead
 from loom_router.request import Sequence, SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
 from loom_router.shard_client import ShardError
+from loom_router.shard_watch import ShardWatch
 from loom_router.speculate import SpeculateConfig, Speculator, generated_counts
 from loom_router.stream import DONE, GenerationStream
 from loom_router.tokenizer import Tokenizer
@@ -80,7 +82,8 @@ class Engine(RequestBook):
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
-        self._shard_down = False  # a shard stopped answering: nothing can be served any more
+        self._watch = ShardWatch(lambda: self.client.health())  # down: new requests get 503, no step runs
+        self._watch_task: asyncio.Task[None] | None = None
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
         # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
@@ -113,6 +116,7 @@ class Engine(RequestBook):
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens), %d host blocks",
                  warm.num_blocks, warm.block_size, self.max_batch_total_tokens, warm.num_host_blocks)
         self._loop_task = asyncio.create_task(self._run(), name="loom-engine")
+        self._watch_task = asyncio.create_task(self._watch.run(), name="loom-shard-watch")
 
     def _start_speculation(self) -> None:
         config = self.config
@@ -140,11 +144,14 @@ class Engine(RequestBook):
                 pass
         for _, future in self._between_steps:
             future.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        self.grammars.close()
 
     @property
     def accepting(self) -> bool:
         """Ready for new requests: warmed up, not draining, the loop running, every shard up."""
-        return self.scheduler is not None and not self._draining and not self._shard_down and self._loop_alive()
+        return self.scheduler is not None and not self._draining and not self._watch.down and self._loop_alive()
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (readiness fails at once)."""
@@ -176,12 +183,8 @@ class Engine(RequestBook):
         self._fail_all(error)
 
     async def health(self) -> bool:
-        if not self._loop_alive():
-            return False
-        try:
-            return await self.client.health()
-        except Exception:
-            return False
+        """The loop runs and every shard answers Health (an answer the shard watch records too)."""
+        return self._loop_alive() and await self._watch.check()
 
     def _loop_alive(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -226,7 +229,7 @@ class Engine(RequestBook):
             raise OverloadedError("the server is shutting down")
         if not self._loop_alive():
             raise GenerationError(f"the engine loop is not running: {self._loop_error!r}")
-        if self._shard_down:
+        if self._watch.down:
             raise UnavailableError("a shard is down; retry on another replica")
         if len(self._active) >= self.config.max_concurrent_requests:
             raise OverloadedError(f"Model is overloaded: {len(self._active)} requests in flight "
@@ -282,6 +285,8 @@ class Engine(RequestBook):
         try:
             while True:
                 if inflight is None:
+                    if self._watch.down:  # no step into a dead or frozen shard: wait until it answers
+                        await self._watch.wait_up()
                     self._apply_pending()
                     self._run_between_steps()
                     plan = self.scheduler.schedule()
@@ -290,8 +295,8 @@ class Engine(RequestBook):
                         if not (self._pending_adds or self._pending_aborts or self._between_steps):
                             await self._wakeup.wait()
                         continue
-                    self._mark_scheduled(plan)
-                    self._masks.fill(plan, self._matcher_of)
+                    if not self._prepare(plan):
+                        continue
                     if not self.config.overlap_steps:
                         self._take_outputs(plan, await self._step(plan), None)
                         await asyncio.sleep(0)  # let handlers stream and requests arrive
@@ -328,11 +333,31 @@ class Engine(RequestBook):
         assert self.scheduler is not None
         self._apply_pending()  # new requests: admitted into the step ahead when they fit
         ahead = plan_ahead(self.scheduler, plan, self._ahead_role)
-        if ahead is None:
+        if ahead is None or not self._prepare(ahead):
             return None
-        self._mark_scheduled(ahead)
-        self._masks.fill(ahead, self._matcher_of)
         return InFlight(ahead, asyncio.ensure_future(self._call(ahead)))
+
+    def _prepare(self, plan: StepPlan) -> bool:
+        """Get a planned step ready to send: queue times end, grammar masks are filled. A request
+        the step cannot carry (a value protobuf cannot encode, a grammar that cannot go on) is
+        withdrawn from it and fails alone. False when nothing is left to send."""
+        self._withdraw(plan, {request_id: f"the request cannot be sent to the shards: {reason}"
+                              for request_id, reason in unencodable_requests(plan).items()})
+        self._mark_scheduled(plan)
+        self._withdraw(plan, {seq_id: f"{CONSTRAINT_FAILED}: {reason}"
+                              for seq_id, reason in self._masks.fill(plan, self._matcher_of).items()})
+        return bool(plan.num_requests or plan.released_ids or plan.swap_in or plan.swap_out)
+
+    def _withdraw(self, plan: StepPlan, reasons: dict[int, str]) -> None:
+        """Take the groups of these sequences out of the unsent plan and fail each alone."""
+        if not reasons:
+            return
+        assert self.scheduler is not None
+        failures = {self._group_of(seq_id): reason for seq_id, reason in reasons.items()}
+        log.warning("requests %s withdrawn from a step: %s", sorted(failures), sorted(set(failures.values())))
+        self.scheduler.withdraw(plan, failures.keys())
+        for group_id, reason in failures.items():
+            self._fail(group_id, GenerationError(reason))
 
     def _take_outputs(self, plan: StepPlan, result: StepResult | None, ahead: InFlight | None) -> None:
         """Fold a step's outputs in. Sequences that finished one step earlier while already in
@@ -401,6 +426,7 @@ class Engine(RequestBook):
     async def _call(self, plan: StepPlan) -> StepResult | Exception:
         """Run plan on the shards; a failure comes back as a value (ShardDivergence propagates)."""
         start = time.perf_counter()
+        self._watch.step_started()
         try:
             with self._step_span(plan):
                 result = await self.client.step(plan)
@@ -409,6 +435,8 @@ class Engine(RequestBook):
         except Exception as err:
             self._observe_step(plan, time.perf_counter() - start, None)
             return err
+        finally:
+            self._watch.step_ended()
         self._counters.steps += 1
         self._observe_step(plan, time.perf_counter() - start, result)
         return result
@@ -440,15 +468,15 @@ class Engine(RequestBook):
 
     async def _check_shards_after(self, err: Exception) -> None:
         """A shard that is unreachable, or fails Health after a failed step, is down: new
-        requests then get 503 at the door (loom_router.guard) until the launcher restarts all."""
-        if isinstance(err, ShardError) and err.code == "UNAVAILABLE":
-            self._shard_down = True
-        else:
+        requests then get 503 at the door (loom_router.guard) and no step runs until the shards
+        answer again (loom_router.shard_watch)."""
+        down = isinstance(err, ShardError) and err.code == "UNAVAILABLE"
+        if not down:
             try:
-                self._shard_down = not await self.client.health()
+                down = not await self.client.health()
             except Exception:
-                self._shard_down = True
-        if self._shard_down and self.scheduler is not None:
+                down = True
+        if down and self.scheduler is not None:
+            self._watch.mark_down(f"a step failed: {err}")
             # Requests admitted meanwhile (and any still running) cannot run either: 503, not 424.
             self._abort_all(self.scheduler, UnavailableError(f"a shard is down ({err}); retry on another replica"))
-

@@ -32,6 +32,7 @@ from loom_router.types import (
 )
 
 log = logging.getLogger("loom.engine")
+CONSTRAINT_FAILED = "the output constraint cannot be enforced (nothing that breaks it was returned)"
 
 
 @dataclass(slots=True)
@@ -125,11 +126,16 @@ class RequestBook:
             self._record_prompt(active, out)
         token_id = out.token_id
         self._counters.generated_tokens += 1
+        problem = self._grammar_problem(active, seq, token_id)
+        if problem is not None:  # the token is not streamed: the request fails instead
+            self._fail_now(active, GenerationError(f"{CONSTRAINT_FAILED}: {problem}"))
+            return
         text = active.texts[seq.seq_id]
         delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
         emitted, stopped = text.stop.feed(delta)
         reason = self._finish_reason(num_generated, active.params, token_id, stopped)
-        if self._grammar_ended(active, seq, token_id) and reason is None:
+        matcher = active.matchers.get(seq.seq_id)
+        if matcher is not None and matcher.is_finished and reason is None:
             reason = FinishReason.EOS  # the grammar allows nothing more: the output is complete
         if reason is not None and reason is not FinishReason.STOP:
             held = text.detokenizer.flush()
@@ -161,15 +167,22 @@ class RequestBook:
         active = self._active.get(self._group_of(seq_id))
         return active.matchers.get(seq_id) if active is not None else None
 
-    def _grammar_ended(self, active: _Active, seq: Sequence, token_id: int) -> bool:
-        """Advance a constrained sequence's matcher; True when its grammar is complete."""
+    def _grammar_problem(self, active: _Active, seq: Sequence, token_id: int) -> str | None:
+        """Advance a constrained sequence's matcher by its sampled token; why it cannot take it
+        (its lexer gave up, or the shard ignored the mask), or None."""
         matcher = active.matchers.get(seq.seq_id)
-        if matcher is None:
-            return False
-        if not matcher.consume(token_id):  # the shard ignored the mask: a bug, not the client's
-            log.error("sequence %d sampled token %d outside its grammar: %s", seq.seq_id, token_id, matcher.error)
-            return True
-        return matcher.is_finished
+        if matcher is None or matcher.consume(token_id):
+            return None
+        log.error("sequence %d: token %d does not continue its grammar: %s", seq.seq_id, token_id, matcher.error)
+        return matcher.error or f"token {token_id} does not continue it"
+
+    def _fail_now(self, active: _Active, error: GenerationError) -> None:
+        """Fail a running request from inside the loop: its stream ends with the error, its
+        blocks are freed (it is in no step sent ahead: a constrained request never is)."""
+        assert self.scheduler is not None
+        group_id = active.group.group_id
+        self._fail(group_id, error)
+        self.scheduler.abort(group_id)
 
     def _finish_reason(self, num_generated: int, params: GenerationParams, token_id: int,
                        stopped: bool) -> FinishReason | None:

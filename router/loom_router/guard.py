@@ -39,12 +39,15 @@ class GuardPolicy:
 
 
 def load_api_keys(config: RouterConfig) -> tuple[bytes, ...]:
-    """The keys of --api-key and of --api-key-file (one per line; blank lines and # comments skipped)."""
+    """The keys of --api-key and of --api-key-file (one per line; blank lines and # comments
+    skipped). A file without a key is refused (ValueError): it would leave every route open."""
     keys = [key.get_secret_value() for key in config.api_key]
     if config.api_key_file is not None:
-        for line in Path(config.api_key_file).read_text().splitlines():
-            if line.strip() and not line.lstrip().startswith("#"):
-                keys.append(line.strip())
+        from_file = [line.strip() for line in Path(config.api_key_file).read_text().splitlines()
+                     if line.strip() and not line.lstrip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-key-file {config.api_key_file} holds no API key")
+        keys += from_file
     return tuple(key.encode() for key in keys)
 
 
@@ -101,6 +104,8 @@ class Guard:
         if scheme.lower() != b"bearer":
             return False
         token = token.strip()
+        if not token:  # never authorized, whatever the keys
+            return False
         # Every key is compared, each in constant time: how long it takes says nothing
         # about which key, or how much of one, matched.
         matched = False

@@ -12,12 +12,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-
 from loom_proto.config import RouterConfig, parse_config
 from loom_proto.event_loop import run_event_loop
 from loom_router.api import create_app
 from loom_router.engine import Engine
+from loom_router.http_server import server_config
 from loom_router.lifecycle import CLOSE_CONNECTIONS_TIMEOUT_S, DrainingServer
 from loom_router.metrics import RouterMetrics
 from loom_router.metrics_server import start_metrics_server
@@ -49,11 +48,8 @@ async def serve(config: RouterConfig) -> int:
         metrics_server = None
         if config.prometheus_port is not None:
             metrics_server = await start_metrics_server(metrics, config.hostname, config.prometheus_port)
-        server = DrainingServer(uvicorn.Config(
-            app, host=config.hostname, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT_S, access_log=config.log_level == "debug",
-            **({"log_config": None} if config.json_output else {}),  # uvicorn's lines go through the JSON handler
-        ), engine, config.graceful_termination_timeout)
+        server = DrainingServer(server_config(app, config, CLOSE_CONNECTIONS_TIMEOUT_S), engine,
+                                config.graceful_termination_timeout)
         fatal: list[BaseException] = []
         engine.on_fatal = lambda error: (fatal.append(error), setattr(server, "should_exit", True))
         try:

@@ -25,6 +25,7 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
+from loom_router.json_body import UnicodeJSONRoute
 from loom_router.structured import compile_constraint
 from loom_router.text import token_texts
 from loom_router.tool_stream import tool_chunks
@@ -47,7 +48,7 @@ from loom_router.validation import (
 SYSTEM_FINGERPRINT = "loom"
 ERROR_TYPES = {422: "invalid_request_error", 429: "rate_limit_error", 424: "server_error", 503: "server_error"}
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=UnicodeJSONRoute)
 
 
 def is_openai_path(path: str) -> bool:

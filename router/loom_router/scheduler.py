@@ -8,6 +8,7 @@ shard's answer back in. All work per step is O(number of running sequences).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from loom_proto.step import Fork, NewRequest, RunningRequest, SeqOutput, StepPlan, StepResult
@@ -107,6 +108,31 @@ class Scheduler:
         for seq in group.unfinished_seqs():
             self._retire(seq)
         self._drop_group(group)
+
+    def withdraw(self, plan: StepPlan, group_ids: Collection[int]) -> None:
+        """Take these groups out of `plan`, which was not sent, and abort them: the rest of the
+        plan runs without them. The requests and forks it would have created on the shards
+        have no state there to release."""
+        seq_ids = {seq.seq_id for group_id in group_ids if (group := self._groups.get(group_id)) is not None
+                   for seq in group.seqs}
+        for new in plan.new_requests:
+            if new.request_id in seq_ids:
+                self._not_sent(new.request_id, new.forks)
+        for running in plan.running_requests:
+            if running.request_id in seq_ids:
+                self._not_sent(None, running.forks)
+        plan.new_requests = [r for r in plan.new_requests if r.request_id not in seq_ids]
+        plan.running_requests = [r for r in plan.running_requests if r.request_id not in seq_ids]
+        plan.allowed_token_masks = {seq_id: mask for seq_id, mask in plan.allowed_token_masks.items()
+                                    if seq_id not in seq_ids}
+        for group_id in group_ids:
+            self.abort(group_id)
+
+    def _not_sent(self, request_id: int | None, forks: list[Fork]) -> None:
+        for seq_id in [request_id, *(fork.request_id for fork in forks)]:
+            seq = self._seqs.get(seq_id) if seq_id is not None else None
+            if seq is not None:
+                seq.on_shard = False
 
     def finish(self, seq: Sequence) -> None:
         """The engine saw a stop (eos, length, stop sequence): free seq now."""

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import unicodedata
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote_to_bytes
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from loom_proto import snapshot as snap
@@ -32,11 +33,12 @@ from loom_proto.snapshot import Manifest, SnapshotError, SnapshotReply, Snapshot
 from loom_proto.step import SamplingParams
 from loom_router.block_manager import CachedFill
 from loom_router.http_common import AppState, encode, get_state
+from loom_router.json_body import UnicodeJSONRoute
 from loom_router.metrics import note_snapshot_failure
 from loom_router.scheduler import Scheduler
 from loom_router.shard_client import ShardError
 from loom_router.types import GenerationParams
-from loom_router.validation import ChatMessage
+from loom_router.validation import ChatMessage, Text, TokenIds
 
 log = logging.getLogger("loom.snapshots")
 
@@ -49,6 +51,8 @@ HTTP_STATUS = {
     SnapshotStatus.INVALID: 400, SnapshotStatus.DISABLED: 501, SnapshotStatus.FAILED: 500,
 }
 DISABLED_MESSAGE = "snapshots are off: start the server with --snapshot-dir DIR to enable them"
+# A path from the root ("/tmp/x/snaps", not "a/b" or a URL's "//host/x"); group 1 is its last part.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s'\"/]+/)*([^\s'\"/]*)")
 
 
 class SnapshotHTTPError(Exception):
@@ -239,9 +243,14 @@ class Snapshots:
         async with self._locks[name]:
             reply = await self.engine.client.delete_snapshot(name)
             _raise_for([reply])
-        # Its prefix-cache entries go too, unless a running request still uses them.
+        # Its prefix-cache entries go too, unless a running request still uses them or another
+        # snapshot (a copy, a longer one) holds the same tokens.
         token_ids = reply.token_ids
-        num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids))
+        listed, entries = await self.engine.client.list_snapshots()
+        if listed.status is not SnapshotStatus.OK:
+            return {"name": name, "deleted": True, "cached_blocks_dropped": 0}
+        keep = [entry.manifest.token_ids for entry in entries if entry.manifest is not None]
+        num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids, keep))
         return {"name": name, "deleted": True, "cached_blocks_dropped": num_dropped}
 
     async def list_all(self) -> list[dict[str, Any]]:
@@ -306,18 +315,24 @@ def _answer(name: str, num_tokens: int, num_bytes: int, start: float) -> dict[st
 # ---- routes ---------------------------------------------------------------------------------
 
 
-class SaveRequest(BaseModel):
+class _SaveBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    inputs: str | None = None
-    messages: list[ChatMessage] | None = None
-    token_ids: list[int] | None = None
 
-    @model_validator(mode="after")
-    def _exactly_one(self) -> SaveRequest:
-        if sum(x is not None for x in (self.inputs, self.messages, self.token_ids)) != 1:
-            raise ValueError("give exactly one of `inputs`, `messages`, `token_ids`")
-        return self
+class SaveInputs(_SaveBody):
+    inputs: Text
+
+
+class SaveMessages(_SaveBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class SaveTokenIds(_SaveBody):
+    token_ids: TokenIds
+
+
+# Exactly one of the three, each its own shape: the OpenAPI document says so too.
+SaveRequest = SaveInputs | SaveMessages | SaveTokenIds
 
 
 def _service(request: Request) -> Snapshots:
@@ -331,16 +346,16 @@ def _service(request: Request) -> Snapshots:
 
 
 async def _prompt_ids(state: AppState, body: SaveRequest) -> list[int]:
-    if body.token_ids is not None:
+    if isinstance(body, SaveTokenIds):
         vocab_size = state.engine.model_info.vocab_size
         if any(not 0 <= t < vocab_size for t in body.token_ids):
             raise SnapshotHTTPError(422, f"`token_ids` must lie in 0..{vocab_size - 1}", "validation")
         return list(body.token_ids)
-    if body.messages is not None:
+    if isinstance(body, SaveMessages):
         messages = [m.as_template_message() for m in body.messages]
         prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True)
         return await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
-    return await encode(state, body.inputs or "")
+    return await encode(state, body.inputs)
 
 
 def _error(error: SnapshotHTTPError | ShardError) -> JSONResponse:
@@ -348,7 +363,14 @@ def _error(error: SnapshotHTTPError | ShardError) -> JSONResponse:
     if isinstance(error, ShardError):
         error = SnapshotHTTPError(500, f"the shards failed: {error}", "failed")
     note_snapshot_failure(error.error_type)
-    return JSONResponse({"error": error.message, "error_type": error.error_type}, status_code=error.status)
+    return JSONResponse({"error": redact_paths(error.message), "error_type": error.error_type},
+                        status_code=error.status)
+
+
+def redact_paths(message: str) -> str:
+    """Absolute paths (an OSError's, from the shards) cut to their last part: a client learns
+    which file, not where the server keeps it."""
+    return ABSOLUTE_PATH.sub(lambda match: match.group(1), message)
 
 
 class AnyNameConvertor(PathConvertor):
@@ -360,7 +382,7 @@ class AnyNameConvertor(PathConvertor):
 def build_router() -> APIRouter:
     """The snapshot routes (mounted by loom_router.api.create_app)."""
     register_url_convertor("any_name", AnyNameConvertor())  # idempotent
-    router = APIRouter(tags=["Snapshots"])
+    router = APIRouter(tags=["Snapshots"], route_class=UnicodeJSONRoute)
     name_path = ROUTE_PREFIX + "/{name:any_name}"
     router.add_api_route(name_path, snapshot_action, methods=["POST"],
                          summary="Save (action=save) or restore (action=restore) a KV snapshot")
@@ -371,7 +393,7 @@ def build_router() -> APIRouter:
 
 
 async def snapshot_action(name: str, action: Literal["save", "restore"], request: Request,
-                          body: SaveRequest | None = None) -> Any:
+                          body: SaveRequest = Body(None)) -> Any:  # restore takes none
     try:
         service = _service(request)
         valid_name = validate_name(name_from_request(request))

@@ -10,15 +10,15 @@ Compilation (and its 422) happens in `loom_router.grammar`.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic import ValidationError as PydanticError
 
-from loom_router.grammar import ConstraintKind, ConstraintSpec, Grammar
+from loom_router.grammar import MAX_CHOICES, ConstraintKind, ConstraintSpec, Grammar
 from loom_router.types import ValidationError
+
+Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
 class _Model(BaseModel):
@@ -44,7 +44,7 @@ class StructuredOutputs(_Model):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Choices | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -56,7 +56,7 @@ class ConstraintFields(_Model):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None
 
     def constraint_spec(self) -> ConstraintSpec | None:
@@ -122,20 +122,16 @@ def _schema_object(schema: dict[str, Any] | str) -> Any:
 
 
 class TGIGrammar(_Model):
-    """TGI's `parameters.grammar`."""
+    """TGI's `parameters.grammar`: a JSON schema (an object, or its JSON text) or a regex."""
 
     type: Literal["json", "json_object", "regex"]
-    value: Any = None
+    value: dict[str, Any] | str | None = None
 
 
-def tgi_constraint_spec(grammar: Any) -> ConstraintSpec | None:
+def tgi_constraint_spec(parsed: TGIGrammar | None) -> ConstraintSpec | None:
     """TGI `grammar` -> ConstraintSpec. Raises ValidationError for a malformed one."""
-    if grammar is None:
+    if parsed is None:
         return None
-    try:
-        parsed = TGIGrammar.model_validate(grammar)
-    except PydanticError as e:
-        raise ValidationError(f"`grammar` must be {{type: json|regex, value}}: {e.errors()[0]['msg']}") from None
     if parsed.type == "regex":
         if not isinstance(parsed.value, str):
             raise ValidationError("`grammar.value` must be a regex string for type regex")
@@ -146,7 +142,8 @@ def tgi_constraint_spec(grammar: Any) -> ConstraintSpec | None:
 
 
 async def compile_constraint(engine: Any, spec: ConstraintSpec | None) -> Grammar | None:
-    """Compiles off the event loop (a large schema takes a while); ValidationError (422) on failure."""
+    """Compiles off the event loop and the tokenizing threads, in bounded time (a large schema
+    takes a while); ValidationError (422) on failure."""
     if spec is None:
         return None
-    return await asyncio.to_thread(engine.grammars.compile, spec)
+    return await engine.grammars.compile_async(spec)

@@ -10,23 +10,46 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loom_proto.step import SamplingParams
-from loom_router.structured import ConstraintFields
+from loom_router.structured import ConstraintFields, TGIGrammar
 from loom_router.tools import ToolFields
 from loom_router.types import GenerationParams, ValidationError
 
 SEED_LIMIT = 2**63  # seeds are 63-bit so that seed + choice index stays a valid int64
 OPENAI_MAX_TOP_LOGPROBS = 20
 
+# Counts and sizes: the shard protocol carries them as uint32 (a larger value could not be sent,
+# and would fail the step of every request in it); TGI's own bound for them is i32.
+MAX_COUNT = 2**31 - 1
+
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Positive = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Text = Annotated[str, Field(min_length=1)]  # an input: "" is refused, and the schema says so
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(min_length=1)]
+
+
+def _document_nulls(schema: dict[str, Any]) -> None:
+    """The JSON schema of a `_Strict` model: its optional fields take null (`_null_means_default`)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _takes_null(prop):
+            continue
+        kept = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **kept}
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(branch.get("type") == "null" for branch in prop.get("anyOf", ()))
 
 
 class _Strict(BaseModel):
-    # strict: a string where a number belongs is a 422, not silently coerced
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: a string where a number belongs is a 422, not silently coerced; no Infinity or NaN
+    # (JSON's 1e999 reads as Infinity): a temperature or penalty of Infinity only makes garbage
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, json_schema_extra=_document_nulls)
 
     @model_validator(mode="before")
     @classmethod
@@ -64,23 +87,23 @@ class TGIParameters(_Strict):
     """TGI's `parameters`, with TGI's names and ranges."""
 
     do_sample: bool = False
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None  # None: the rest of the context
+    max_new_tokens: Positive | None = None  # None: the rest of the context
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     frequency_penalty: Penalty | None = None
     return_full_text: bool | None = False
     stop: list[str] = Field(default_factory=list)
     seed: Seed | None = None
     temperature: Annotated[float, Field(gt=0.0)] | None = None
-    top_k: Annotated[int, Field(gt=0)] | None = None
+    top_k: Positive | None = None
     top_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     typical_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
-    truncate: Annotated[int, Field(ge=1)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    truncate: Positive | None = None
+    best_of: Positive | None = None
     watermark: bool = False  # accepted and ignored
     details: bool = False
     decoder_input_details: bool = False
-    top_n_tokens: Annotated[int, Field(ge=0)] | None = None
-    grammar: Any = None
+    top_n_tokens: Count | None = None
+    grammar: TGIGrammar | None = None
 
     @property
     def sampling(self) -> bool:
@@ -91,13 +114,13 @@ class TGIParameters(_Strict):
 
 
 class TGIRequest(_Strict):
-    inputs: str
+    inputs: Text
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
 
 
 class TokenizeRequest(_Strict):
-    inputs: str
+    inputs: Text
     parameters: TGIParameters = Field(default_factory=TGIParameters)
 
 
@@ -154,7 +177,7 @@ class ChoiceOverride(_Strict):
 
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
@@ -170,15 +193,15 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    max_tokens: Positive | None = None
+    n: Positive = 1
     stop: str | list[str] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Count = 0
     choice_params: list[ChoiceOverride] | None = None
 
     @property
@@ -196,10 +219,22 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # One prompt: text or token ids, alone or in a list of one (batches are not supported).
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """The common mistakes, in words rather than as a union's every branch."""
+        if prompt == "" or prompt == [] or prompt == [""] or prompt == [[]]:
+            raise ValueError("`prompt` cannot be empty")
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"`prompt` must be a single prompt; batches are not supported. Given: {len(prompt)}")
+        return prompt
 
     @property
     def top_n_tokens(self) -> int | None:
@@ -234,7 +269,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(OpenAISampling, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
 

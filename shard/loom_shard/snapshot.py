@@ -265,16 +265,18 @@ class PartStore:
         return listed
 
     def delete(self, name: str) -> list[int]:
-        """Remove a snapshot folder; returns its tokens (none when the manifest is damaged)."""
+        """Remove a snapshot folder; returns its tokens (none for another format version's).
+        A damaged manifest is refused (DAMAGED) and nothing is removed: what it says cannot be
+        trusted, and an operator removes such a folder by hand."""
         folder = self.folder(name)
         if folder.is_symlink():
             raise SnapshotError(SnapshotStatus.INVALID, f"{name!r} is a symbolic link; refusing to delete it")
         try:
             token_ids = read_manifest(folder).token_ids
         except SnapshotError as error:
-            if error.status is SnapshotStatus.NOT_FOUND:
+            if error.status is not SnapshotStatus.MISMATCH:
                 raise
-            token_ids = []  # a damaged snapshot can still be deleted
+            token_ids = []  # another format version: deleted, its cached blocks left alone
         remove_dir(folder)
         return token_ids
 

@@ -11,6 +11,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from loom_proto.codec import to_pb
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult, TokenLogprob, WarmupResult, accepted_drafts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))
@@ -77,6 +78,7 @@ class FakeShardClient:
             # The plan reached the shard (its ids may be released later, as the real one allows).
             self.shard.known_ids.update(r.request_id for r in plan.new_requests)
             raise RuntimeError("fake shard failure")
+        to_pb(plan).SerializeToString()  # as the real client does: a plan that cannot be encoded fails here
         result = self.shard.step(plan)
         self.shard.verify()
         self.num_steps += 1

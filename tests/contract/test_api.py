@@ -193,7 +193,10 @@ async def test_tokenize(harness: Harness) -> None:
     (json.dumps({"inputs": 5}).encode(), "`inputs`"),
     (json.dumps({"inputs": "x", "parameters": {"temperature": "hot"}}).encode(), "parameters.temperature"),
     (json.dumps({"inputs": "x", "parameters": {"top_p": 1.5}}).encode(), "parameters.top_p"),
-    (json.dumps({"inputs": ""}).encode(), "`inputs` cannot be empty"),
+    (b'{"inputs": "x", "parameters": {"temperature": 1e999}}', "parameters.temperature"),  # reads as Infinity
+    (b'{"inputs": "x", "parameters": {"repetition_penalty": Infinity}}', "parameters.repetition_penalty"),
+    (b'{"inputs": "x", "parameters": {"truncate": 1180591620717411303424}}', "parameters.truncate"),  # 2**70
+    (json.dumps({"inputs": ""}).encode(), "`inputs`: String should have at least 1 character"),
     (json.dumps({"inputs": "x", "parameters": {"stop": ["a", "b", "c"]}}).encode(), "stop sequences"),
     (json.dumps({"inputs": "x", "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS}}).encode(),
      f"must be <= {MAX_TOTAL_TOKENS}"),
@@ -209,6 +212,25 @@ async def test_tgi_bad_requests_get_422_and_the_server_stays_healthy(harness: Ha
     assert (await harness.client.get("/health")).status_code == 200
     ok = await harness.client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("route, content", [
+    ("/generate", b'{"inputs": "a\\ud800b", "parameters": {"max_new_tokens": 2}}'),
+    ("/generate", b'{"inputs": "ab", "parameters": {"max_new_tokens": 2, "stop": ["\\udfff"]}}'),
+    ("/tokenize", b'{"inputs": "a\\ud800b"}'),
+    ("/v1/completions", b'{"prompt": "a\\udc00", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
+])
+async def test_a_lone_surrogate_is_a_422(harness: Harness, route: str, content: bytes) -> None:
+    """JSON can spell half of a UTF-16 pair (\ud800) that is no Unicode text: refused at the door."""
+    response = await harness.client.post(route, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert "surrogate" in (error["message"] if route.startswith("/v1/") else error)
+    pair = await harness.client.post("/tokenize", content=b'{"inputs": "\\ud83d\\ude00"}',  # a whole pair: fine
+                                     headers={"content-type": "application/json"})
+    assert pair.status_code == 200 and "".join(t["text"] for t in pair.json()) == "\N{GRINNING FACE}"
 
 
 async def test_overload_gives_429(harness: Harness) -> None:
@@ -354,8 +376,8 @@ async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatc
 @pytest.mark.parametrize("route, body, param, message", [
     ("/v1/completions", {"prompt": "x", "n": 5}, None, "`n` must be <= 4"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature"),
-    ("/v1/completions", {"prompt": ""}, None, "`prompt` cannot be empty"),
-    ("/v1/completions", {"prompt": [[1], [2]]}, None, "batches are not supported"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "`prompt` cannot be empty"),
+    ("/v1/completions", {"prompt": [[1], [2]]}, "prompt", "batches are not supported"),
     ("/v1/completions", {"prompt": [10**9]}, None, "token ids must be in"),
     ("/v1/completions", {"prompt": "x", "max_tokens": MAX_TOTAL_TOKENS}, None, f"<= {MAX_TOTAL_TOKENS}"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
@@ -370,9 +392,53 @@ async def test_openai_bad_requests_get_422_in_openai_shape(harness: Harness, rou
     assert error["param"] == param and "code" in error
 
 
+@pytest.mark.parametrize("route, content, param", [
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "repetition_penalty": Infinity}',
+     "repetition_penalty"),
+])
+async def test_openai_infinite_numbers_are_refused(harness: Harness, route: str, content: bytes, param: str) -> None:
+    response = await harness.client.post(route, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param and "finite" in response.json()["error"]["message"]
+
+
 async def test_openai_malformed_json(harness: Harness) -> None:
     response = await harness.client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
     assert response.status_code == 422 and "not valid JSON" in response.json()["error"]["message"]
+
+
+UINT32_OVERFLOW = 2**32  # one past the shard protocol's uint32 fields
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 2, "top_k": UINT32_OVERFLOW}}, "top_k"),
+    ("/generate_stream", {"inputs": "x", "parameters": {"max_new_tokens": 2, "top_k": UINT32_OVERFLOW}}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": UINT32_OVERFLOW}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": UINT32_OVERFLOW}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "temperature": 1.0,
+                         "choice_params": [{}, {"top_k": UINT32_OVERFLOW}]}, "choice_params.1.top_k"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "top_k": UINT32_OVERFLOW}, "top_k"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": UINT32_OVERFLOW}, "min_tokens"),
+])
+async def test_an_integer_past_the_protocol_is_a_422_and_hurts_no_other_request(
+        harness: Harness, route: str, body: dict, field: str) -> None:
+    """One request's out-of-range integer must not fail the step every other request is in."""
+    harness.backend.step_delay_s = 0.01
+    other = asyncio.create_task(harness.client.post(
+        "/generate", json={"inputs": "the quick", "parameters": {"max_new_tokens": 12, "seed": 3, "do_sample": True}}))
+    while harness.engine.stats().num_running == 0:
+        await asyncio.sleep(0.005)
+    response = await harness.client.post(route, json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    message = error["message"] if route.startswith("/v1/") else error
+    assert field.rsplit(".", 1)[-1] in message, message
+    if route.startswith("/v1/"):
+        assert error["param"] == field
+    finished = await other
+    assert finished.status_code == 200, finished.text
+    assert finished.json()["generated_text"] == expected_text(harness, "the quick", 3, 12)
 
 
 async def test_openai_overload_is_429_in_openai_shape(harness: Harness) -> None:
@@ -384,6 +450,33 @@ async def test_openai_overload_is_429_in_openai_shape(harness: Harness) -> None:
     response = await harness.client.post("/v1/completions", json=body)
     assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
     await asyncio.gather(*running)
+
+
+async def test_the_openapi_document_says_what_the_server_accepts_and_answers(harness: Harness) -> None:
+    document = (await harness.client.get("/openapi.json")).json()
+    schemas, paths = document["components"]["schemas"], document["paths"]
+    assert schemas["TGIRequest"]["properties"]["inputs"]["minLength"] == 1  # "" is refused
+    assert schemas["TokenizeRequest"]["properties"]["inputs"]["minLength"] == 1
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt and all(p.get("minItems") == 1 for p in prompt[1:])
+    guided = [s for s in schemas["ConstraintFields" if "ConstraintFields" in schemas else "CompletionRequest"]
+              ["properties"]["guided_choice"]["anyOf"] if s.get("type") == "array"]
+    assert guided[0]["minItems"] == 1 and guided[0]["maxItems"] == 10_000
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]  # an empty 200, as TGI's
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(paths["/"]["get"]["responses"]) >= {"200", "406"} and "405" not in paths["/"]["get"]["responses"]
+    health = await harness.client.get("/health")
+    assert health.status_code == 200 and health.content == b""
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("GET", "/generate", "POST"), ("OPTIONS", "/", "GET, POST"), ("PUT", "/v1/completions", "POST"),
+    ("GET", "/tokenize", "POST"), ("POST", "/health", "GET"),
+])
+async def test_405_allows_every_method_the_document_lists(harness: Harness, method: str, path: str,
+                                                         allow: str) -> None:
+    response = await harness.client.request(method, path)
+    assert response.status_code == 405 and response.headers["allow"] == allow
 
 
 async def test_openapi_docs(harness: Harness) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from api_fakes import FakeShardClient
+from starlette.responses import JSONResponse
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import SamplingParams
@@ -114,6 +115,27 @@ async def test_keys_from_a_file_and_the_flag_together(serve: Serve, tmp_path: Pa
     for key in (KEYS[0], "sk-from-file"):
         assert (await client.get("/info", headers=bearer(key))).status_code == 200
     assert (await client.get("/info", headers=bearer("# ops keys"))).status_code == 401
+
+
+async def test_a_key_file_without_a_key_is_refused_at_start(serve: Serve, tmp_path: Path) -> None:
+    """A key file of comments and blank lines would leave every route open."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# keys go here\n\n   \n")
+    with pytest.raises(ValueError, match="no API key"):
+        await serve(api_key_file=str(key_file))
+
+
+@pytest.mark.parametrize("authorization", ["Bearer", "Bearer ", "Bearer    ", "bearer \t"])
+async def test_an_empty_token_never_matches_even_a_blank_key(authorization: str) -> None:
+    """The guard itself refuses an empty token, whatever keys it was given."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await JSONResponse({"ok": True})(scope, receive, send)
+
+    policy = guard.GuardPolicy((b"",), frozenset(), 1000, lambda: True)
+    transport = httpx.ASGITransport(app=guard.Guard(app, policy))
+    async with httpx.AsyncClient(transport=transport, base_url="http://loom") as client:
+        response = await client.get("/info", headers={"Authorization": authorization})
+    assert response.status_code == 401
 
 
 async def test_metrics_can_require_the_key(serve: Serve) -> None:
@@ -283,6 +305,70 @@ async def test_a_dead_shard_ends_streams_and_turns_new_requests_away(serve: Serv
     assert last["error_type"] == "generation" and "UNAVAILABLE" in last["error"]
     assert (await client.post("/generate", json=GENERATE)).status_code == 503
     assert (await client.get("/ready")).status_code == 503
+
+
+async def test_a_dead_shard_is_not_stepped_into_again_and_again(serve: Serve, backend: FakeShardClient,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """After the shards stop answering the engine backs off (it once logged 295 failed steps in
+    0.3 s), says 503, and goes back to work once they answer again."""
+    client, engine = await serve()
+    calls = 0
+
+    async def dead(plan: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        backend.shard.known_ids.update(r.request_id for r in plan.new_requests)  # released later: it may have run
+        raise ShardError(0, "UNAVAILABLE", "failed to connect to all addresses")
+
+    step, backend.step = backend.step, dead  # type: ignore[method-assign]
+    backend.healthy = False
+    assert (await client.post("/generate", json=GENERATE)).status_code == 424  # its step found the shard dead
+    await asyncio.sleep(1.5)
+    assert calls <= 2, calls
+    assert caplog.text.count("step failed") <= 2
+    for path in ("/health", "/ready"):
+        assert (await client.get(path)).status_code == 503, path
+    assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 503
+    backend.step, backend.healthy = step, True  # type: ignore[method-assign]
+    deadline = asyncio.get_running_loop().time() + 10
+    while not engine.accepting:
+        assert asyncio.get_running_loop().time() < deadline, "the engine did not come back"
+        await asyncio.sleep(0.05)
+    response = await client.post("/generate", json=GENERATE)
+    assert response.status_code == 200, response.text
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+async def test_a_frozen_shard_turns_new_requests_away_at_once(serve: Serve, backend: FakeShardClient) -> None:
+    """A shard that stops answering mid-step (SIGSTOP) holds its step; new requests must not join it."""
+    client, engine = await serve()
+    thawed = asyncio.Event()
+    step = backend.step
+
+    async def frozen(plan: Any) -> Any:
+        await thawed.wait()
+        return await step(plan)
+
+    backend.step = frozen  # type: ignore[method-assign]
+    backend.healthy = False  # its Health times out too
+    held = asyncio.create_task(client.post("/generate", json=GENERATE))
+    deadline = asyncio.get_running_loop().time() + 10
+    while engine.accepting:  # noticed by the engine itself, without a request's help
+        assert asyncio.get_running_loop().time() < deadline, "a frozen shard went unnoticed"
+        await asyncio.sleep(0.05)
+    start = asyncio.get_running_loop().time()
+    refused = await client.post("/generate", json=GENERATE)
+    assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+    assert asyncio.get_running_loop().time() - start < 0.5
+    assert (await client.get("/ready")).status_code == 503
+    backend.healthy = True
+    thawed.set()  # SIGCONT: the held request finishes and work goes on
+    assert (await held).status_code == 200
+    deadline = asyncio.get_running_loop().time() + 10
+    while not engine.accepting:
+        assert asyncio.get_running_loop().time() < deadline, "the engine did not come back"
+        await asyncio.sleep(0.05)
+    assert (await client.post("/generate", json=GENERATE)).status_code == 200
 
 
 # ---- slow readers ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The playground's routes: GET / serves the page to browsers only (API clients get what they
-got before it existed), its files come from the installed package, and POST / stays TGI's."""
+"""The playground's routes: GET / serves the page to any client that takes HTML (406 to one that
+does not), its files come from the installed package, and POST / stays TGI's."""
 
 from __future__ import annotations
 
@@ -52,14 +52,18 @@ async def test_only_the_pages_assets_are_served(client: httpx.AsyncClient, name:
     assert (await client.get(f"/playground/{name}")).status_code == 404
 
 
-@pytest.mark.parametrize("accept", [None, "*/*", "application/json"])
-async def test_api_clients_get_what_get_slash_answered_before(client: httpx.AsyncClient, accept: str | None) -> None:
+@pytest.mark.parametrize("accept", [None, "*/*", "text/*", "text/html"])
+async def test_any_client_that_takes_html_gets_the_page(client: httpx.AsyncClient, accept: str | None) -> None:
+    """What the OpenAPI document says GET / answers: the page, whoever asks (curl sends */*)."""
     headers = {"Accept": accept} if accept else {}
     answer = await client.get("/", headers=headers)
-    # /generate is POST-only and untouched: GET / answers API clients exactly as it does
-    reference = await client.get("/generate", headers=headers)
-    assert (answer.status_code, answer.json(), answer.headers["allow"]) == (405, reference.json(), "POST")
-    assert reference.status_code == 405 and reference.headers["allow"] == "POST"
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("accept", ["application/json", "text/plain, application/json;q=0.5"])
+async def test_a_client_that_takes_no_html_gets_406(client: httpx.AsyncClient, accept: str) -> None:
+    answer = await client.get("/", headers={"Accept": accept})
+    assert answer.status_code == 406 and answer.json()["error_type"] == "not_acceptable"
 
 
 async def test_post_slash_still_generates(client: httpx.AsyncClient) -> None:

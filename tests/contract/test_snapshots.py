@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,10 +16,11 @@ import pytest
 from api_fakes import WORDS, FakeShardClient
 
 from loom_proto.config import RouterConfig
-from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
+from loom_proto.snapshot import KVLayout, Manifest, SnapshotEntry, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer
+from loom_shard.server import _snapshot_call as shard_snapshot_call
 from loom_shard.snapshot import PartStore
 
 BLOCK_SIZE = 4
@@ -64,17 +66,19 @@ class SnapshotFakeClient(FakeShardClient):
         return await _reply(_bytes_of(manifest))
 
     async def list_snapshots(self, name: str = "") -> tuple[SnapshotReply, list[SnapshotEntry]]:
-        try:
-            return SnapshotReply(SnapshotStatus.OK), await asyncio.to_thread(self.parts.list_snapshots, name or None)
-        except SnapshotError as error:
-            return SnapshotReply(error.status, error.message), []
+        entries: list[SnapshotEntry] = []
+
+        async def run() -> SnapshotReply:
+            entries.extend(await asyncio.to_thread(self.parts.list_snapshots, name or None))
+            return SnapshotReply(SnapshotStatus.OK)
+
+        return await shard_snapshot_call("ListSnapshots", run()), entries
 
     async def delete_snapshot(self, name: str) -> SnapshotReply:
-        try:
-            token_ids = await asyncio.to_thread(self.parts.delete, name)
-        except SnapshotError as error:
-            return SnapshotReply(error.status, error.message)
-        return SnapshotReply(SnapshotStatus.OK, token_ids=token_ids)
+        async def run() -> SnapshotReply:
+            return SnapshotReply(SnapshotStatus.OK, token_ids=await asyncio.to_thread(self.parts.delete, name))
+
+        return await shard_snapshot_call("DeleteSnapshot", run())
 
 
 async def _bytes_of(manifest) -> int:
@@ -82,13 +86,14 @@ async def _bytes_of(manifest) -> int:
 
 
 async def _reply(call) -> SnapshotReply:  # call: an awaitable of a byte count or a LoadedPart
-    try:
+    """What the shard server answers: a failure becomes a status, as loom_shard.server's."""
+    async def run() -> SnapshotReply:
         result = await call
-    except SnapshotError as error:
-        return SnapshotReply(error.status, error.message)
-    if isinstance(result, int):
-        return SnapshotReply(SnapshotStatus.OK, num_bytes=result)
-    return SnapshotReply(SnapshotStatus.OK, num_bytes=result.num_bytes, token_ids=result.header.token_ids)
+        if isinstance(result, int):
+            return SnapshotReply(SnapshotStatus.OK, num_bytes=result)
+        return SnapshotReply(SnapshotStatus.OK, num_bytes=result.num_bytes, token_ids=result.header.token_ids)
+
+    return await shard_snapshot_call("snapshot", run())
 
 
 async def _serve(tokenizer: Tokenizer, backend: FakeShardClient, snapshot_dir: str | None):
@@ -228,6 +233,16 @@ async def test_refusals_leave_the_cache_unchanged(served, root: Path) -> None:
     await complete(client, [1, 2, 3])  # still serving
 
 
+async def test_405_on_a_snapshot_allows_both_its_methods(served) -> None:
+    _, client, _ = served
+    response = await client.get("/snapshots/x")
+    assert response.status_code == 405 and response.headers["allow"] == "DELETE, POST"
+    save = (await client.get("/openapi.json")).json()["paths"]["/snapshots/{name}"]["post"]["requestBody"]
+    body = save["content"]["application/json"]["schema"]
+    shapes = {item.get("$ref", "").rsplit("/", 1)[-1] for item in body["anyOf"]}
+    assert {"SaveInputs", "SaveMessages", "SaveTokenIds"} <= shapes  # exactly one of them, each its own shape
+
+
 async def test_delete_and_list(served, root: Path) -> None:
     _, client, _ = served
     assert (await client.post("/snapshots/d?action=save", json={"token_ids": [1, 2, 3]})).status_code == 200
@@ -238,6 +253,60 @@ async def test_delete_and_list(served, root: Path) -> None:
     assert (await client.delete("/snapshots/d")).status_code == 200
     assert (await client.delete("/snapshots/d")).status_code == 404
     assert sorted(p.name for p in root.iterdir()) == ["broken"]
+
+
+def damaged_manifests(good: str) -> list[str]:
+    """The manifest text of a snapshot, damaged in ways that read as JSON and ways that do not."""
+    def edited(**fields: object) -> str:
+        return json.dumps({**json.loads(good), **fields})
+
+    tokens = json.loads(good)["token_ids"]
+    return [good[: len(good) // 2], "", "[]", edited(token_ids=[-1] * len(tokens)),
+            edited(token_ids=[2**40] * len(tokens)), edited(token_ids=["a"] * len(tokens)),
+            edited(num_tokens=len(tokens) + 1), edited(num_shards="1"), edited(parts=[1]), edited(fingerprint=None),
+            edited(token_ids=tokens[:-1])]
+
+
+async def test_a_damaged_manifest_is_a_422_and_changes_nothing(served, root: Path) -> None:
+    """Deleting a damaged copy must neither fail half-way (a 500 after removing the folder) nor
+    drop the prefix-cache blocks a good snapshot of the same tokens restored."""
+    engine, client, _ = served
+    assert (await client.post("/snapshots/good?action=save", json={"token_ids": PROMPT})).status_code == 200
+    assert (await client.post("/snapshots/good?action=restore")).status_code == 200
+    cached = cached_blocks(engine)
+    assert cached > 0
+    shutil.copytree(root / "good", root / "copy")
+    good_manifest = (root / "good" / "manifest.json").read_text()
+    for damaged in damaged_manifests(good_manifest):
+        (root / "copy" / "manifest.json").write_text(damaged)
+        for method, url in [("DELETE", "/snapshots/copy"), ("POST", "/snapshots/copy?action=restore")]:
+            response = await client.request(method, url)
+            assert response.status_code == 422, (damaged, response.text)
+            assert response.json()["error_type"] == "damaged" and str(root) not in response.text
+        listed = {s["name"]: s for s in (await client.get("/snapshots")).json()["snapshots"]}
+        assert not listed["copy"]["fits"] and "damaged" in listed["copy"]["reason"]
+        assert (root / "copy" / "manifest.json").read_text() == damaged
+        assert cached_blocks(engine) == cached
+    # A copy whose manifest is whole (its part file broken) can be deleted: the good one keeps its blocks.
+    (root / "copy" / "manifest.json").write_text(good_manifest)
+    (root / "copy" / "rank-0.kv").write_bytes(b"broken")
+    response = await client.delete("/snapshots/copy")
+    assert response.status_code == 200 and response.json()["cached_blocks_dropped"] == 0
+    assert cached_blocks(engine) == cached and not (root / "copy").exists()
+    response = await client.delete("/snapshots/good")
+    assert response.status_code == 200 and response.json()["cached_blocks_dropped"] == cached
+    assert cached_blocks(engine) == 0
+
+
+async def test_error_bodies_hold_no_absolute_path(served, root: Path) -> None:
+    _, client, _ = served
+    assert (await client.post("/snapshots/s?action=save", json={"token_ids": [1, 2, 3]})).status_code == 200
+    shutil.rmtree(root)  # the directory went away under the server
+    for method, url in [("GET", "/snapshots"), ("POST", "/snapshots/s?action=restore"), ("DELETE", "/snapshots/s"),
+                        ("POST", "/snapshots/t?action=save")]:
+        response = await client.request(method, url, json={"token_ids": [1, 2, 3]})
+        assert 400 <= response.status_code < 600, response.text
+        assert str(root) not in response.text and str(root.parent) not in response.text, response.text
 
 
 BAD_URL_NAMES = ["a%2Fb", "a/b", "a%5Cb", "a:b", "a%2A", "a%3F", "a%22b", "a%3Cb", "a%3Eb", "a%7Cb", "%2E",
@@ -340,4 +409,14 @@ async def test_snapshot_rpcs_copy_exact_kv_and_report_statuses(grpc_shard) -> No
     assert (await client.load_snapshot("s", "L4", "tok"))[0].status is SnapshotStatus.DAMAGED
     deleted = await client.delete_snapshot("s")
     assert deleted.status is SnapshotStatus.OK and deleted.token_ids == tokens and not (root / "s").exists()
+    # A manifest whose token ids the protocol cannot carry: DAMAGED, kept, never a half-done delete.
+    (root / "bad").mkdir()
+    (root / "bad" / "manifest.json").write_text(committed_manifest(tokens, token_ids=[-1] * len(tokens)))
+    refused = await client.delete_snapshot("bad")
+    assert refused.status is SnapshotStatus.DAMAGED and (root / "bad" / "manifest.json").exists()
     assert await client.health()
+
+
+def committed_manifest(tokens: list[int], **fields: object) -> str:
+    manifest = Manifest(num_shards=1, num_tokens=len(tokens), fingerprint={}, parts={}, token_ids=tokens)
+    return json.dumps({**json.loads(manifest.to_json()), **fields})

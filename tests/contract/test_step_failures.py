@@ -4,6 +4,7 @@ of a tensor-parallel group that end a step differently are fatal (the engine sto
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -41,6 +42,31 @@ async def test_failed_step_fails_its_requests_and_later_ones_are_exact(tokenizer
         assert engine.stats().requests_finished == {"error": 1}
         assert await collect(engine.submit(prompt, params(1))) == backend.reference(prompt, 1, 4)
         assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+    finally:
+        await engine.stop(drain_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_request_the_plan_cannot_encode_fails_alone(tokenizer: Tokenizer, n: int) -> None:
+    """Validation bounds every field; should one slip through, its step still runs for the others."""
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
+    backend.step_delay_s = 0.01
+    engine = Engine(router_config(), backend, tokenizer)
+    await engine.start()
+    try:
+        prompt = tokenizer.encode("Hello there")
+        good = asyncio.create_task(collect(engine.submit(prompt, params(1, max_new_tokens=8))))
+        while engine.stats().num_running == 0:
+            await asyncio.sleep(0.005)
+        bad_params = params(2)
+        bad_params.choices = [replace(bad_params.choices[0], seed=2 + i) for i in range(n)]
+        bad_params.choices[-1].top_k = 2**32  # past the protocol's uint32 (n = 2: the fork's)
+        with pytest.raises(GenerationError, match="cannot be sent to the shards"):
+            await collect(engine.submit(prompt, bad_params))
+        assert await good == backend.reference(prompt, 1, 8)
+        assert engine.stats().requests_finished == {"error": 1, "length": 1}
+        assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
+        assert await collect(engine.submit(prompt, params(3))) == backend.reference(prompt, 3, 4)
     finally:
         await engine.stop(drain_timeout_s=1.0)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from loom_proto.config import RouterConfig
 from loom_proto.step import WarmupResult
 from loom_router.api import create_app
 from loom_router.engine import Engine
+from loom_router.grammar import COMPILE_THREADS, ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -163,6 +165,98 @@ async def test_bad_constraints_are_422_and_the_server_stays_healthy(harness: Har
     assert bad_tgi.status_code == 422 and "regex" in bad_tgi.json()["error"]
     out = await chat(harness, max_tokens=2)
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+# A regex llguidance compiles but cannot lex, a schema whose $ref loops: refused before any compute.
+UNENFORCEABLE = [
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a{1000000}"}}, "cannot be enforced"),
+    ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "a{1000000}"}}},
+     "cannot be enforced"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"$ref": "#"}}}}, "allows no output"),
+    ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {
+        "$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}}, "allows no output"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": [f"option {i}" for i in range(10_001)]}, "10000"),
+]
+
+
+@pytest.mark.parametrize("route, body, reason", UNENFORCEABLE)
+async def test_a_constraint_that_cannot_be_enforced_is_a_422_before_any_compute(
+        harness: Harness, route: str, body: dict, reason: str) -> None:
+    steps_before = harness.backend.num_steps
+    response = await harness.client.post(route, json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    message = error["message"] if route.startswith("/v1/") else error
+    assert reason in message and "<" not in message, message  # no parser state dump
+    assert harness.backend.num_steps == steps_before
+
+
+async def test_a_grammar_engine_panic_is_a_422_without_its_text(harness: Harness) -> None:
+    """Past ~65k symbols llguidance panics; its message and backtrace stay in the log."""
+    rules = 66_000
+    grammar = "start: " + " | ".join(f"r{i}" for i in range(rules)) + "\n" + "\n".join(
+        f'r{i}: "x"' for i in range(rules))
+    response = await harness.client.post("/v1/completions", json={"prompt": "x", "guided_grammar": grammar})
+    assert response.status_code == 422, response.text
+    message = response.json()["error"]["message"]
+    assert not any(word in message.lower() for word in ("panic", "backtrace", "assertion", "<unknown>")), message
+    assert (await harness.client.get("/health")).status_code == 200
+
+
+# Lexes 12 characters, then a regex the lexer cannot build: it fails only once generation gets there.
+FAILS_LATER = 'start: c b\nc: /[a-z ]{12}/\nb: /a{1000000}/'
+FAILS_LATER_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{3}$"},
+                                                     "b": {"type": "string", "pattern": "^a{1000000}$"}},
+                      "required": ["a", "b"], "additionalProperties": False}
+
+
+async def test_a_constraint_that_fails_while_generating_ends_in_an_error_never_a_success(harness: Harness) -> None:
+    body = {"prompt": "x", "max_tokens": 40, "guided_grammar": FAILS_LATER}
+    response = await harness.client.post("/v1/completions", json=body)
+    assert response.status_code == 424, response.text
+    assert "cannot be enforced" in response.json()["error"]["message"]
+    async with harness.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        events = [line async for line in stream.aiter_lines() if line.startswith("data:")]
+    last = json.loads(events[-1][5:])
+    assert "cannot be enforced" in last["error"]["message"], events[-3:]
+    tgi = {"inputs": "x", "parameters": {"max_new_tokens": 40, "grammar": {"type": "json", "value": FAILS_LATER_SCHEMA}}}
+    response = await harness.client.post("/generate", json=tgi)
+    assert response.status_code == 424 and "cannot be enforced" in response.json()["error"], response.text
+    async with harness.client.stream("POST", "/generate_stream", json=tgi) as stream:
+        events = [json.loads(line[5:]) async for line in stream.aiter_lines() if line.startswith("data:")]
+    assert stream.status_code == 200 and not any(event.get("generated_text") for event in events)
+    assert events[-1]["error_type"] == "generation" and "cannot be enforced" in events[-1]["error"], events[-3:]
+    assert harness.engine.stats().num_running == 0
+    assert harness.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+async def test_compiling_is_bounded_in_time_and_leaves_the_tokenizing_threads_free(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = harness.engine.grammars
+    build = compiler._build
+
+    def slow_build(spec: ConstraintSpec) -> object:
+        time.sleep(1.5)  # holds its thread, as a huge grammar does
+        return build(spec)
+
+    monkeypatch.setattr(compiler, "_build", slow_build)
+    compiler.compile_timeout_s = 0.5
+    # More constraints than asyncio's default executor (which tokenizes) has threads.
+    slow = [asyncio.create_task(harness.client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 2, "guided_regex": f"a{{{i + 1}}}"})) for i in range(8)]
+    await asyncio.sleep(0.1)
+    start = time.monotonic()
+    tokenized = await harness.client.post("/tokenize", json={"inputs": "hello world"})
+    generated = await harness.client.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}})
+    assert tokenized.status_code == 200 and generated.status_code == 200
+    assert time.monotonic() - start < 1.0
+    answers = await asyncio.gather(*slow)
+    statuses = sorted(response.status_code for response in answers)
+    # Those compiling when the time ran out are too complex (422); those still waiting for a
+    # compile thread were turned away as load (429).
+    assert statuses == [422] * COMPILE_THREADS + [429] * (8 - COMPILE_THREADS), [r.text for r in answers]
+    assert any("did not compile within 0.5 s" in r.json()["error"]["message"] for r in answers)
 
 
 @pytest.mark.parametrize("tool_choice, names", [

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,3 +119,42 @@ def test_a_shard_killed_mid_stream_ends_it_with_an_error_and_stops_the_launcher(
     assert status in (503, None)
     assert launcher.wait(timeout=60) != 0
     assert f"{victim} exited with code -9" in launcher.log()
+    assert launcher.log().count("loom.engine: step failed") <= 2  # no stepping into the dead shard again and again
+
+
+def test_a_frozen_shard_turns_new_requests_away_at_once_and_work_resumes_when_it_thaws(
+        start_launcher: StartLauncher) -> None:
+    launcher = start_launcher()
+    base = launcher.base_url
+    events: list[dict[str, Any]] = []
+    started = threading.Event()
+    body = {"inputs": COUNTING_PROMPT, "parameters": {"max_new_tokens": 60}}
+    shard = launcher.child_pids()["shard 0"]
+    with httpx.Client(timeout=120) as client:
+        thread = threading.Thread(target=stream_until_end, args=(client, f"{base}/generate_stream", body, started,
+                                                                  events))
+        thread.start()
+        assert started.wait(timeout=120)
+        os.kill(shard, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20
+            while httpx.get(f"{base}/ready", timeout=10).status_code == 200:
+                assert time.monotonic() < deadline, "a frozen shard went unnoticed"
+                time.sleep(0.2)
+            start = time.monotonic()
+            refused = httpx.post(f"{base}/generate", json={"inputs": "Hi"}, timeout=10)
+            refused_in = time.monotonic() - start
+            health = httpx.get(f"{base}/health", timeout=10).status_code
+        finally:
+            os.kill(shard, signal.SIGCONT)
+        thread.join(timeout=120)
+    assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable", refused.text
+    assert refused_in < 1.0 and health == 503
+    assert not thread.is_alive() and events[-1]["generated_text"] is not None  # held, then finished
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{base}/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the router did not take work again"
+        time.sleep(0.2)
+    response = httpx.post(f"{base}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert launcher.stop() == 0

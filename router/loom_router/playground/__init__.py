@@ -28,21 +28,29 @@ def _read(name: str) -> str:
     return files(__name__).joinpath(name).read_text(encoding="utf-8")
 
 
-def wants_html(request: Request) -> bool:
-    """A browser navigating here asks for text/html; API clients (curl's */*, JSON clients) do not."""
-    return "text/html" in request.headers.get("accept", "")
+def takes_html(request: Request) -> bool:
+    """Whether the client's Accept admits text/html (no Accept, */*, text/*, text/html), with a
+    non-zero quality."""
+    accept = request.headers.get("accept", "").strip()
+    if not accept:
+        return True
+    for item in accept.split(","):
+        media_type, *params = [part.strip() for part in item.split(";")]
+        if media_type.lower() in ("text/html", "text/*", "*/*") and not any(
+                p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params):
+            return True
+    return False
 
 
 def build_router() -> APIRouter:
     router = APIRouter(tags=["Playground"])
 
-    @router.get(PAGE_PATH, summary="The chat playground, for a browser (Accept: text/html)",
+    @router.get(PAGE_PATH, summary="The chat playground, an HTML page (POST / is TGI's generate)",
                 response_class=HTMLResponse)
     async def page(request: Request) -> Response:
-        if not wants_html(request):
-            # What GET / answered before the playground: only POST (TGI's generate) is allowed
-            # (raised, so the error reads as every other 405: loom_router.openapi_errors).
-            raise HTTPException(status_code=405, detail="Method Not Allowed", headers={"Allow": "POST"})
+        if not takes_html(request):  # raised: the error reads as every other (loom_router.openapi_errors)
+            raise HTTPException(status_code=406, detail="GET / answers an HTML page (the playground); "
+                                "this client's Accept takes no text/html")
         return HTMLResponse(_read("index.html"), headers={"Cache-Control": "no-cache"})
 
     @router.get(ASSET_PREFIX + "{name}", include_in_schema=False)

@@ -57,3 +57,16 @@ def test_the_supervisor_writes_stdin_text_to_the_child(tmp_path: Path) -> None:
 def test_the_key_variable_is_not_handed_down_to_the_children() -> None:
     env = child_env({"LOOM_API_KEY": KEYS[0], "LOOM_PORT": "1", "PATH": "/bin"}, num_threads=1)
     assert "LOOM_API_KEY" not in env and env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize("argv, env", [(["--api-key", ""], None), (["--api-key", "   "], None),
+                                       (["--api-key", KEYS[0], "--api-key", ""], None),
+                                       ([], ""), ([], f"{KEYS[0]},"), ([], " , ")])
+def test_a_blank_key_is_refused_at_start(argv: list[str], env: str | None, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """An unset variable expanded into `--api-key ''` or `LOOM_API_KEY=` must not turn auth off."""
+    if env is not None:
+        monkeypatch.setenv("LOOM_API_KEY", env)
+    with pytest.raises(SystemExit):
+        load_settings(argv)
+    assert "--api-key" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loom_router.snapshots import SnapshotHTTPError, validate_name
+from loom_router.snapshots import SnapshotHTTPError, redact_paths, validate_name
 
 GOOD = ["a", "my-prompt_v2", "système", "日本語のプロンプト", "a b", "x.kv", "a.b.c", "emoji 🚀", "é" * 127]
 BAD = {
@@ -55,3 +55,14 @@ def test_bad_names_are_400(case: str) -> None:
     with pytest.raises(SnapshotHTTPError) as info:
         validate_name(BAD[case])
     assert info.value.status == 400 and info.value.message.startswith("invalid snapshot name")
+
+
+@pytest.mark.parametrize("message, redacted", [
+    ("[Errno 2] No such file or directory: '/tmp/x/snaps'", "[Errno 2] No such file or directory: 'snaps'"),
+    ("[Errno 39] Directory not empty: '/srv/snaps/s' -> '/srv/snaps/.trash-1'",
+     "[Errno 39] Directory not empty: 's' -> '.trash-1'"),
+    ("part file rank-0.kv is damaged: checksum mismatch", "part file rank-0.kv is damaged: checksum mismatch"),
+    ("see http://host/docs and a/b", "see http://host/docs and a/b"),
+])
+def test_absolute_paths_are_cut_to_their_last_part(message: str, redacted: str) -> None:
+    assert redact_paths(message) == redacted

@@ -166,7 +166,8 @@ def test_resolve_inside_refuses_escapes(tmp_path: Path) -> None:
 
 
 def test_folder_commit_replace_remove_and_cleanup(tmp_path: Path) -> None:
-    manifest = fmt.Manifest(num_shards=1, num_tokens=5, fingerprint=dict(FINGERPRINT), parts={"rank-0.kv": 10})
+    manifest = fmt.Manifest(num_shards=1, num_tokens=5, fingerprint=dict(FINGERPRINT), parts={"rank-0.kv": 10},
+                            token_ids=[1, 2, 3, 4, 5])
     for generation in (1, 2):  # the second commit replaces the first
         staging = snap.new_staging_dir(tmp_path)
         (staging / "rank-0.kv").write_bytes(b"x" * generation)
@@ -274,7 +275,10 @@ def test_rank0_commits_lists_and_deletes_every_ranks_folder(tmp_path: Path) -> N
     assert listed[0].manifest is None and listed[0].error.status is SnapshotStatus.DAMAGED
     assert listed[1].manifest == manifest
     assert store.list_snapshots("s")[0].manifest == manifest
-    assert store.delete("s") == token_ids and store.delete("broken") == []
+    assert store.delete("s") == token_ids
+    with pytest.raises(SnapshotError) as info:  # a damaged snapshot is left as it is
+        store.delete("broken")
+    assert info.value.status is SnapshotStatus.DAMAGED and (tmp_path / "broken").is_dir()
     with pytest.raises(SnapshotError) as info:
         store.delete("s")
     assert info.value.status is SnapshotStatus.NOT_FOUND

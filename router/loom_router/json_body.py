@@ -1,0 +1,61 @@
+"""JSON request bodies as Unicode text. JSON can spell half of a UTF-16 surrogate pair
+(`"\\ud800"`), which Python reads into a string that no UTF-8 encoder, tokenizer or grammar
+engine accepts; such a body is refused as malformed JSON (422), like any other, before a route
+sees it. The routes get this through their route class (`UnicodeJSONRoute`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+# A \u escape of a surrogate: only bodies holding one are searched string by string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def loads(body: bytes) -> Any:
+    """json.loads, raising json.JSONDecodeError for a string holding a lone surrogate."""
+    value = json.loads(body)
+    escape = _SURROGATE_ESCAPE.search(body)
+    if escape is not None and _has_lone_surrogate(value):
+        raise json.JSONDecodeError("a string holds a lone UTF-16 surrogate (such as \\ud800 without its "
+                                   "pair), which is not Unicode text", body.decode("utf-8", "replace"),
+                                   escape.start())
+    return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(key) or _has_lone_surrogate(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(item) for item in value)
+    return False
+
+
+class UnicodeJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class UnicodeJSONRoute(APIRoute):
+    """A route whose JSON body is read by `loads` (FastAPI answers its JSONDecodeError with 422)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(UnicodeJSONRequest(request.scope, request.receive))
+
+        return route
