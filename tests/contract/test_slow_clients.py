@@ -13,10 +13,10 @@ import httpx
 import pytest
 from api_fakes import FakeShardClient
 from test_api import router_config
-from test_loop_responsiveness import free_port
 
 from loom_router import main
 from loom_router.tokenizer import Tokenizer
+from tests.net import free_port
 
 Serve = Callable[..., Any]
 
