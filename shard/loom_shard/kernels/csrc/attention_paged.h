@@ -41,6 +41,17 @@ struct TaskView {
     const int64_t slot = static_cast<int64_t>(table[j / g.block_size]) * g.block_size + j % g.block_size;
     return kv + (slot * g.kv_heads + kv_head) * g.head_dim;
   }
+  // Keys first..first+count-1 (their values are at + v_offset), walking the block table once.
+  void keys(const Geometry& g, int64_t kv_head, int64_t first, int count, const T** out) const {
+    int64_t block = first / g.block_size, offset = first % g.block_size;
+    for (int j = 0; j < count; ++j) {
+      out[j] = kv + ((static_cast<int64_t>(table[block]) * g.block_size + offset) * g.kv_heads + kv_head) * g.head_dim;
+      if (++offset == g.block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+  }
   // Offset of a task row (token * group + g) in q and out.
   int64_t row_offset(const Geometry& g, int64_t kv_head, int64_t row) const {
     const int64_t head = kv_head * g.group + row % g.group;
@@ -125,11 +136,13 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
     l[r] = 0.0f;
     for (int d = 0; d < D; ++d) acc[r][d] = simd::zero();
   }
+  const T* key_at[kKeyBlock];
   for (int64_t b = 0; b < task.keys; b += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, task.keys - b));
+    v.keys(g, task.kv_head, b, nk, key_at);
     // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below.
     for (int j = 0; j < nk; ++j) {
-      const T* kp = v.key(g, task.kv_head, b + j);
+      const T* kp = key_at[j];
       F16 k[D];
 #pragma GCC unroll 16
       for (int d = 0; d < D; ++d) k[d] = simd::load(kp + 16 * d);
@@ -154,7 +167,7 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
     }
     // P.V: keys in ascending order, one FMA per (row, key, 16 dims).
     for (int j = 0; j < nk; ++j) {
-      const T* vp = v.key(g, task.kv_head, b + j) + g.v_offset;
+      const T* vp = key_at[j] + g.v_offset;
       F16 val[D];
 #pragma GCC unroll 8
       for (int d = 0; d < D; ++d) val[d] = simd::load(vp + 16 * d);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "common.h"
 
@@ -70,6 +71,12 @@ inline F16 reduce16_raw(const F16* v) {
 // Lane k of the result = lane order[k] of a.
 inline F16 permute(F16 a, const int* order) {
   return {_mm512_permutexvar_ps(_mm512_loadu_si512(order), a.v)};
+}
+
+inline __m256 fold_halves(F16 a) { return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)); }
+
+inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
+  return _mm512_mask_reduce_max_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), a.v);
 }
 
 #else  // AVX2 + FMA + F16C
@@ -140,6 +147,20 @@ inline F16 reduce16_raw(const F16* v) {
   return {fold32(c[0], c[2]), fold32(c[1], c[3])};
 }
 
+inline __m256 fold_halves(F16 a) { return _mm256_add_ps(a.lo, a.hi); }
+
+inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
+  const F16 kept = keep_first(a, n);
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 low_inf = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), index));
+  const __m256 hi_inf = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), index));
+  const __m256 neg = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m = _mm256_max_ps(_mm256_blendv_ps(neg, kept.lo, low_inf), _mm256_blendv_ps(neg, kept.hi, hi_inf));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
 inline F16 permute(F16 a, const int* order) {
   auto half = [&](const int* at) {  // 8 lanes, each taken from a.lo or a.hi
     const __m256i index = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
@@ -154,16 +175,11 @@ inline F16 permute(F16 a, const int* order) {
 
 // ---- written once on the operations above -------------------------------------------------
 
-inline float sum(F16 a) {  // the halving tree of sum_lanes
-  alignas(64) float lanes[16];
-  store(lanes, a);
-  return loom::sum_lanes(lanes);
-}
-
-inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
-  alignas(64) float lanes[16];
-  store(lanes, a);
-  return *std::max_element(lanes, lanes + std::min(n, 16));
+inline float sum(F16 a) {  // the halving tree of sum_lanes: lane i + i+8, then + i+4, + i+2, + i+1
+  const __m256 eight = fold_halves(a);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 // Where reduce16_raw leaves each vector's sum: found once by reducing vectors filled with their
