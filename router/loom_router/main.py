@@ -1,6 +1,6 @@
 """`loom-router`: parse a RouterConfig from flags, connect to the shards, serve the HTTP API.
 
-SIGINT/SIGTERM stop it gracefully (loom_router.lifecycle): readiness fails and new requests
+SIGINT/SIGTERM stop it gracefully (loom_router.frontend.lifecycle): readiness fails and new requests
 get 503 at once, in-flight requests finish within --graceful-termination-timeout (the rest
 end with an error event), then the server and the engine stop and the process exits 0.
 """
@@ -14,16 +14,16 @@ from collections.abc import Sequence
 
 from loom_proto.config import RouterConfig, parse_config
 from loom_proto.event_loop import run_event_loop
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.http_server import server_config
-from loom_router.lifecycle import CLOSE_CONNECTIONS_TIMEOUT_S, DrainingServer
-from loom_router.metrics import RouterMetrics
-from loom_router.metrics_server import start_metrics_server
-from loom_router.request_log import configure_logging
-from loom_router.shard_client import ShardClient
+from loom_router.core.engine import Engine
+from loom_router.core.shard_client import ShardClient
+from loom_router.frontend.api import create_app
+from loom_router.frontend.http_server import server_config
+from loom_router.frontend.lifecycle import CLOSE_CONNECTIONS_TIMEOUT_S, DrainingServer
+from loom_router.observability.metrics import RouterMetrics
+from loom_router.observability.metrics_server import start_metrics_server
+from loom_router.observability.request_log import configure_logging
+from loom_router.observability.tracing import configure_tracing
 from loom_router.tokenizer import load_tokenizer
-from loom_router.tracing import configure_tracing
 
 log = logging.getLogger("loom_router")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from loom_proto.step import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from loom_router.grammar import Grammar
+    from loom_router.structured.grammar import Grammar
 
 
 class FinishReason(enum.Enum):

@@ -12,8 +12,8 @@ import pytest
 from api_fakes import FakeShardClient
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
 from loom_router.tokenizer import Tokenizer
 
 MAX_TOTAL_TOKENS = 64

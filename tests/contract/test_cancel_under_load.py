@@ -18,8 +18,8 @@ import uvicorn
 from api_fakes import WORDS, FakeShardClient
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
 from loom_router.tokenizer import load_tokenizer
 from tests.net import free_port
 

@@ -25,8 +25,8 @@ import uvicorn
 from test_snapshots import SnapshotFakeClient
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
 from loom_router.tokenizer import load_tokenizer
 from tests.net import free_port
 

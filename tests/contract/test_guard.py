@@ -1,4 +1,4 @@
-"""The router's front door (loom_router.guard) and life cycle (loom_router.lifecycle) against a
+"""The router's front door (loom_router.frontend.guard) and life cycle (loom_router.frontend.lifecycle) against a
 real Engine driving a fake shard: API keys, payload limit, CORS, readiness, drain, dead
 shards, and slow stream readers."""
 
@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import SamplingParams
-from loom_router import guard
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.shard_client import ShardError
+from loom_router.core.engine import Engine
+from loom_router.core.shard_client import ShardError
+from loom_router.frontend import guard
+from loom_router.frontend.api import create_app
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams
 

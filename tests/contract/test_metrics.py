@@ -13,10 +13,10 @@ from prometheus_client.utils import floatToGoString
 from test_api import Harness, harness  # noqa: F401 (fixture)
 
 from loom_proto.step import StepPlan, StepResult
-from loom_router.metrics import RouterMetrics
-from loom_router.metrics_server import start_metrics_server
-from loom_router.request_log import REQUEST_LOGGER, JsonFormatter
-from loom_router.tgi_metrics import DURATION_BUCKETS
+from loom_router.observability.metrics import RouterMetrics
+from loom_router.observability.metrics_server import start_metrics_server
+from loom_router.observability.request_log import REQUEST_LOGGER, JsonFormatter
+from loom_router.observability.tgi_metrics import DURATION_BUCKETS
 
 SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
 

@@ -1,4 +1,4 @@
-"""One step of lookahead (--overlap-steps, loom_router.lookahead) against the fake shard.
+"""One step of lookahead (--overlap-steps, loom_router.core.lookahead) against the fake shard.
 
 Every test runs the same requests with lookahead off and on and wants the same events, and
 checks the invariants of running ahead: steps really overlapped, a sequence that finished was
@@ -18,9 +18,9 @@ from fake_shard import FailAt
 from test_api import router_config
 
 from loom_proto.step import SamplingParams, StepPlan, StepResult
-from loom_router.engine import Engine
-from loom_router.grammar import ConstraintSpec
-from loom_router.stream import GenerationStream
+from loom_router.core.engine import Engine
+from loom_router.frontend.stream import GenerationStream
+from loom_router.structured.grammar import ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams
 

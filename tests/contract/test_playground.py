@@ -12,9 +12,9 @@ import pytest
 from api_fakes import WORDS, FakeShardClient
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.playground import is_public
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
+from loom_router.frontend.playground import is_public
 from loom_router.tokenizer import load_tokenizer
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -37,7 +37,7 @@ async def test_a_browser_gets_the_page_and_its_files(client: httpx.AsyncClient) 
     page = await client.get("/", headers={"Accept": BROWSER_ACCEPT})
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
-    assert page.text == files("loom_router.playground").joinpath("index.html").read_text(encoding="utf-8")
+    assert page.text == files("loom_router.frontend.playground").joinpath("index.html").read_text(encoding="utf-8")
     linked = re.findall(r'(?:src|href)="(/playground/[^"]+)"', page.text)
     assert sorted(linked) == ["/playground/app.js", "/playground/style.css"]
     for path, media_type in (("/playground/app.js", "text/javascript"), ("/playground/style.css", "text/css")):
@@ -75,7 +75,7 @@ async def test_post_slash_still_generates(client: httpx.AsyncClient) -> None:
 
 def test_model_output_is_never_written_as_html() -> None:
     """The page sets text only: no API that parses a string as HTML appears in its script."""
-    script = files("loom_router.playground").joinpath("app.js").read_text(encoding="utf-8")
+    script = files("loom_router.frontend.playground").joinpath("app.js").read_text(encoding="utf-8")
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval("):
         assert sink not in script, sink
     assert "textContent" in script

@@ -12,10 +12,10 @@ from test_api import router_config
 from test_overlap import params
 
 from loom_proto.step import SamplingParams
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.grammar import ConstraintSpec
-from loom_router.stream import GenerationStream
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
+from loom_router.frontend.stream import GenerationStream
+from loom_router.structured.grammar import ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationParams
 
@@ -159,7 +159,7 @@ async def test_a_choice_stopping_inside_an_accepted_run_while_its_siblings_go_on
                                                                                   monkeypatch) -> None:
     """Drafts from the prompt run through a stop sequence: the tokens after it are never sent,
     while the request's other choices keep streaming."""
-    from loom_router.engine_requests import RequestBook
+    from loom_router.core.engine_requests import RequestBook
 
     after_stop = []
     postprocess = RequestBook._postprocess

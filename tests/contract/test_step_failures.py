@@ -13,11 +13,11 @@ from test_api import router_config
 
 from loom_proto.step import StepPlan, StepResult
 from loom_router import main
-from loom_router.engine import Engine
-from loom_router.shard_client import ShardError, agreed_step_reply
+from loom_router.core.engine import Engine
+from loom_router.core.shard_client import ShardError, agreed_step_reply
+from loom_router.frontend.validation import Limits, TGIParameters, tgi_generation_params
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams, ShardDivergence
-from loom_router.validation import Limits, TGIParameters, tgi_generation_params
 from tests.net import free_port
 
 

@@ -12,8 +12,8 @@ import pytest
 from api_fakes import FakeShardClient
 from test_api import Harness, router_config, sse_payloads
 
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
 from loom_router.tokenizer import Tokenizer, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))

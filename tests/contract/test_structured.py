@@ -22,9 +22,9 @@ from fake_shard import FakeShard
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import WarmupResult
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.grammar import COMPILE_THREADS, ConstraintSpec
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
+from loom_router.structured.grammar import COMPILE_THREADS, ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 
 SCHEMA = {

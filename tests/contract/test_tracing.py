@@ -20,12 +20,12 @@ from grpc_fakes import FakeRunner
 from test_api import router_config
 from test_grpc import decode_plan
 
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.metrics import RouterMetrics
-from loom_router.shard_client import ShardClient
+from loom_router.core.engine import Engine
+from loom_router.core.shard_client import ShardClient
+from loom_router.frontend.api import create_app
+from loom_router.observability.metrics import RouterMetrics
+from loom_router.observability.tracing import configure_tracing, traces_url
 from loom_router.tokenizer import Tokenizer
-from loom_router.tracing import configure_tracing, traces_url
 from loom_shard.server import ShardServicer, start_server
 from loom_shard.tracing import ShardTracer
 from loom_shard.tracing import configure_tracing as configure_shard_tracing

@@ -83,7 +83,7 @@ def test_dashboard_covers_exactly_the_documented_metrics() -> None:
 
 
 def test_dashboard_metrics_are_what_the_router_exports() -> None:
-    from loom_router.metrics import RouterMetrics
+    from loom_router.observability.metrics import RouterMetrics
     from loom_router.types import EngineStats, StepRecord
 
     metrics = RouterMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}, shard_healthy=[True]))

@@ -9,10 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from loom_proto.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_router.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler, MaskFiller, allowed_ids
-from loom_router.tokenizer import Tokenizer, load_tokenizer
-from loom_router.tool_stream import tool_chunks
-from loom_router.tools import (
+from loom_router.frontend.tool_stream import tool_chunks
+from loom_router.frontend.tools import (
     ToolFields,
     ToolMode,
     chat_message,
@@ -21,6 +19,8 @@ from loom_router.tools import (
     plan_tools,
     template_inputs,
 )
+from loom_router.structured.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler, MaskFiller, allowed_ids
+from loom_router.tokenizer import Tokenizer, load_tokenizer
 from loom_router.types import ChoiceEvent, FinishReason, GeneratedToken, ValidationError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

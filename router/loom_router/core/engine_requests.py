@@ -1,6 +1,6 @@
 """The engine's request bookkeeping: what happens to a step's outputs and to finished requests.
 
-`Engine` (loom_router.engine) runs the step loop; this base class owns the per-request
+`Engine` (loom_router.core.engine) runs the step loop; this base class owns the per-request
 state it feeds: detokenizers and stop matchers, grammar matchers, finishing and failing
 streams, and the counters the metrics read. Everything here runs inside the loop task.
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult
-from loom_router.grammar import Matcher
-from loom_router.request import Sequence, SequenceGroup
-from loom_router.scheduler import Scheduler
-from loom_router.stream import DONE, GenerationStream
-from loom_router.text import IncrementalDetokenizer, StopMatcher
+from loom_router.core.request import Sequence, SequenceGroup
+from loom_router.core.scheduler import Scheduler
+from loom_router.frontend.stream import DONE, GenerationStream
+from loom_router.frontend.text import IncrementalDetokenizer, StopMatcher
+from loom_router.structured.grammar import Matcher
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import (
     ChoiceEvent,

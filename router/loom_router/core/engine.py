@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from loom_proto.codec import unencodable_requests
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
-from loom_router.engine_requests import CONSTRAINT_FAILED, RequestBook, _Active
-from loom_router.grammar import GrammarCompiler, MaskFiller
-from loom_router.lookahead import AheadRole, InFlight, plan_ahead
-from loom_router.request import Sequence, SequenceGroup
-from loom_router.scheduler import Scheduler, SchedulerConfig
-from loom_router.shard_client import ShardError
-from loom_router.shard_watch import ShardWatch
-from loom_router.speculate import SpeculateConfig, Speculator, generated_counts
-from loom_router.stream import DONE, GenerationStream
+from loom_router.core.engine_requests import CONSTRAINT_FAILED, RequestBook, _Active
+from loom_router.core.lookahead import AheadRole, InFlight, plan_ahead
+from loom_router.core.request import Sequence, SequenceGroup
+from loom_router.core.scheduler import Scheduler, SchedulerConfig
+from loom_router.core.shard_client import ShardError
+from loom_router.core.shard_watch import ShardWatch
+from loom_router.core.speculate import SpeculateConfig, Speculator, generated_counts
+from loom_router.frontend.stream import DONE, GenerationStream
+from loom_router.structured.grammar import GrammarCompiler, MaskFiller
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import (
     EngineStats,
@@ -44,7 +44,7 @@ from loom_router.types import (
 )
 
 if TYPE_CHECKING:
-    from loom_router.tracing import RequestTracer
+    from loom_router.observability.tracing import RequestTracer
 
 log = logging.getLogger("loom.engine")
 _NO_SPAN = nullcontext()  # reusable: no allocation per step while tracing is off
@@ -468,8 +468,8 @@ class Engine(RequestBook):
 
     async def _check_shards_after(self, err: Exception) -> None:
         """A shard that is unreachable, or fails Health after a failed step, is down: new
-        requests then get 503 at the door (loom_router.guard) and no step runs until the shards
-        answer again (loom_router.shard_watch)."""
+        requests then get 503 at the door (loom_router.frontend.guard) and no step runs until the shards
+        answer again (loom_router.core.shard_watch)."""
         down = isinstance(err, ShardError) and err.code == "UNAVAILABLE"
         if not down:
             try:

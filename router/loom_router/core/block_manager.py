@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from loom_router.request import Sequence
+from loom_router.core.request import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

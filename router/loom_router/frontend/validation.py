@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loom_proto.step import SamplingParams
-from loom_router.structured import ConstraintFields, TGIGrammar
-from loom_router.tools import ToolFields
+from loom_router.frontend.tools import ToolFields
+from loom_router.structured.fields import ConstraintFields, TGIGrammar
 from loom_router.types import GenerationParams, ValidationError
 
 SEED_LIMIT = 2**63  # seeds are 63-bit so that seed + choice index stays a valid int64

@@ -158,7 +158,7 @@ class GrammarCompiler:
             future = self._pool.submit(self.compile, spec)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.compile_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if future.cancelled():  # never started
                 raise OverloadedError(f"no thread was free to compile the constraint within "
                                       f"{self.compile_timeout_s:g} s; retry later") from None

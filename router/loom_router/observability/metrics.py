@@ -1,6 +1,6 @@
 """Prometheus metrics of the router: HTTP and latency metrics recorded per request, the
 engine's counters and gauges read from `EngineStats` at scrape time, and TGI's metrics by
-TGI's names (loom_router.tgi_metrics). One registry per app."""
+TGI's names (loom_router.observability.tgi_metrics). One registry per app."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loom_router.request_log import RequestSummary, log_request
-from loom_router.tgi_metrics import RequestTimes, TgiMetrics, tgi_gauges
+from loom_router.observability.request_log import RequestSummary, log_request
+from loom_router.observability.tgi_metrics import RequestTimes, TgiMetrics, tgi_gauges
 from loom_router.types import ChoiceEvent, EngineStats, FinishReason, StepRecord
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -111,7 +111,7 @@ class RouterMetrics:
     """The router's metrics, in a registry of its own (no global state)."""
 
     def __init__(self, read_stats: Callable[[], EngineStats] | None = None, tracer: Any = None) -> None:
-        self.tracer = tracer  # loom_router.tracing.RequestTracer, with --otlp-endpoint
+        self.tracer = tracer  # loom_router.observability.tracing.RequestTracer, with --otlp-endpoint
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("loom_http_requests", "HTTP requests by route and status",

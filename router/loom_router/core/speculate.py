@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom_proto.step import RunningRequest, SeqOutput, accepted_drafts, blocks_after_verify
-from loom_router.block_manager import BlockManager
-from loom_router.request import Sequence
+from loom_router.core.block_manager import BlockManager
+from loom_router.core.request import Sequence
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,5 +1,5 @@
 """The router's HTTP app: error handling, the text-generation-inference routes, and the
-OpenAI routes (loom_router.openai_api) mounted beside them."""
+OpenAI routes (loom_router.frontend.openai_api) mounted beside them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from loom_proto.config import RouterConfig
-from loom_router import guard, openai_api, openapi_errors, playground, snapshots
-from loom_router.http_common import (
+from loom_router.frontend import guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend.http_common import (
     AppState,
     ChoiceResult,
     ClientDisconnected,
@@ -30,11 +30,18 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
-from loom_router.json_body import UnicodeJSONRoute
-from loom_router.lifecycle import add_readiness_routes
-from loom_router.metrics import MetricsMiddleware, RouterMetrics
-from loom_router.structured import compile_constraint, tgi_constraint_spec
-from loom_router.text import token_spans, token_texts
+from loom_router.frontend.json_body import UnicodeJSONRoute
+from loom_router.frontend.lifecycle import add_readiness_routes
+from loom_router.frontend.text import token_spans, token_texts
+from loom_router.frontend.validation import (
+    TGIParameters,
+    TGIRequest,
+    TokenizeRequest,
+    check_tgi,
+    tgi_generation_params,
+)
+from loom_router.observability.metrics import MetricsMiddleware, RouterMetrics
+from loom_router.structured.fields import compile_constraint, tgi_constraint_spec
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
     ChoiceEvent,
@@ -44,13 +51,6 @@ from loom_router.types import (
     OverloadedError,
     UnavailableError,
     ValidationError,
-)
-from loom_router.validation import (
-    TGIParameters,
-    TGIRequest,
-    TokenizeRequest,
-    check_tgi,
-    tgi_generation_params,
 )
 
 

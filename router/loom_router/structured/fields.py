@@ -5,7 +5,7 @@
   older top-level `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 - TGI: `parameters.grammar` {"type": "json" | "json_object" | "regex", "value": ...}.
 
-Compilation (and its 422) happens in `loom_router.grammar`.
+Compilation (and its 422) happens in `loom_router.structured.grammar`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loom_router.grammar import MAX_CHOICES, ConstraintKind, ConstraintSpec, Grammar
+from loom_router.structured.grammar import MAX_CHOICES, ConstraintKind, ConstraintSpec, Grammar
 from loom_router.types import ValidationError
 
 Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]

@@ -31,14 +31,14 @@ from starlette.convertors import PathConvertor, register_url_convertor
 from loom_proto import snapshot as snap
 from loom_proto.snapshot import Manifest, SnapshotError, SnapshotReply, SnapshotStatus
 from loom_proto.step import SamplingParams
-from loom_router.block_manager import CachedFill
-from loom_router.http_common import AppState, encode, get_state
-from loom_router.json_body import UnicodeJSONRoute
-from loom_router.metrics import note_snapshot_failure
-from loom_router.scheduler import Scheduler
-from loom_router.shard_client import ShardError
+from loom_router.core.block_manager import CachedFill
+from loom_router.core.scheduler import Scheduler
+from loom_router.core.shard_client import ShardError
+from loom_router.frontend.http_common import AppState, encode, get_state
+from loom_router.frontend.json_body import UnicodeJSONRoute
+from loom_router.frontend.validation import ChatMessage, Text, TokenIds
+from loom_router.observability.metrics import note_snapshot_failure
 from loom_router.types import GenerationParams
-from loom_router.validation import ChatMessage, Text, TokenIds
 
 log = logging.getLogger("loom.snapshots")
 
@@ -380,7 +380,7 @@ class AnyNameConvertor(PathConvertor):
 
 
 def build_router() -> APIRouter:
-    """The snapshot routes (mounted by loom_router.api.create_app)."""
+    """The snapshot routes (mounted by loom_router.frontend.api.create_app)."""
     register_url_convertor("any_name", AnyNameConvertor())  # idempotent
     router = APIRouter(tags=["Snapshots"], route_class=UnicodeJSONRoute)
     name_path = ROUTE_PREFIX + "/{name:any_name}"

@@ -12,9 +12,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from loom_proto.step import Fork, NewRequest, RunningRequest, SeqOutput, StepPlan, StepResult
-from loom_router.block_manager import BlockManager
-from loom_router.request import SeqStatus, Sequence, SequenceGroup
-from loom_router.speculate import Speculator
+from loom_router.core.block_manager import BlockManager
+from loom_router.core.request import SeqStatus, Sequence, SequenceGroup
+from loom_router.core.speculate import Speculator
 
 
 @dataclass(slots=True, frozen=True)
@@ -187,7 +187,7 @@ class Scheduler:
 
     def admit_waiting(self, plan: StepPlan, num_decodes: int) -> None:
         """Admit waiting groups into `plan`, a step of `num_decodes` decodes planned ahead
-        (loom_router.lookahead), as schedule() would after them: FIFO, the prefill budget
+        (loom_router.core.lookahead), as schedule() would after them: FIFO, the prefill budget
         left by the decodes, no preemption."""
         self._schedule_waiting(_Step(plan, self.config.max_batch_prefill_tokens - num_decodes))
         self._refresh_gauges()
@@ -439,7 +439,7 @@ class Scheduler:
 
     def _verify(self, seq: Sequence, request: RunningRequest, out: SeqOutput,
                 returned: list[tuple[Sequence, SeqOutput]]) -> None:
-        """A decode that carried drafts: one output per token kept (see loom_router.speculate)."""
+        """A decode that carried drafts: one output per token kept (see loom_router.core.speculate)."""
         assert self.speculator is not None
         if seq.num_computed < seq.num_prompt_tokens:  # it computed a prompt's last token
             self.stats.prompt_tokens_computed += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from loom_router.metrics import RouterMetrics
+from loom_router.observability.metrics import RouterMetrics
 
 log = logging.getLogger("loom.metrics")
 MAX_REQUEST_HEAD_BYTES = 16 << 10

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from loom_router.http_common import (
+from loom_router.frontend.http_common import (
     AppState,
     ChoiceResult,
     EventStreamResponse,
@@ -25,11 +25,24 @@ from loom_router.http_common import (
     sse,
     tracked,
 )
-from loom_router.json_body import UnicodeJSONRoute
-from loom_router.structured import compile_constraint
-from loom_router.text import token_texts
-from loom_router.tool_stream import tool_chunks
-from loom_router.tools import ToolMode, ToolPlan, chat_constraint_spec, chat_message, plan_tools, template_inputs
+from loom_router.frontend.json_body import UnicodeJSONRoute
+from loom_router.frontend.text import token_texts
+from loom_router.frontend.tool_stream import tool_chunks
+from loom_router.frontend.tools import (
+    ToolMode,
+    ToolPlan,
+    chat_constraint_spec,
+    chat_message,
+    plan_tools,
+    template_inputs,
+)
+from loom_router.frontend.validation import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_openai,
+    openai_generation_params,
+)
+from loom_router.structured.fields import compile_constraint
 from loom_router.types import (
     ChoiceEvent,
     GeneratedToken,
@@ -37,12 +50,6 @@ from loom_router.types import (
     GenerationParams,
     PromptInfo,
     ValidationError,
-)
-from loom_router.validation import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_openai,
-    openai_generation_params,
 )
 
 SYSTEM_FINGERPRINT = "loom"

@@ -14,7 +14,8 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from loom_proto.config import RouterConfig
-from loom_router.metrics import RequestTimer, RouterMetrics
+from loom_router.frontend.validation import Limits
+from loom_router.observability.metrics import RequestTimer, RouterMetrics
 from loom_router.types import (
     ChoiceEvent,
     FinishReason,
@@ -23,7 +24,6 @@ from loom_router.types import (
     PromptInfo,
     ValidationError,
 )
-from loom_router.validation import Limits
 
 # The default character cap per allowed input token: above any real tokenizer's average
 # (about 4 for English), so only inputs that could never fit are refused untokenized.
@@ -39,7 +39,7 @@ class AppState:
     """Everything a route needs, stored on `app.state.loom`."""
 
     config: RouterConfig
-    engine: Any  # loom_router.engine.Engine (typed loosely: tests may pass their own)
+    engine: Any  # loom_router.core.engine.Engine (typed loosely: tests may pass their own)
     metrics: RouterMetrics
     model_name: str
 

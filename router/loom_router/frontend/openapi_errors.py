@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from loom_router import openai_api
+from loom_router.frontend import openai_api
 
 TGI_ERROR = {"type": "object", "required": ["error", "error_type"],
              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}

@@ -20,9 +20,9 @@ from typing import Any
 
 from loom_proto.step import StepPlan
 from loom_proto.tracing import ATTR_REQUEST_IDS, ROUTER_STEP_SPAN, StepCounts, traces_url
-from loom_router.request_log import RequestSummary
-from loom_router.shard_client import Metadata
-from loom_router.tgi_metrics import RequestTimes
+from loom_router.core.shard_client import Metadata
+from loom_router.observability.request_log import RequestSummary
+from loom_router.observability.tgi_metrics import RequestTimes
 
 log = logging.getLogger("loom.tracing")
 

@@ -48,7 +48,7 @@ def build_router() -> APIRouter:
     @router.get(PAGE_PATH, summary="The chat playground, an HTML page (POST / is TGI's generate)",
                 response_class=HTMLResponse)
     async def page(request: Request) -> Response:
-        if not takes_html(request):  # raised: the error reads as every other (loom_router.openapi_errors)
+        if not takes_html(request):  # raised: the error reads as every other (loom_router.frontend.openapi_errors)
             raise HTTPException(status_code=406, detail="GET / answers an HTML page (the playground); "
                                 "this client's Accept takes no text/html")
         return HTMLResponse(_read("index.html"), headers={"Cache-Control": "no-cache"})

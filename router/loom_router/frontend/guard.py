@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loom_proto.config import RouterConfig
-from loom_router import openai_api
-from loom_router.playground import is_public
+from loom_router.frontend import openai_api
+from loom_router.frontend.playground import is_public
 
 HEALTH_PATHS = frozenset({"/health", "/ready", "/v2/health/ready"})  # always open: orchestrators probe them
 METRICS_PATH = "/metrics"

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from loom_router.request import Sequence
+from loom_router.core.request import Sequence
 from loom_router.types import ChoiceEvent, GenerationError, PromptInfo
 
 DONE = object()  # the stream's end marker

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loom_router.http_common import sse
-from loom_router.tools import CALL_OPEN, ToolMode, ToolPlan, finish_reason, open_prefix_length, parse_output
+from loom_router.frontend.http_common import sse
+from loom_router.frontend.tools import CALL_OPEN, ToolMode, ToolPlan, finish_reason, open_prefix_length, parse_output
 from loom_router.types import ChoiceEvent, GenerationError, PromptInfo
 
 UsageFn = Callable[[PromptInfo, int], dict[str, Any]]

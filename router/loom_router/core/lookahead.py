@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loom_proto.step import RunningRequest, StepPlan, StepResult
-from loom_router.request import Sequence
-from loom_router.scheduler import Scheduler
+from loom_router.core.request import Sequence
+from loom_router.core.scheduler import Scheduler
 
 
 class AheadRole(enum.Enum):
