@@ -10,10 +10,9 @@ from importlib.resources import files
 import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
+from router_harness import start_router
 
 from loom_proto.config import RouterConfig
-from loom_router.core.engine import Engine
-from loom_router.frontend.api import create_app
 from loom_router.frontend.playground import is_public
 from loom_router.tokenizer import load_tokenizer
 
@@ -25,12 +24,11 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
     tokenizer = load_tokenizer("")
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_total_tokens=64)
-    engine = Engine(config, backend, tokenizer)
-    await engine.start()
-    app = create_app(engine, config)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as c:
-        yield c
-    await engine.stop(drain_timeout_s=1.0)
+    router = await start_router(config, backend, tokenizer)
+    try:
+        yield router.http
+    finally:
+        await router.stop()
 
 
 async def test_a_browser_gets_the_page_and_its_files(client: httpx.AsyncClient) -> None:

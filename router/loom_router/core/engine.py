@@ -1,12 +1,13 @@
-"""The router's engine: one loop that schedules, steps the shards and streams tokens.
+"""The engine core's loop: it schedules, steps the shards and hands each token to its sink.
 
     plan   = scheduler.schedule()      # allocates via the block manager
     result = await shards.step(plan)   # same message to every TP shard
     for seq, out in scheduler.update(plan, result): postprocess(seq, out)
 
-HTTP handlers talk to it through `submit()` and the `GenerationStream` it returns.
-Every scheduler mutation happens inside the loop task, between steps; code outside the
-loop (snapshots) hands it callables through `run_between_steps()`.
+Requests come in through `add()` (loom_router.core.server, for the frontends); cancels and stop
+strings the frontends found come in through `cancel()` and `stop_choice()`, applied between steps.
+Every scheduler mutation happens inside the loop task, between steps; code outside the loop
+(snapshots) hands it callables through `run_between_steps()`.
 """
 
 from __future__ import annotations
@@ -22,25 +23,24 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from loom_proto.codec import unencodable_requests
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
-from loom_router.core.engine_requests import CONSTRAINT_FAILED, RequestBook, _Active
+from loom_router.contract import Limits, Status, Submit, check_lengths
+from loom_router.core.engine_requests import CONSTRAINT_FAILED, RequestBook, Sink, _Active
 from loom_router.core.lookahead import AheadRole, InFlight, plan_ahead
 from loom_router.core.request import Sequence, SequenceGroup
 from loom_router.core.scheduler import Scheduler, SchedulerConfig
 from loom_router.core.shard_client import ShardError
 from loom_router.core.shard_watch import ShardWatch
 from loom_router.core.speculate import SpeculateConfig, Speculator, generated_counts
-from loom_router.frontend.stream import DONE, GenerationStream
-from loom_router.structured.grammar import GrammarCompiler, MaskFiller
+from loom_router.structured.grammar import Grammar, GrammarCompiler, MaskFiller
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import (
     EngineStats,
+    FinishReason,
     GenerationError,
-    GenerationParams,
     OverloadedError,
     ShardDivergence,
     StepRecord,
     UnavailableError,
-    ValidationError,
 )
 
 if TYPE_CHECKING:
@@ -70,25 +70,30 @@ class Engine(RequestBook):
         self.client = client
         self.tokenizer = tokenizer
         self.model_info: ModelInfo | None = None
+        self.limits: Limits | None = None
         self.max_total_tokens = 0
         self.max_input_tokens = 0
         self.max_batch_total_tokens = 0
         self.scheduler: Scheduler | None = None
         self._active: dict[int, _Active] = {}
         self._pending_adds: list[SequenceGroup] = []
-        self._pending_aborts: set[int] = set()
+        self._pending_aborts: dict[int, str] = {}  # group id -> outcome ("cancelled" or "error")
+        self._pending_stops: list[tuple[int, int, int]] = []  # (group id, choice, num_generated)
+        self.held: dict[int, Sequence] = {}  # hold_blocks requests that finished, until release_held
         self._between_steps: list[tuple[Callable[[Scheduler], object], asyncio.Future[object]]] = []
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
-        self._watch = ShardWatch(lambda: self.client.health())  # down: new requests get 503, no step runs
+        # down: new requests get 503, no step runs
+        self._watch = ShardWatch(lambda: self.client.health(), on_change=self._status_changed)
         self._watch_task: asyncio.Task[None] | None = None
         self._loop_error: BaseException | None = None
         self._counters = EngineStats()
         # Called when the loop dies (a bug, or tensor-parallel ranks that diverged).
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.step_observers: list[Callable[[StepRecord], None]] = []  # the metrics, told of every step
+        self.status_observers: list[Callable[[Status], None]] = []  # the frontends, told when `accepting` changes
         self.tracer: RequestTracer | None = None  # --otlp-endpoint: a `step` span around each step
         self.grammars = GrammarCompiler(tokenizer)
         self._masks = MaskFiller(self.grammars)
@@ -105,18 +110,22 @@ class Engine(RequestBook):
         self.max_input_tokens = self.config.max_input_tokens or self.max_total_tokens - 1
         warm = await self.client.warmup(self.config.max_batch_prefill_tokens, self.config.max_batch_total_tokens)
         self.max_batch_total_tokens = warm.num_blocks * warm.block_size
-        self.scheduler = Scheduler(SchedulerConfig(
+        scheduler_config = SchedulerConfig(
             block_size=warm.block_size,
             num_blocks=warm.num_blocks,
             num_host_blocks=warm.num_host_blocks,
             max_batch_prefill_tokens=self.config.max_batch_prefill_tokens,
             max_batch_total_tokens=self.max_batch_total_tokens,
-        ))
+        )
+        self.scheduler = Scheduler(scheduler_config)
+        self.limits = Limits(self.max_total_tokens, self.max_input_tokens, self.max_batch_total_tokens,
+                             warm.block_size, scheduler_config.num_usable_blocks, scheduler_config.max_num_seqs)
         self._start_speculation()
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens), %d host blocks",
                  warm.num_blocks, warm.block_size, self.max_batch_total_tokens, warm.num_host_blocks)
         self._loop_task = asyncio.create_task(self._run(), name="loom-engine")
         self._watch_task = asyncio.create_task(self._watch.run(), name="loom-shard-watch")
+        self._status_changed()
 
     def _start_speculation(self) -> None:
         config = self.config
@@ -132,7 +141,7 @@ class Engine(RequestBook):
 
     async def stop(self, drain_timeout_s: float = 60.0) -> None:
         """Graceful drain: refuse new work, let in-flight requests finish, stop the loop."""
-        self._draining = True
+        self.begin_drain()
         deadline = time.monotonic() + drain_timeout_s
         while self._active and time.monotonic() < deadline and self._loop_alive():
             await asyncio.sleep(0.05)
@@ -153,9 +162,22 @@ class Engine(RequestBook):
         """Ready for new requests: warmed up, not draining, the loop running, every shard up."""
         return self.scheduler is not None and not self._draining and not self._watch.down and self._loop_alive()
 
+    @property
+    def status(self) -> Status:
+        reason = ("draining" if self._draining else "a shard is down" if self._watch.down
+                  else "" if self._loop_alive() else "the engine loop is not running")
+        return Status(self.accepting, self._draining, reason)
+
+    def _status_changed(self) -> None:
+        status = self.status
+        for observe in self.status_observers:
+            observe(status)
+
     def begin_drain(self) -> None:
         """Refuse new requests from now on (readiness fails at once)."""
-        self._draining = True
+        if not self._draining:
+            self._draining = True
+            self._status_changed()
 
     async def drain(self, timeout_s: float) -> None:
         """Let in-flight requests finish within `timeout_s`; the rest then end with an error event."""
@@ -178,7 +200,7 @@ class Engine(RequestBook):
         for group_id, active in list(self._active.items()):
             if active.group not in self._pending_adds:
                 scheduler.abort(group_id)
-            self._count_finish("error", active)
+            self._count_finish("error")
         self._pending_adds.clear()
         self._fail_all(error)
 
@@ -192,39 +214,19 @@ class Engine(RequestBook):
     # ---- requests --------------------------------------------------------------------
 
     def validate_lengths(self, num_input_tokens: int, max_new_tokens: int | None, n: int) -> int:
-        """Check a request's lengths against the limits; returns its max_new_tokens.
+        """Check a request's lengths against the limits (loom_router.contract.check_lengths)."""
+        assert self.limits is not None
+        return check_lengths(self.limits, num_input_tokens, max_new_tokens, n)
 
-        Unset, max_new_tokens is the whole rest of the context.
+    def add(self, request: Submit, sink: Sink, grammar: Grammar | None = None, hold_blocks: bool = False) -> int:
+        """Queue one request; its tokens and failure go to `sink`. Returns its group id.
+
+        hold_blocks (n == 1): when it finishes, its blocks stay allocated in `held[group_id]`
+        until `release_held(group_id)`; a cancelled or failed request holds nothing.
+        Raises OverloadedError, UnavailableError, GenerationError, ValidationError.
         """
-        if num_input_tokens == 0:
-            raise ValidationError("Input validation error: `inputs` cannot be empty")
-        if num_input_tokens > self.max_input_tokens:
-            raise ValidationError(
-                f"Input validation error: `inputs` must have less than {self.max_input_tokens + 1} tokens. "
-                f"Given: {num_input_tokens}")
-        if max_new_tokens is None:
-            max_new_tokens = self.max_total_tokens - num_input_tokens
-        if max_new_tokens <= 0:
-            raise ValidationError(f"Input validation error: `max_new_tokens` must be strictly positive. "
-                                  f"Given: {max_new_tokens}")
-        if num_input_tokens + max_new_tokens > self.max_total_tokens:
-            raise ValidationError(
-                f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= {self.max_total_tokens}. "
-                f"Given: {num_input_tokens} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
-        assert self.scheduler is not None
-        if not self.scheduler.can_ever_fit(num_input_tokens + max_new_tokens, n):
-            raise ValidationError(
-                f"Input validation error: {n} sequence(s) of {num_input_tokens} + {max_new_tokens} tokens "
-                f"cannot fit in the KV cache ({self.max_batch_total_tokens} tokens) even alone")
-        return max_new_tokens
-
-    def submit(self, prompt_ids: list[int], params: GenerationParams, hold_blocks: bool = False) -> GenerationStream:
-        """Queue one request; its events arrive on the returned stream.
-
-        hold_blocks (n == 1): when it finishes, its blocks stay allocated in `stream.held`
-        until `release_held(stream)`; a cancelled or failed request holds nothing.
-        """
-        assert not hold_blocks or params.n == 1
+        n = len(request.choices)
+        assert not hold_blocks or n == 1
         if self._draining:
             raise OverloadedError("the server is shutting down")
         if not self._loop_alive():
@@ -234,29 +236,40 @@ class Engine(RequestBook):
         if len(self._active) >= self.config.max_concurrent_requests:
             raise OverloadedError(f"Model is overloaded: {len(self._active)} requests in flight "
                                   f"(--max-concurrent-requests {self.config.max_concurrent_requests})")
-        self.validate_lengths(len(prompt_ids), params.max_new_tokens, params.n)
+        self.validate_lengths(len(request.prompt_ids), request.max_new_tokens, n)
         group_id = next(self._ids)
         group = SequenceGroup.create(
             group_id=group_id,
-            prompt_ids=list(prompt_ids),
-            samplings=params.choices,
+            prompt_ids=list(request.prompt_ids),
+            samplings=request.choices,
             first_seq_id=group_id * self.config.max_n,
-            prompt_logprobs=params.prompt_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         )
-        stream = GenerationStream(self.cancel, group_id, len(prompt_ids), self.config.stream_buffer_events)
-        stream.max_new_tokens = params.max_new_tokens
-        texts = {seq.seq_id: self._new_text(prompt_ids, params) for seq in group.seqs}
-        self._active[group_id] = _Active(group, params, stream, texts, params.n, time.monotonic(), [None],
-                                         hold_blocks)
-        if params.grammar is not None:
-            self._active[group_id].matchers = {seq.seq_id: params.grammar.new_matcher() for seq in group.seqs}
+        active = _Active(group, request, sink, n, time.monotonic(), [None], hold_blocks)
+        if grammar is not None:
+            active.matchers = {seq.seq_id: grammar.new_matcher() for seq in group.seqs}
+        self._active[group_id] = active
         self._pending_adds.append(group)
         self._wakeup.set()
-        return stream
+        return group_id
 
-    def cancel(self, group_id: int) -> None:
+    def cancel(self, group_id: int, outcome: str = "cancelled") -> None:
+        """The client went away (or the drain ran out of time): free its blocks before the next step."""
         if group_id in self._active:
-            self._pending_aborts.add(group_id)
+            self._pending_aborts[group_id] = outcome
+            self._wakeup.set()
+
+    def cancel_all_of(self, sink: Sink, outcome: str) -> int:
+        """Cancel every request whose tokens go to `sink` (a frontend that is gone); how many."""
+        group_ids = [group_id for group_id, active in self._active.items() if active.sink is sink]
+        for group_id in group_ids:
+            self.cancel(group_id, outcome)
+        return len(group_ids)
+
+    def stop_choice(self, group_id: int, index: int, num_generated: int) -> None:
+        """A frontend found a stop string in choice `index`: it ends there (between steps)."""
+        if group_id in self._active:
+            self._pending_stops.append((group_id, index, num_generated))
             self._wakeup.set()
 
     def run_between_steps(self, fn: Callable[[Scheduler], T]) -> asyncio.Future[T]:
@@ -270,9 +283,9 @@ class Engine(RequestBook):
         self._wakeup.set()
         return future
 
-    def release_held(self, stream: GenerationStream) -> None:
+    def release_held(self, group_id: int) -> None:
         """Give back the blocks a hold_blocks request kept (between steps; idempotent)."""
-        seq, stream.held = stream.held, None
+        seq = self.held.pop(group_id, None)
         if seq is not None:
             self.run_between_steps(lambda scheduler: scheduler.block_manager.free(seq))
 
@@ -292,7 +305,7 @@ class Engine(RequestBook):
                     plan = self.scheduler.schedule()
                     if plan is None:
                         self._wakeup.clear()
-                        if not (self._pending_adds or self._pending_aborts or self._between_steps):
+                        if not (self._pending_adds or self._pending_aborts or self._pending_stops or self._between_steps):
                             await self._wakeup.wait()
                         continue
                     if not self._prepare(plan):
@@ -318,6 +331,7 @@ class Engine(RequestBook):
             log.critical("engine loop crashed: %s", err, exc_info=not isinstance(err, ShardDivergence))
             self._loop_error = err
             self._fail_all(GenerationError(f"engine loop crashed: {err!r}"))
+            self._status_changed()
             if self.on_fatal is not None:
                 self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
             raise
@@ -328,7 +342,7 @@ class Engine(RequestBook):
 
     def _send_ahead(self, plan: StepPlan) -> InFlight | None:
         """Send the step after `plan` now, if it can be planned before plan's outputs (see lookahead)."""
-        if self._pending_aborts or self._between_steps:
+        if self._pending_aborts or self._pending_stops or self._between_steps:
             return None  # they change what runs: apply them between two steps, as without lookahead
         assert self.scheduler is not None
         self._apply_pending()  # new requests: admitted into the step ahead when they fit
@@ -381,13 +395,13 @@ class Engine(RequestBook):
             return AheadRole.SKIP  # finished; its step-late release is pending
         if active is None or active.hold_blocks or active.matchers:
             return AheadRole.BLOCK  # held blocks must not hold an extra token; grammars need each token
-        if seq.num_generated + 1 >= active.params.max_new_tokens:
+        if seq.num_generated + 1 >= active.request.max_new_tokens:
             return AheadRole.SKIP  # the step in flight samples its last token
         return AheadRole.RUN
 
     def _apply_pending(self) -> None:
         assert self.scheduler is not None
-        for group_id in self._pending_aborts:
+        for group_id, outcome in self._pending_aborts.items():
             active = self._active.pop(group_id, None)
             if active is None:
                 continue
@@ -395,10 +409,13 @@ class Engine(RequestBook):
                 self._pending_adds.remove(active.group)
             else:
                 self.scheduler.abort(group_id)
-            active.stream.closed = True
-            active.stream.put(DONE)
-            self._count_finish("cancelled", active)
+            self._count_finish(outcome)
         self._pending_aborts.clear()
+        for group_id, index, _ in self._pending_stops:
+            active = self._active.get(group_id)
+            if active is not None and not active.group.seqs[index].is_finished:
+                self._finish(active, active.group.seqs[index], FinishReason.STOP)
+        self._pending_stops.clear()
         for group in self._pending_adds:
             self.scheduler.add(group)
         self._pending_adds.clear()

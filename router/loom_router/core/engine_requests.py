@@ -1,8 +1,10 @@
 """The engine's request bookkeeping: what happens to a step's outputs and to finished requests.
 
-`Engine` (loom_router.core.engine) runs the step loop; this base class owns the per-request
-state it feeds: detokenizers and stop matchers, grammar matchers, finishing and failing
-streams, and the counters the metrics read. Everything here runs inside the loop task.
+`Engine` (loom_router.core.engine) runs the step loop; this base class owns the per-request state
+it feeds: grammar matchers, finish decisions (EOS, length, a complete grammar), failing requests,
+and the counters the metrics read. A request's tokens go to its sink (its frontend's outbox, or a
+consumer inside the core): text, stop strings and streaming are the frontends'. Everything here
+runs inside the loop task.
 """
 
 from __future__ import annotations
@@ -12,48 +14,41 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import ModelInfo, SeqOutput, StepPlan, StepResult
+from loom_router.contract import Limits, PromptInfo, Submit
 from loom_router.core.request import Sequence, SequenceGroup
 from loom_router.core.scheduler import Scheduler
-from loom_router.frontend.stream import DONE, GenerationStream
-from loom_router.frontend.text import IncrementalDetokenizer, StopMatcher
 from loom_router.structured.grammar import Matcher
 from loom_router.tokenizer import Tokenizer
-from loom_router.types import (
-    ChoiceEvent,
-    EngineStats,
-    FinishReason,
-    GeneratedToken,
-    GenerationError,
-    GenerationParams,
-    StepRecord,
-)
+from loom_router.types import EngineStats, FinishReason, GenerationError, StepRecord, status_of
 
 log = logging.getLogger("loom.engine")
 CONSTRAINT_FAILED = "the output constraint cannot be enforced (nothing that breaks it was returned)"
 
 
-@dataclass(slots=True)
-class _SeqText:
-    """Per-sequence text state: detokenizer, stop matcher and its finish decision."""
+class Sink(Protocol):
+    """Where a request's tokens and failure go (loom_router.core.outbox.Outbox has this shape)."""
 
-    detokenizer: IncrementalDetokenizer
-    stop: StopMatcher
+    def token(self, group_id: int, index: int, token_id: int, logprob: float, num_generated: int,
+              finish: str | None, top_tokens: list[tuple[int, float]] | None, prompt: PromptInfo | None) -> None: ...
+
+    def fail(self, group_id: int, status: int, message: str) -> None: ...
 
 
 @dataclass(slots=True)
 class _Active:
     group: SequenceGroup
-    params: GenerationParams
-    stream: GenerationStream
-    texts: dict[int, _SeqText]  # by seq_id
+    request: Submit  # its parameters, as the frontend sent them
+    sink: Sink
     num_open: int  # choices not finished yet
     arrival: float
     prompt_logprobs: list[float | None]  # filled chunk by chunk when asked for
-    hold_blocks: bool = False  # keep the finished sequence's blocks (see GenerationStream.held)
+    hold_blocks: bool = False  # keep the finished sequence's blocks (Engine.held)
     matchers: dict[int, Matcher] = field(default_factory=dict)  # by seq_id, for constrained requests
+    scheduled_at: float | None = None  # the first step that ran it (time.monotonic)
 
 
 class RequestBook:
@@ -63,6 +58,7 @@ class RequestBook:
     client: object
     tokenizer: Tokenizer
     model_info: ModelInfo | None
+    limits: Limits | None
     max_batch_total_tokens: int
     scheduler: Scheduler | None
     _active: dict[int, _Active]
@@ -72,24 +68,21 @@ class RequestBook:
     step_observers: list[Callable[[StepRecord], None]]
     _ahead_ids: set[int]
     _late: list[Sequence]
-
-    def _new_text(self, prompt_ids: list[int], params: GenerationParams) -> _SeqText:
-        return _SeqText(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
+    held: dict[int, Sequence]
 
     def _fail(self, group_id: int, error: GenerationError) -> None:
         active = self._active.pop(group_id, None)
         if active is not None:
-            active.stream.closed = True
-            active.stream.put(error)
-            self._count_finish("error", active)
+            active.sink.fail(group_id, status_of(error), str(error))
+            self._count_finish("error")
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         """The first step that runs a request ends its queue time (TGI's queue duration)."""
-        now = time.perf_counter()
+        now = time.monotonic()
         for new in plan.new_requests:
             active = self._active.get(self._group_of(new.request_id))
-            if active is not None and active.stream.scheduled_at is None:
-                active.stream.scheduled_at = now
+            if active is not None and active.scheduled_at is None:
+                active.scheduled_at = now
 
     def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
         if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
@@ -108,7 +101,7 @@ class RequestBook:
         return seq_id // self.config.max_n
 
     def _postprocess(self, seq: Sequence, out: SeqOutput, num_generated: int | None = None) -> None:
-        """Turn one sampled token into a ChoiceEvent: detokenize, check stops, finish.
+        """Hand one sampled token to its request's sink, deciding whether it ends the choice.
 
         num_generated: the sequence's generated count with this token, when a verify step
         appended several at once (--speculate); tokens after one that finished it are dropped.
@@ -118,41 +111,27 @@ class RequestBook:
             return
         if num_generated is None:
             num_generated = seq.num_generated
-        if active.params.prompt_logprobs and seq.index == 0:
+        if active.request.prompt_logprobs and seq.index == 0:
             active.prompt_logprobs.extend(out.prompt_logprobs)
-        if out.token_id is None:
-            return
-        if seq.index == 0 and num_generated == 1:
-            self._record_prompt(active, out)
         token_id = out.token_id
+        if token_id is None:
+            return
         self._counters.generated_tokens += 1
         problem = self._grammar_problem(active, seq, token_id)
         if problem is not None:  # the token is not streamed: the request fails instead
             self._fail_now(active, GenerationError(f"{CONSTRAINT_FAILED}: {problem}"))
             return
-        text = active.texts[seq.seq_id]
-        delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
-        emitted, stopped = text.stop.feed(delta)
-        reason = self._finish_reason(num_generated, active.params, token_id, stopped)
+        reason = self._finish_reason(num_generated, active.request, token_id)
         matcher = active.matchers.get(seq.seq_id)
         if matcher is not None and matcher.is_finished and reason is None:
             reason = FinishReason.EOS  # the grammar allows nothing more: the output is complete
-        if reason is not None and reason is not FinishReason.STOP:
-            held = text.detokenizer.flush()
-            delta += held
-            tail, stopped = text.stop.feed(held)
-            emitted += tail if stopped else tail + text.stop.flush()
-            reason = FinishReason.STOP if stopped else reason
-        token = GeneratedToken(
-            token_id=token_id,
-            text=delta,
-            logprob=out.logprob if out.logprob is not None else 0.0,
-            special=self.tokenizer.is_special(token_id),
-            top_tokens=out.top_tokens,
-        )
-        active.stream.put(ChoiceEvent(seq.index, token, emitted, reason, num_generated))
+        top = [(t.token_id, t.logprob) for t in out.top_tokens] if out.top_tokens else None
+        prompt = self._prompt_info(active) if seq.index == 0 and num_generated == 1 else None
+        active.sink.token(active.group.group_id, seq.index, token_id,
+                          out.logprob if out.logprob is not None else 0.0, num_generated,
+                          None if reason is None else reason.value, top, prompt)
         if reason is not None:
-            del seq.output_ids[num_generated:]  # a verify step's tokens past the stop never happened
+            del seq.output_ids[num_generated:]  # a verify step's tokens past the end never happened
             self._finish(active, seq, reason)
 
     def _draft_limit(self, seq: Sequence) -> int:
@@ -161,7 +140,7 @@ class RequestBook:
         active = self._active.get(seq.group.group_id)
         if active is None or active.hold_blocks or active.matchers:
             return 0
-        return active.params.max_new_tokens - seq.num_generated - 1
+        return active.request.max_new_tokens - seq.num_generated - 1
 
     def _matcher_of(self, seq_id: int) -> Matcher | None:
         active = self._active.get(self._group_of(seq_id))
@@ -184,23 +163,21 @@ class RequestBook:
         self._fail(group_id, error)
         self.scheduler.abort(group_id)
 
-    def _finish_reason(self, num_generated: int, params: GenerationParams, token_id: int,
-                       stopped: bool) -> FinishReason | None:
-        if stopped:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+    def _finish_reason(self, num_generated: int, request: Submit, token_id: int) -> FinishReason | None:
+        if not request.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return FinishReason.EOS
-        if num_generated >= params.max_new_tokens:
+        if num_generated >= request.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
-    def _record_prompt(self, active: _Active, out: SeqOutput) -> None:
-        prompt = active.stream.prompt
-        prompt.num_cached_tokens = active.group.num_cached_prompt_tokens
-        if active.params.prompt_logprobs:
+    def _prompt_info(self, active: _Active) -> PromptInfo:
+        prompt_logprobs: list[float | None] = []
+        if active.request.prompt_logprobs:
             # Prompt positions served from the prefix cache have no logprob.
-            missing = prompt.num_prompt_tokens - len(active.prompt_logprobs)
-            prompt.prompt_logprobs = [None] * missing + active.prompt_logprobs
+            missing = len(active.request.prompt_ids) - len(active.prompt_logprobs)
+            prompt_logprobs = [None] * missing + active.prompt_logprobs
+        scheduled = active.scheduled_at if active.scheduled_at is not None else time.monotonic()
+        return PromptInfo(active.group.num_cached_prompt_tokens, prompt_logprobs, scheduled)
 
     def _finish(self, active: _Active, seq: Sequence, reason: FinishReason) -> None:
         assert self.scheduler is not None
@@ -213,28 +190,25 @@ class RequestBook:
             self.scheduler.finish(seq)
         if active.hold_blocks:
             seq.block_table = held_table  # freed by release_held
-            active.stream.held = seq
+            self.held[active.group.group_id] = seq
         active.num_open -= 1
-        self._count_finish(reason.value, active)
+        self._count_finish(reason.value)
         if active.num_open == 0:
             self._active.pop(active.group.group_id, None)
-            active.stream.closed = True
-            active.stream.put(DONE)
 
     def _fail_all(self, err: Exception) -> None:
-        for active in self._active.values():
-            active.stream.closed = True
-            active.stream.put(err)
+        status = status_of(err)
+        for group_id, active in self._active.items():
+            active.sink.fail(group_id, status, str(err))
         self._active.clear()
         for _, future in self._between_steps:
             if not future.done():
                 future.set_exception(err)
         self._between_steps.clear()
 
-    def _count_finish(self, key: str, active: _Active) -> None:
+    def _count_finish(self, key: str) -> None:
         counts = self._counters.requests_finished
         counts[key] = counts.get(key, 0) + 1
-        active.stream.outcome = key
 
     # ---- metrics ---------------------------------------------------------------------
 

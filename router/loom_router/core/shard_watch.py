@@ -28,8 +28,9 @@ BACKOFF_MAX_S = 2.0
 
 
 class ShardWatch:
-    def __init__(self, health: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(self, health: Callable[[], Awaitable[bool]], on_change: Callable[[], None] | None = None) -> None:
         self._health = health
+        self._on_change = on_change  # told when the shards go down or come back
         self._up = asyncio.Event()
         self._up.set()
         self._step_started: float | None = None
@@ -53,11 +54,15 @@ class ShardWatch:
             self._up.clear()
             self._backoff_s = BACKOFF_MIN_S
             self._next_probe = time.monotonic() + self._backoff_s
+            if self._on_change is not None:
+                self._on_change()
 
     def mark_up(self) -> None:
         if self.down:
             log.warning("the shards answer again: taking new requests")
             self._up.set()
+            if self._on_change is not None:
+                self._on_change()
 
     async def wait_up(self) -> None:
         await self._up.wait()

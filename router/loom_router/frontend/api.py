@@ -1,18 +1,18 @@
-"""The router's HTTP app: error handling, the text-generation-inference routes, and the
+"""A frontend's HTTP app: error handling, the text-generation-inference routes, and the
 OpenAI routes (loom_router.frontend.openai_api) mounted beside them."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
 from loom_router.frontend import guard, openai_api, openapi_errors, playground, snapshots
@@ -22,13 +22,14 @@ from loom_router.frontend.http_common import (
     ClientDisconnected,
     EventStreamResponse,
     Generation,
+    batches,
     check_input_chars,
     encode,
     generate,
     get_state,
     served_model_name,
     sse,
-    tracked,
+    submit,
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
 from loom_router.frontend.lifecycle import add_readiness_routes
@@ -40,8 +41,8 @@ from loom_router.frontend.validation import (
     check_tgi,
     tgi_generation_params,
 )
-from loom_router.observability.metrics import MetricsMiddleware, RouterMetrics
-from loom_router.structured.fields import compile_constraint, tgi_constraint_spec
+from loom_router.observability.metrics import FrontendMetrics, MetricsMiddleware
+from loom_router.structured.fields import tgi_constraint_spec
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
     ChoiceEvent,
@@ -49,6 +50,7 @@ from loom_router.types import (
     GenerationError,
     GenerationParams,
     OverloadedError,
+    SnapshotHTTPError,
     UnavailableError,
     ValidationError,
 )
@@ -65,28 +67,11 @@ VERSION = _version()
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but the access log should say so
 
 
-def create_app(engine: Any, config: RouterConfig, metrics: RouterMetrics | None = None,
-               manage_engine: bool = False) -> FastAPI:
-    """The router's FastAPI app around an engine.
-
-    Args:
-        manage_engine: start the engine when the app starts and drain it when the app
-            stops (the server's lifespan); tests that start the engine themselves leave it off.
-    """
-    metrics = metrics or RouterMetrics(engine.stats)
-    metrics.bind_engine(engine)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if manage_engine:
-            await engine.start()
-        try:
-            yield
-        finally:
-            if manage_engine:
-                await engine.stop()
-
-    app = FastAPI(title="Loom", version=VERSION, lifespan=lifespan,
+def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | None = None) -> FastAPI:
+    """A frontend's FastAPI app around its engine client (loom_router.frontend.engine_client),
+    started and connected to the engine core already."""
+    metrics = metrics or FrontendMetrics()
+    app = FastAPI(title="Loom", version=VERSION,
                   description="LLM serving: text-generation-inference and OpenAI compatible APIs")
     app.router.route_class = UnicodeJSONRoute  # a lone surrogate in a JSON body is a 422, as malformed JSON
     app.state.loom = AppState(config, engine, metrics, served_model_name(config))
@@ -133,7 +118,7 @@ def _validation_message(message: str) -> str:
     return message if message.startswith(prefix) else prefix + message
 
 
-# The engine's errors and the status each maps to (a subclass's entry wins over its base's).
+# The engine's errors, the status and error_type each maps to (a subclass's entry wins over its base's).
 ENGINE_ERRORS: dict[type[Exception], tuple[int, str]] = {
     ValidationError: (422, "validation"),
     ChatTemplateError: (422, "validation"),
@@ -152,6 +137,10 @@ def _engine_error_handler(status: int, kind: str) -> Any:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SnapshotHTTPError)
+    async def _snapshot(request: Request, exc: SnapshotHTTPError) -> JSONResponse:
+        return snapshots.error_response(exc)
+
     @app.exception_handler(RequestValidationError)
     async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(exc.errors())
@@ -190,7 +179,7 @@ def _add_tgi_routes(app: FastAPI) -> None:
     async def info_route(request: Request) -> dict[str, Any]:
         return _info(get_state(request))
 
-    @app.get("/health", tags=["TGI"], summary="200 when the engine and every shard are healthy, else 503",
+    @app.get("/health", tags=["TGI"], summary="200 when the engine core and every shard are healthy, else 503",
              response_class=Response, responses={200: {"description": "healthy (an empty body, as TGI's)"}})
     async def health_route(request: Request) -> Response:
         if await get_state(request).engine.health():
@@ -211,11 +200,9 @@ def _add_tgi_routes(app: FastAPI) -> None:
              responses={200: {"description": "the Prometheus text format",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route(request: Request) -> Response:
-        state = get_state(request)
-        if hasattr(state.engine, "health"):
-            await state.engine.health()  # refreshes loom_shard_healthy (a cheap RPC per rank)
-        content, content_type = state.metrics.render()
-        return Response(content, media_type=content_type)
+        # Every process's metrics, rendered by the engine core (which refreshes loom_shard_healthy first).
+        content = await get_state(request).engine.call("metrics", timeout_s=30.0)
+        return Response(content, media_type=CONTENT_TYPE_LATEST)
 
 
 async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[list[int], GenerationParams]:
@@ -225,7 +212,7 @@ async def _prepare(state: AppState, body: TGIRequest, stream: bool) -> tuple[lis
     ids = await encode(state, body.inputs, truncate=params.truncate)  # TGI keeps the end of the input
     max_new_tokens = state.engine.validate_lengths(len(ids), params.max_new_tokens, params.best_of or 1)
     gen_params = tgi_generation_params(params, max_new_tokens, limits)
-    gen_params.grammar = await compile_constraint(state.engine, tgi_constraint_spec(params.grammar))
+    gen_params.constraint = tgi_constraint_spec(params.grammar)  # compiled by the engine core
     return ids, gen_params
 
 
@@ -272,37 +259,45 @@ def _sequence(state: AppState, params: TGIParameters, gen_params: GenerationPara
 
 async def _generate_stream(state: AppState, body: TGIRequest) -> Response:
     ids, gen_params = await _prepare(state, body, stream=True)
-    stream = state.engine.submit(ids, gen_params)
-    timer = state.metrics.start_request(len(ids), stream, state.engine)
-    return EventStreamResponse(_tgi_events(state, body, ids, gen_params, tracked(stream, timer)), stream.cancel)
+    stream, timer = await submit(state, ids, gen_params)
+    return EventStreamResponse(_tgi_events(state, body, ids, gen_params, batches(stream, timer)), stream.cancel)
 
 
 async def _tgi_events(state: AppState, body: TGIRequest, ids: list[int], gen_params: GenerationParams,
-                      events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
-    params = body.parameters
+                      events: AsyncIterator[list[ChoiceEvent]]) -> AsyncIterator[bytes]:
+    """TGI's stream: one event per token; the events waiting together go out in one write."""
     parts: list[str] = []
     try:
-        async for event in events:
-            parts.append(event.text)
-            payload: dict[str, Any] = {
-                "index": event.num_generated,
-                "token": _token(event.token),
-                "top_tokens": _top_tokens(state, event.token) if params.top_n_tokens else [],
-                "generated_text": None,
-                "details": None,
-            }
-            if event.finish_reason is not None:
-                payload["generated_text"] = _full_text(params, body.inputs, "".join(parts))
-                if params.details:
-                    payload["details"] = {
-                        "finish_reason": event.finish_reason.value,
-                        "generated_tokens": event.num_generated,
-                        "seed": _reported_seed(params, gen_params, 0),
-                        "input_length": len(ids),
-                    }
-            yield sse(payload)
+        async for batch in events:
+            chunk = []
+            for event in batch:
+                parts.append(event.text)
+                chunk.append(sse(_tgi_event(state, body, ids, gen_params, event, parts)))
+            yield b"".join(chunk)
     except GenerationError as e:
         yield sse({"error": str(e), "error_type": "generation"})
+
+
+def _tgi_event(state: AppState, body: TGIRequest, ids: list[int], gen_params: GenerationParams,
+               event: ChoiceEvent, parts: list[str]) -> dict[str, Any]:
+    params = body.parameters
+    payload: dict[str, Any] = {
+        "index": event.num_generated,
+        "token": _token(event.token),
+        "top_tokens": _top_tokens(state, event.token) if params.top_n_tokens else [],
+        "generated_text": None,
+        "details": None,
+    }
+    if event.finish_reason is not None:
+        payload["generated_text"] = _full_text(params, body.inputs, "".join(parts))
+        if params.details:
+            payload["details"] = {
+                "finish_reason": event.finish_reason.value,
+                "generated_tokens": event.num_generated,
+                "seed": _reported_seed(params, gen_params, 0),
+                "input_length": len(ids),
+            }
+    return payload
 
 
 def _full_text(params: TGIParameters, inputs: str, text: str) -> str:
@@ -330,7 +325,7 @@ def _prefill(ids: list[int], texts: list[str], logprobs: list[float | None]) -> 
 
 
 def _tokenize_json(tokenizer: Any, inputs: str, truncate: int | None) -> bytes:
-    return json.dumps(token_spans(tokenizer, inputs, truncate), ensure_ascii=False).encode()
+    return orjson.dumps(token_spans(tokenizer, inputs, truncate))
 
 
 def _info(state: AppState) -> dict[str, Any]:

@@ -4,18 +4,18 @@ running a generation to its end (cancelled when the client goes away), and SSE f
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from loom_proto.config import RouterConfig
 from loom_router.frontend.validation import Limits
-from loom_router.observability.metrics import RequestTimer, RouterMetrics
+from loom_router.observability.metrics import FrontendMetrics, RequestTimer
 from loom_router.types import (
     ChoiceEvent,
     FinishReason,
@@ -39,8 +39,8 @@ class AppState:
     """Everything a route needs, stored on `app.state.loom`."""
 
     config: RouterConfig
-    engine: Any  # loom_router.core.engine.Engine (typed loosely: tests may pass their own)
-    metrics: RouterMetrics
+    engine: Any  # loom_router.frontend.engine_client.EngineClient (typed loosely: tests may pass their own)
+    metrics: FrontendMetrics
     model_name: str
 
     @property
@@ -124,6 +124,13 @@ class Generation:
         return sum(len(choice.tokens) for choice in self.choices)
 
 
+async def submit(state: AppState, prompt_ids: list[int], params: GenerationParams) -> tuple[Any, RequestTimer]:
+    """Submit to the engine core; the stream and its timer (the metrics follow its tokens)."""
+    timer = state.metrics.new_timer(len(prompt_ids))
+    stream = await state.engine.submit(prompt_ids, params, timer.on_tokens)
+    return stream, state.metrics.start_request(timer, stream, state.engine)
+
+
 async def generate(state: AppState, request: Request, prompt_ids: list[int],
                    params: GenerationParams) -> Generation:
     """Runs a request to its end; cancels it if the client disconnects first.
@@ -131,13 +138,11 @@ async def generate(state: AppState, request: Request, prompt_ids: list[int],
     Raises the engine's errors (ValidationError, OverloadedError, GenerationError)
     and ClientDisconnected.
     """
-    stream = state.engine.submit(prompt_ids, params)
-    timer = state.metrics.start_request(len(prompt_ids), stream, state.engine)
+    stream, timer = await submit(state, prompt_ids, params)
     choices = [ChoiceResult(i) for i in range(params.n)]
 
     async def consume() -> None:
         async for event in stream:
-            timer.on_event(event)
             choices[event.index].add(event)
 
     consumer = asyncio.create_task(consume())
@@ -165,12 +170,12 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def tracked(stream: Any, timer: RequestTimer) -> AsyncIterator[ChoiceEvent]:
-    """A stream's events, timed for the metrics."""
+async def batches(stream: Any, timer: RequestTimer) -> AsyncIterator[list[ChoiceEvent]]:
+    """A stream's events, every waiting one at a time (a client that fell behind gets them
+    together); the timer is finished however the response ends."""
     try:
-        async for event in stream:
-            timer.on_event(event)
-            yield event
+        while events := await stream.take():
+            yield events
     finally:
         timer.finish()
 
@@ -179,7 +184,7 @@ class EventStreamResponse(StreamingResponse):
     """Server-sent events whose generation is cancelled however the response ends:
     finished, client gone (even before the first byte), or the server shutting down."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str | bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
@@ -191,7 +196,7 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-def sse(payload: Any) -> str:
+def sse(payload: Any) -> bytes:
     """One SSE event carrying a JSON payload (or a bare string like OpenAI's [DONE])."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"

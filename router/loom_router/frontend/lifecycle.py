@@ -1,6 +1,6 @@
-"""The router's life after startup: the readiness routes, and the SIGTERM drain.
+"""A frontend's life after startup: the readiness routes, and the SIGTERM drain.
 
-Liveness (`/health`) says the process and shards answer; readiness (`/ready`, and KServe's
+Liveness (`/health`) says the engine core and shards answer; readiness (`/ready`, and KServe's
 `/v2/health/ready`) says "send me work": it fails before warmup ends, while draining, and
 once a shard is down, so a load balancer stops routing here before the port closes.
 """
@@ -42,7 +42,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, with SIGTERM/SIGINT draining first: readiness fails and new requests get 503
     at once, in-flight requests get `drain_timeout_s` to finish (the rest end with an error
     event), then the server stops and the process exits 0 (no signal re-raised).
-    A second signal stops at once."""
+    A second signal stops at once. `engine` is the frontend's engine client: when the engine
+    core drains the whole router, its frontends' streams have ended before they get the signal."""
 
     def __init__(self, config: uvicorn.Config, engine: Any, drain_timeout_s: float) -> None:
         super().__init__(config)

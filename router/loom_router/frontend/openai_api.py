@@ -18,12 +18,13 @@ from loom_router.frontend.http_common import (
     ChoiceResult,
     EventStreamResponse,
     Generation,
+    batches,
     check_input_chars,
     encode,
     generate,
     get_state,
     sse,
-    tracked,
+    submit,
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
 from loom_router.frontend.text import token_texts
@@ -42,7 +43,6 @@ from loom_router.frontend.validation import (
     check_openai,
     openai_generation_params,
 )
-from loom_router.structured.fields import compile_constraint
 from loom_router.types import (
     ChoiceEvent,
     GeneratedToken,
@@ -107,14 +107,14 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
     ids = await _completion_prompt_ids(state, body)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
-    params.grammar = await compile_constraint(state.engine, body.constraint_spec())
+    params.constraint = body.constraint_spec()  # compiled by the engine core
     reply = _Reply("text", state.model_name, body.logprobs is not None, body.include_usage)
     if body.echo:  # the prompt's token texts, off the loop (a long prompt is many tokens)
         reply.echo_ids = ids
         reply.echo_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)
         reply.echo_text = "".join(reply.echo_texts)
     if body.stream:
-        return _stream(state, reply, ids, params)
+        return await _stream(state, reply, ids, params)
     generation = await generate(state, request, ids, params)
     choices = [_text_choice(state, reply, c, generation.prompt) for c in generation.choices]
     return {**reply.envelope("text_completion", choices), "usage": _usage(generation.prompt, generation)}
@@ -133,10 +133,10 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
-    params.grammar = await compile_constraint(state.engine, spec)
+    params.constraint = spec
     reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
     if body.stream:
-        return _stream(state, reply, ids, params, tool_plan)
+        return await _stream(state, reply, ids, params, tool_plan)
     generation = await generate(state, request, ids, params)
     choices = []
     for c in generation.choices:
@@ -171,18 +171,19 @@ async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> li
 # ---- streaming --------------------------------------------------------------------------
 
 
-def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams,
-            tool_plan: ToolPlan | None = None) -> Response:
-    stream = state.engine.submit(ids, params)
-    timer = state.metrics.start_request(len(ids), stream, state.engine)
+async def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams,
+                  tool_plan: ToolPlan | None = None) -> Response:
+    stream, timer = await submit(state, ids, params)
     if tool_plan is not None and tool_plan.mode is not ToolMode.NONE:
-        chunks = tool_chunks(reply, tool_plan, params.n, stream, tracked(stream, timer), _usage_counts)
+        chunks = tool_chunks(reply, tool_plan, params.n, stream, batches(stream, timer), _usage_counts)
         return EventStreamResponse(chunks, stream.cancel)
-    return EventStreamResponse(_chunks(state, reply, params.n, stream, tracked(stream, timer)), stream.cancel)
+    return EventStreamResponse(_chunks(state, reply, params.n, stream, batches(stream, timer)), stream.cancel)
 
 
 async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
-                  events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
+                  events: AsyncIterator[list[ChoiceEvent]]) -> AsyncIterator[bytes]:
+    """OpenAI's chunks: the tokens of one choice that wait together go in one chunk (their text
+    and logprobs joined), and every waiting chunk in one write."""
     obj = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
     extra = {"usage": None} if reply.include_usage else {}
     for index in range(n):  # OpenAI opens every chat choice with the role; echo opens text ones
@@ -197,15 +198,17 @@ async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
     num_generated = 0
     offsets = [len(reply.echo_text)] * n  # text_offset of each choice's next token
     try:
-        async for event in events:
-            num_generated += 1
-            if reply.kind == "chat":
-                choice = _chat_chunk_choice(state, reply, event)
-            else:
-                one = ChoiceResult(event.index, [event.text], [event.token], event.finish_reason)
-                choice = _text_choice(state, reply, one, None, offsets[event.index])
-                offsets[event.index] += len(event.token.text)
-            yield sse({**reply.envelope(obj, [choice]), **extra})
+        async for batch in events:
+            num_generated += len(batch)
+            chunks = []
+            for one in _by_choice(batch):
+                if reply.kind == "chat":
+                    choice = _chat_chunk_choice(state, reply, one)
+                else:
+                    choice = _text_choice(state, reply, one, None, offsets[one.index])
+                    offsets[one.index] += sum(len(token.text) for token in one.tokens)
+                chunks.append(sse({**reply.envelope(obj, [choice]), **extra}))
+            yield b"".join(chunks)
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         return
@@ -215,10 +218,21 @@ async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
     yield sse("[DONE]")
 
 
-def _chat_chunk_choice(state: AppState, reply: _Reply, event: ChoiceEvent) -> dict[str, Any]:
-    logprobs = {"content": [_chat_logprob(state, event.token)]} if reply.logprobs else None
-    return {"index": event.index, "delta": {"content": event.text}, "logprobs": logprobs,
-            "finish_reason": event.finish_reason.openai if event.finish_reason else None}
+def _by_choice(batch: list[ChoiceEvent]) -> list[ChoiceResult]:
+    """A batch's events joined per choice, in the order each choice first appears."""
+    joined: dict[int, ChoiceResult] = {}
+    for event in batch:
+        one = joined.get(event.index)
+        if one is None:
+            one = joined[event.index] = ChoiceResult(event.index)
+        one.add(event)
+    return list(joined.values())
+
+
+def _chat_chunk_choice(state: AppState, reply: _Reply, one: ChoiceResult) -> dict[str, Any]:
+    logprobs = {"content": [_chat_logprob(state, token) for token in one.tokens]} if reply.logprobs else None
+    return {"index": one.index, "delta": {"content": one.text}, "logprobs": logprobs,
+            "finish_reason": one.finish_reason.openai if one.finish_reason else None}
 
 
 # ---- response pieces ---------------------------------------------------------------------

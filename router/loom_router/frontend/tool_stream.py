@@ -26,12 +26,12 @@ class _ChoiceText:
     in_calls: bool = False  # a <tool_call> started: hold everything from here
 
 
-async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: AsyncIterator[ChoiceEvent],
-                      usage: UsageFn) -> AsyncIterator[str]:
+async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: AsyncIterator[list[ChoiceEvent]],
+                      usage: UsageFn) -> AsyncIterator[bytes]:
     """SSE events of a tool-enabled chat stream; `reply` is openai_api's _Reply."""
     extra = {"usage": None} if reply.include_usage else {}
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return sse({**reply.envelope("chat.completion.chunk", [choice]), **extra})
 
@@ -40,16 +40,19 @@ async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: A
     texts = [_ChoiceText() for _ in range(n)]
     num_generated = 0
     try:
-        async for event in events:
-            num_generated += 1
-            state = texts[event.index]
-            state.text += event.text
-            content = _releasable(state) if plan.mode is ToolMode.AUTO else ""
-            if content:
-                yield chunk(event.index, {"content": content})
-            if event.finish_reason is not None:
-                for piece in _final_chunks(state, plan, event, chunk):
-                    yield piece
+        async for batch in events:
+            num_generated += len(batch)
+            pieces: list[bytes] = []
+            for event in batch:
+                state = texts[event.index]
+                state.text += event.text
+                content = _releasable(state) if plan.mode is ToolMode.AUTO else ""
+                if content:
+                    pieces.append(chunk(event.index, {"content": content}))
+                if event.finish_reason is not None:
+                    pieces += _final_chunks(state, plan, event, chunk)
+            if pieces:
+                yield b"".join(pieces)
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         return
@@ -73,7 +76,7 @@ def _releasable(state: _ChoiceText) -> str:
 
 
 def _final_chunks(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent,
-                  chunk: Callable[..., str]) -> list[str]:
+                  chunk: Callable[..., bytes]) -> list[bytes]:
     rest = state.text[state.num_sent:]
     parsed = parse_output(rest, plan.tools)
     pieces = []

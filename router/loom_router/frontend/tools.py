@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from loom_router.structured.grammar import JSON_LAYOUT, ConstraintKind, ConstraintSpec
+from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec
 from loom_router.types import FinishReason, ValidationError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

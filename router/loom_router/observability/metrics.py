@@ -1,24 +1,27 @@
-"""Prometheus metrics of the router: HTTP and latency metrics recorded per request, the
-engine's counters and gauges read from `EngineStats` at scrape time, and TGI's metrics by
-TGI's names (loom_router.observability.tgi_metrics). One registry per app."""
+"""A frontend's Prometheus metrics: HTTP and latency metrics recorded per request, and TGI's
+request metrics by TGI's names (loom_router.observability.tgi_metrics).
+
+Under the router's processes they live in prometheus_client's multiprocess mode (files the engine
+core reads, with its own metrics, to answer /metrics: loom_router.observability.core_metrics).
+What changes per token stays in the request's timer and reaches the shared histogram when the
+request ends: a multiprocess observation costs a few microseconds, too much once per token.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from loom_router.observability.request_log import RequestSummary, log_request
-from loom_router.observability.tgi_metrics import RequestTimes, TgiMetrics, tgi_gauges
-from loom_router.types import ChoiceEvent, EngineStats, FinishReason, StepRecord
+from loom_router.observability.tgi_metrics import RequestTimes, TgiRequestMetrics
+from loom_router.types import FinishReason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
@@ -53,113 +56,50 @@ def note_snapshot_failure(reason: str) -> None:
         record.snapshot_failure = reason
 
 
-class EngineStatsCollector(Collector):
-    """Exports an `EngineStats` snapshot taken at scrape time."""
+class FrontendMetrics:
+    """A frontend's metrics, in a registry of its own (no global state)."""
 
-    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
-        self._read_stats = read_stats
-
-    def collect(self) -> Iterator[Metric]:
-        s = self._read_stats()
-        yield _gauge("loom_queue_size", "Requests waiting to be scheduled", s.num_waiting)
-        yield _gauge("loom_running_requests", "Requests being generated", s.num_running)
-        yield _gauge("loom_kv_blocks_total", "KV cache blocks on the device", s.num_blocks_total)
-        yield _gauge("loom_kv_blocks_used", "KV cache blocks held by requests", s.num_blocks_used)
-        yield _gauge("loom_kv_blocks_cached", "Free KV cache blocks holding a reusable prefix", s.num_blocks_cached)
-        yield _counter("loom_prompt_tokens_computed", "Prompt tokens run through the model",
-                       s.prompt_tokens_computed)
-        yield _counter("loom_prompt_tokens_cached", "Prompt tokens served from the prefix cache",
-                       s.prompt_tokens_cached)
-        yield _counter("loom_generated_tokens", "Tokens generated", s.generated_tokens)
-        yield _counter("loom_steps", "Engine steps run on the shards", s.steps)
-        yield _counter("loom_spec_draft_tokens", "Drafted tokens sent to be verified (--speculate)",
-                       s.spec_draft_tokens)
-        yield _counter("loom_spec_accepted_tokens", "Drafted tokens the verification kept (--speculate)",
-                       s.spec_accepted_tokens)
-        yield _counter("loom_swapped_bytes", "KV bytes swapped between device and host", s.swapped_bytes)
-        preemptions = CounterMetricFamily("loom_preemptions", "Requests preempted when KV memory ran out",
-                                          labels=["kind"])
-        preemptions.add_metric(["swap"], s.preemptions_swap)
-        preemptions.add_metric(["recompute"], s.preemptions_recompute)
-        yield preemptions
-        finished = CounterMetricFamily("loom_requests_finished", "Finished requests by reason", labels=["reason"])
-        for reason, count in sorted(s.requests_finished.items()):
-            finished.add_metric([reason], count)
-        yield finished
-        yield _gauge("loom_host_blocks_total", "Host-RAM swap pool blocks", s.num_host_blocks_total)
-        yield _gauge("loom_host_blocks_used", "Host-RAM swap pool blocks holding swapped KV", s.num_host_blocks_used)
-        healthy = GaugeMetricFamily("loom_shard_healthy", "1 when the shard rank answered the last health check",
-                                    labels=["rank"])
-        for rank, ok in enumerate(s.shard_healthy):
-            healthy.add_metric([str(rank)], 1.0 if ok else 0.0)
-        yield healthy
-        yield from tgi_gauges(s.num_running, s.num_waiting, s.num_blocks_used * s.block_size,
-                              s.max_batch_total_tokens)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
-
-
-
-
-class RouterMetrics:
-    """The router's metrics, in a registry of its own (no global state)."""
-
-    def __init__(self, read_stats: Callable[[], EngineStats] | None = None, tracer: Any = None) -> None:
+    def __init__(self, tracer: Any = None, registry: CollectorRegistry | None = None) -> None:
         self.tracer = tracer  # loom_router.observability.tracing.RequestTracer, with --otlp-endpoint
-        self.registry = CollectorRegistry()
+        self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("loom_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.time_to_first_token = Histogram("loom_time_to_first_token_seconds", "Time to the first token",
                                              buckets=LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram("loom_inter_token_latency_seconds",
-                                             "Time between two tokens of one choice",
-                                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "loom_inter_token_latency_seconds", "Time between two arrivals of one choice's tokens (tokens of one "
+            "step arrive together)", buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.request_duration = Histogram("loom_request_duration_seconds", "End-to-end generation latency",
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.input_length = Histogram("loom_request_input_tokens", "Prompt length in tokens",
                                       buckets=LENGTH_BUCKETS, registry=r)
         self.generated_length = Histogram("loom_request_generated_tokens", "Tokens generated per request",
                                           buckets=LENGTH_BUCKETS, registry=r)
-        self.shard_step = Histogram("loom_shard_step_seconds", "One step on one shard rank, as the router waits",
-                                    ["rank"], buckets=TOKEN_LATENCY_BUCKETS + (10.24, 30.0), registry=r)
         self.snapshot_operations = Counter("loom_snapshot_operations", "Snapshot operations by op and result",
                                            ["op", "result"], registry=r)
         self.snapshot_failures = Counter("loom_snapshot_failures", "Failed snapshot operations by op and reason",
                                          ["op", "reason"], registry=r)
-        self.tgi = TgiMetrics(r)
-        if read_stats is not None:
-            r.register(EngineStatsCollector(read_stats))
+        self.tgi = TgiRequestMetrics(r)
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry) + self.tgi.counters.render().encode(), CONTENT_TYPE_LATEST
+    def bind_limits(self, max_input_tokens: int, max_total_tokens: int) -> None:
+        """The length histograms' buckets, once the engine core told the limits."""
+        self.tgi.bind_limits(max_input_tokens, max_total_tokens)
 
-    def bind_engine(self, engine: Any) -> None:
-        """Follow the engine's steps (TGI's batch metrics, per-rank step time)."""
-        observers = getattr(engine, "step_observers", None)
-        if observers is not None:
-            observers.append(self.on_step)
-
-    def on_step(self, step: StepRecord) -> None:
-        self.tgi.on_batch(step.method, step.ok, step.duration_s, step.forward_s)
-        for rank, seconds in enumerate(step.rank_total_s):
-            self.shard_step.labels(rank=str(rank)).observe(seconds)
-
-    def start_request(self, num_input_tokens: int, stream: Any = None, engine: Any = None) -> RequestTimer:
-        """A generation was submitted: its timer, tied to the HTTP request being served."""
-        self.input_length.observe(num_input_tokens)
-        if engine is not None:
-            self.tgi.bind_limits(engine.max_input_tokens, engine.max_total_tokens)
-        self.tgi.on_lengths(num_input_tokens, getattr(stream, "max_new_tokens", None))
+    def new_timer(self, num_input_tokens: int) -> RequestTimer:
+        """The timer of a generation about to be submitted (its first tokens may arrive before
+        the submission returns)."""
         record = _current_http.get()
-        timer = RequestTimer(self, stream, num_input_tokens, record.arrival if record else None)
+        return RequestTimer(self, None, num_input_tokens, record.arrival if record else None)
+
+    def start_request(self, timer: RequestTimer, stream: Any, engine: Any = None) -> RequestTimer:
+        """The generation was admitted: its timer follows its stream, tied to the HTTP request."""
+        timer._stream = stream
+        self.input_length.observe(timer.num_input_tokens)
+        if engine is not None:
+            self.bind_limits(engine.max_input_tokens, engine.max_total_tokens)
+        self.tgi.on_lengths(timer.num_input_tokens, getattr(stream, "max_new_tokens", None))
+        record = _current_http.get()
         if record is not None:
             record.timer = timer
         return timer
@@ -187,6 +127,17 @@ class RouterMetrics:
             self.tgi.on_failure("generation" if timer.outcome == "error" else "cancelled")
 
 
+def observe_many(histogram: Histogram, bucket_counts: list[int], total: float) -> None:
+    """Add observations counted per bucket (bucket_counts[i]: observations in bucket i, the last
+    one +Inf) and summing to `total`, as that many `observe` calls would: one write per bucket.
+    Reads prometheus_client's Histogram internals (`_buckets`, `_sum`); a unit test checks it
+    against `observe`."""
+    for bucket, count in zip(histogram._buckets, bucket_counts):  # type: ignore[attr-defined]
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(total)  # type: ignore[attr-defined]
+
+
 def _is_generation(scope: dict[str, Any]) -> bool:
     return scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS
 
@@ -204,31 +155,31 @@ def _snapshot_op(scope: dict[str, Any]) -> str:
 class RequestTimer:
     """Latency bookkeeping of one generation request, fed with its events."""
 
-    __slots__ = ("_metrics", "_stream", "_num_input", "_arrival", "_start", "_first_token", "_end",
-                 "_last_by_choice", "num_generated")
+    __slots__ = ("_metrics", "_stream", "num_input_tokens", "_arrival", "_start", "_first_token", "_end",
+                 "_itl_counts", "_itl_sum", "num_generated")
 
-    def __init__(self, metrics: RouterMetrics, stream: Any = None, num_input_tokens: int = 0,
+    def __init__(self, metrics: FrontendMetrics, stream: Any = None, num_input_tokens: int = 0,
                  arrival: float | None = None) -> None:
         self._metrics = metrics
         self._stream = stream
-        self._num_input = num_input_tokens
-        self._start = time.perf_counter()
+        self.num_input_tokens = num_input_tokens
+        self._start = time.monotonic()
         self._arrival = arrival if arrival is not None else self._start
         self._first_token: float | None = None
         self._end: float | None = None
-        self._last_by_choice: dict[int, float] = {}
+        self._itl_counts = [0] * (len(TOKEN_LATENCY_BUCKETS) + 1)  # the inter-token latencies, per bucket
+        self._itl_sum = 0.0
         self.num_generated = 0
 
-    def on_event(self, event: ChoiceEvent) -> None:
-        now = time.perf_counter()
+    def on_tokens(self, index: int, count: int, now: float, gap: float | None) -> None:
+        """`count` new tokens of choice `index` arrived at `now` (monotonic), `gap` after its last."""
         if self._first_token is None:
             self._first_token = now
             self._metrics.time_to_first_token.observe(now - self._start)
-        last = self._last_by_choice.get(event.index)
-        if last is not None:
-            self._metrics.inter_token_latency.observe(now - last)
-        self._last_by_choice[event.index] = now
-        self.num_generated += 1
+        if gap is not None:
+            self._itl_counts[bisect_left(TOKEN_LATENCY_BUCKETS, gap)] += 1
+            self._itl_sum += gap
+        self.num_generated += count
 
     @property
     def outcome(self) -> str | None:
@@ -240,7 +191,7 @@ class RequestTimer:
         return bool(getattr(self._stream, "closed", False)) and self.outcome in SUCCESS_OUTCOMES
 
     def times(self) -> RequestTimes:
-        end = self._end if self._end is not None else time.perf_counter()
+        end = self._end if self._end is not None else time.monotonic()
         validated = getattr(self._stream, "submitted_at", self._start)
         return RequestTimes(self._arrival, validated, getattr(self._stream, "scheduled_at", None), end)
 
@@ -248,13 +199,14 @@ class RequestTimer:
         """Records end-to-end latency, length and the log line once, however the request ended."""
         if self._end is not None:
             return
-        self._end = time.perf_counter()
+        self._end = time.monotonic()
+        observe_many(self._metrics.inter_token_latency, self._itl_counts, self._itl_sum)
         self._metrics.request_duration.observe(self._end - self._start)
         self._metrics.generated_length.observe(self.num_generated)
         times = self.times()
         summary = RequestSummary(
             request_id=getattr(self._stream, "group_id", None),
-            num_input_tokens=self._num_input,
+            num_input_tokens=self.num_input_tokens,
             num_generated_tokens=self.num_generated,
             queue_s=(times.scheduled - times.validated) if times.scheduled is not None else None,
             ttft_s=(self._first_token - self._arrival) if self._first_token is not None else None,
@@ -271,7 +223,7 @@ class MetricsMiddleware:
     counts by outcome (plain ASGI, so streaming responses and disconnect detection pass through
     untouched; for a stream, the app returns once its last byte went out)."""
 
-    def __init__(self, app: Any, metrics: RouterMetrics) -> None:
+    def __init__(self, app: Any, metrics: FrontendMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
@@ -280,7 +232,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = {"code": 500}
-        record = HttpRecord(arrival=time.perf_counter())
+        record = HttpRecord(arrival=time.monotonic())
         if _is_generation(scope):
             self.metrics.tgi.on_arrival()
 

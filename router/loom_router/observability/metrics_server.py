@@ -1,18 +1,17 @@
-"""`--prometheus-port`: /metrics on a port of its own (as TGI's), served by the router's own
-event loop with asyncio streams, so scrapes see the same registry and need no thread."""
+"""`--prometheus-port`: /metrics on a port of its own (as TGI's), served by the engine core's event
+loop with asyncio streams (the same exposition as /metrics on the HTTP port; no thread)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-from loom_router.observability.metrics import RouterMetrics
+from collections.abc import Callable
 
 log = logging.getLogger("loom.metrics")
 MAX_REQUEST_HEAD_BYTES = 16 << 10
 
 
-async def start_metrics_server(metrics: RouterMetrics, host: str, port: int) -> asyncio.Server:
+async def start_metrics_server(render: Callable[[], tuple[bytes, str]], host: str, port: int) -> asyncio.Server:
     """Answers `GET /metrics` (any other path: 404); one request per connection."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -20,7 +19,7 @@ async def start_metrics_server(metrics: RouterMetrics, host: str, port: int) -> 
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10.0)
             method, path = (head.split(b"\r\n", 1)[0].split(b" ") + [b"", b""])[:2]
             if method == b"GET" and path.split(b"?")[0] == b"/metrics":
-                body, content_type = metrics.render()
+                body, content_type = render()
                 status = b"200 OK"
             else:
                 body, content_type, status = b"not found\n", "text/plain", b"404 Not Found"

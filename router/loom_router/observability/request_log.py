@@ -61,8 +61,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False, default=str)
 
 
-def configure_logging(level: str, json_output: bool) -> None:
-    """The router's root handler, once, at startup."""
+def configure_logging(level: str, json_output: bool, process: str | None = None) -> None:
+    """A router process's root handler, once, at startup; `process` names a frontend in its lines."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json_output else logging.Formatter(PLAIN_FORMAT))
+    plain = PLAIN_FORMAT if process is None else PLAIN_FORMAT.replace("%(name)s", f"[{process}] %(name)s")
+    handler.setFormatter(JsonFormatter() if json_output else logging.Formatter(plain))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -2,8 +2,9 @@
 dashboards and alerts work on Loom unchanged (TGI router/src/server.rs and infer/).
 
 TGI exports through the Rust `metrics` crate, whose counters carry no `_total` suffix
-(`tgi_request_count 3`); prometheus_client always appends one, so these counters are
-rendered by `ExactCounters` instead, in the same text format.
+(`tgi_request_count 3`); prometheus_client always appends one, so these counters (recorded
+as prometheus_client Counters, in every process) are rendered by `render_exact` instead.
+The frontends record the request metrics, the engine core the batch metrics.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -27,34 +28,24 @@ def length_buckets(max_tokens: int) -> tuple[float, ...]:
     return tuple(max_tokens / NUM_LENGTH_BUCKETS * (x + 1) for x in range(NUM_LENGTH_BUCKETS))
 
 
-class ExactCounters:
-    """Counters exported under their exact names (no `_total`), as TGI's are."""
+# Counters TGI exports without `_total` (rendered by `render_exact`).
+EXACT_COUNTERS = frozenset({"tgi_request_count", "tgi_request_success", "tgi_request_failure",
+                            "tgi_batch_inference_count", "tgi_batch_inference_success",
+                            "tgi_batch_inference_failure"})
 
-    def __init__(self) -> None:
-        self._docs: dict[str, tuple[str, tuple[str, ...]]] = {}
-        self._values: dict[str, dict[tuple[str, ...], float]] = {}
 
-    def declare(self, name: str, doc: str, labels: Sequence[str] = ()) -> None:
-        self._docs[name] = (doc, tuple(labels))
-        self._values[name] = {}
-
-    def inc(self, name: str, *label_values: str, amount: float = 1.0) -> None:
-        assert len(label_values) == len(self._docs[name][1]), name
-        values = self._values[name]
-        values[label_values] = values.get(label_values, 0.0) + amount
-
-    def value(self, name: str, *label_values: str) -> float:
-        return self._values[name].get(label_values, 0.0)
-
-    def render(self) -> str:
-        lines: list[str] = []
-        for name, (doc, labels) in self._docs.items():
-            lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
-            for label_values, value in sorted(self._values[name].items()):
-                pairs = ",".join(f'{k}="{v}"' for k, v in zip(labels, label_values))
-                lines.append(f"{name}{{{pairs}}} {floatToGoString(value)}" if pairs
-                             else f"{name} {floatToGoString(value)}")
-        return "\n".join(lines) + "\n"
+def render_exact(families: Sequence[Metric]) -> str:
+    """Counter families in the text format under their exact names (no `_total`), as TGI's."""
+    lines: list[str] = []
+    for family in families:
+        lines += [f"# HELP {family.name} {family.documentation}", f"# TYPE {family.name} counter"]
+        for sample in sorted(family.samples, key=lambda s: sorted(s.labels.items())):
+            if not sample.name.endswith("_total"):
+                continue  # `_created`
+            pairs = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            lines.append(f"{family.name}{{{pairs}}} {floatToGoString(sample.value)}" if pairs
+                         else f"{family.name} {floatToGoString(sample.value)}")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 @dataclass(slots=True)
@@ -67,39 +58,28 @@ class RequestTimes:
     end: float
 
 
-class TgiMetrics:
-    """TGI's request and batch metrics. The length histograms' buckets depend on the
-    model's limits, known once the engine started: `bind_limits` creates them."""
+def _duration(registry: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> Histogram:
+    return Histogram(name, doc, labels, buckets=DURATION_BUCKETS, registry=registry)
+
+
+class TgiRequestMetrics:
+    """TGI's request metrics, recorded by the frontends. The length histograms' buckets depend on
+    the model's limits, known once the engine core answered: `bind_limits` creates them."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
-        self.counters = ExactCounters()
-        self.counters.declare("tgi_request_count", "Total number of requests")
-        self.counters.declare("tgi_request_success", "Number of successful requests")
-        self.counters.declare("tgi_request_failure", "Number of failed requests", ["err"])
-        self.counters.declare("tgi_batch_inference_count", "Inference calls per method", ["method"])
-        self.counters.declare("tgi_batch_inference_success", "Successful inference calls per method", ["method"])
-        self.counters.declare("tgi_batch_inference_failure", "Failed inference calls per method", ["method"])
-        for name in ("tgi_request_count", "tgi_request_success"):
-            self.counters.inc(name, amount=0.0)  # present from the first scrape, as rate() needs
-        for method in BATCH_METHODS:
-            self.counters.inc("tgi_batch_inference_count", method, amount=0.0)
+        r = registry
+        self.request_count = Counter("tgi_request_count", "Total number of requests", registry=r)
+        self.request_success = Counter("tgi_request_success", "Number of successful requests", registry=r)
+        self.request_failure = Counter("tgi_request_failure", "Number of failed requests", ["err"], registry=r)
         for kind in FAILURE_KINDS:
-            self.counters.inc("tgi_request_failure", kind, amount=0.0)
-
-        def duration(name: str, doc: str, labels: Sequence[str] = ()) -> Histogram:
-            return Histogram(name, doc, labels, buckets=DURATION_BUCKETS, registry=registry)
-
-        self.request_duration = duration("tgi_request_duration", "Request end-to-end latency (s)")
-        self.validation_duration = duration("tgi_request_validation_duration", "Request validation time (s)")
-        self.queue_duration = duration("tgi_request_queue_duration", "Time spent in the queue (s)")
-        self.inference_duration = duration("tgi_request_inference_duration", "Request inference time (s)")
-        self.mean_time_per_token = duration("tgi_request_mean_time_per_token_duration",
-                                            "Mean time per generated token (s)")
-        self.batch_inference_duration = duration("tgi_batch_inference_duration",
-                                                 "Batch inference time as the router sees it (s)", ["method"])
-        self.batch_forward_duration = duration("tgi_batch_forward_duration",
-                                               "Batch forward time on the shards (s)", ["method"])
+            self.request_failure.labels(kind)  # present from the first scrape, as rate() needs
+        self.request_duration = _duration(r, "tgi_request_duration", "Request end-to-end latency (s)")
+        self.validation_duration = _duration(r, "tgi_request_validation_duration", "Request validation time (s)")
+        self.queue_duration = _duration(r, "tgi_request_queue_duration", "Time spent in the queue (s)")
+        self.inference_duration = _duration(r, "tgi_request_inference_duration", "Request inference time (s)")
+        self.mean_time_per_token = _duration(r, "tgi_request_mean_time_per_token_duration",
+                                             "Mean time per generated token (s)")
         self.input_length: Histogram | None = None
         self.generated_tokens: Histogram | None = None
         self.max_new_tokens: Histogram | None = None
@@ -116,10 +96,10 @@ class TgiMetrics:
                                         buckets=length_buckets(max_total_tokens), registry=r)
 
     def on_arrival(self) -> None:
-        self.counters.inc("tgi_request_count")
+        self.request_count.inc()
 
     def on_failure(self, kind: str) -> None:
-        self.counters.inc("tgi_request_failure", kind)
+        self.request_failure.labels(kind).inc()
 
     def on_lengths(self, num_input_tokens: int, max_new_tokens: int | None) -> None:
         if self.input_length is not None:
@@ -129,7 +109,7 @@ class TgiMetrics:
 
     def on_success(self, times: RequestTimes, num_generated: int) -> None:
         """TGI records the durations of successful requests only."""
-        self.counters.inc("tgi_request_success")
+        self.request_success.inc()
         scheduled = times.scheduled if times.scheduled is not None else times.end
         inference = times.end - scheduled
         self.request_duration.observe(times.end - times.arrival)
@@ -141,15 +121,33 @@ class TgiMetrics:
         if self.generated_tokens is not None:
             self.generated_tokens.observe(num_generated)
 
+
+class TgiBatchMetrics:
+    """TGI's batch metrics, recorded by the engine core once per step."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.count = Counter("tgi_batch_inference_count", "Inference calls per method", ["method"], registry=r)
+        self.success = Counter("tgi_batch_inference_success", "Successful inference calls per method", ["method"],
+                               registry=r)
+        self.failure = Counter("tgi_batch_inference_failure", "Failed inference calls per method", ["method"],
+                               registry=r)
+        for method in BATCH_METHODS:
+            self.count.labels(method)  # present from the first scrape
+        self.inference_duration = _duration(r, "tgi_batch_inference_duration",
+                                            "Batch inference time as the router sees it (s)", ["method"])
+        self.forward_duration = _duration(r, "tgi_batch_forward_duration", "Batch forward time on the shards (s)",
+                                          ["method"])
+
     def on_batch(self, method: str, ok: bool, duration_s: float, forward_s: float | None) -> None:
-        self.counters.inc("tgi_batch_inference_count", method)
+        self.count.labels(method).inc()
         if not ok:
-            self.counters.inc("tgi_batch_inference_failure", method)
+            self.failure.labels(method).inc()
             return
-        self.counters.inc("tgi_batch_inference_success", method)
-        self.batch_inference_duration.labels(method=method).observe(duration_s)
+        self.success.labels(method).inc()
+        self.inference_duration.labels(method=method).observe(duration_s)
         if forward_s is not None:
-            self.batch_forward_duration.labels(method=method).observe(forward_s)
+            self.forward_duration.labels(method=method).observe(forward_s)
 
 
 def tgi_gauges(num_running: int, num_waiting: int, batch_max_tokens: int,

@@ -42,9 +42,9 @@ class RequestTracer:
         self._tracer = provider.get_tracer("loom_router")
 
     def record(self, summary: RequestSummary, times: RequestTimes) -> None:
-        now_ns, now = time.time_ns(), time.perf_counter()
+        now_ns, now = time.time_ns(), time.monotonic()
 
-        def wall_ns(t: float) -> int:  # a perf_counter instant on the wall clock
+        def wall_ns(t: float) -> int:  # a monotonic instant on the wall clock
             return now_ns - int((now - t) * 1e9)
 
         attributes = {key: value for key, value in summary.fields().items() if value is not None}

@@ -5,7 +5,7 @@
   older top-level `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 - TGI: `parameters.grammar` {"type": "json" | "json_object" | "regex", "value": ...}.
 
-Compilation (and its 422) happens in `loom_router.structured.grammar`.
+Compilation (and its 422) happens in the engine core (`loom_router.structured.grammar`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loom_router.structured.grammar import MAX_CHOICES, ConstraintKind, ConstraintSpec, Grammar
+from loom_router.structured.spec import MAX_CHOICES, ConstraintKind, ConstraintSpec
 from loom_router.types import ValidationError
 
 Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
@@ -140,10 +140,3 @@ def tgi_constraint_spec(parsed: TGIGrammar | None) -> ConstraintSpec | None:
         return ConstraintSpec.json_schema(True)
     return ConstraintSpec.json_schema(_schema_object(parsed.value))
 
-
-async def compile_constraint(engine: Any, spec: ConstraintSpec | None) -> Grammar | None:
-    """Compiles off the event loop and the tokenizing threads, in bounded time (a large schema
-    takes a while); ValidationError (422) on failure."""
-    if spec is None:
-        return None
-    return await engine.grammars.compile_async(spec)

@@ -17,8 +17,6 @@ preemption (swap or recompute) and a prefix-cache hit unchanged: neither alters 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -31,6 +29,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from loom_proto.step import StepPlan
+from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import OverloadedError, ValidationError
 
@@ -39,48 +38,11 @@ log = logging.getLogger("loom.grammar")
 CACHE_SIZE = 128  # compiled grammars kept, least recently used dropped first
 COMPILE_TIMEOUT_S = 10.0  # a constraint still compiling past this is refused (422)
 COMPILE_THREADS = 2  # compiles run here, never on the threads that tokenize
-# Options of a `choice`: compiling them costs their number squared (10k: 0.2 s, 100k: 13 s and a panic).
-MAX_CHOICES = 10_000
 # Errors without the parser's state and grammar: a client reads them.
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # llguidance's names for a few failures, in words a client can act on.
 KNOWN_ERRORS = {"NoExtensionBias": "it allows no output (does a $ref refer to itself?)"}
 ENGINE_FAILURE = "the grammar engine failed on it (too large or too complex)"
-# JSON as json.dumps writes it: free whitespace lets a small model loop on blank lines until
-# max_tokens; a schema's own "x-guidance" options still override this.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class ConstraintKind(enum.Enum):
-    JSON_SCHEMA = "json_schema"  # source: the schema as JSON text
-    REGEX = "regex"
-    CHOICE = "choice"  # source: a JSON list of strings; the output is exactly one of them
-    LARK = "lark"  # a Lark or GBNF grammar (llguidance converts GBNF)
-
-
-@dataclass(slots=True, frozen=True)
-class ConstraintSpec:
-    """What a request asks the output to match, before compilation."""
-
-    kind: ConstraintKind
-    source: str
-
-    @classmethod
-    def json_schema(cls, schema: object) -> ConstraintSpec:
-        """A schema as a dict (or True for any JSON object); sorted keys make equal schemas one cache entry."""
-        if schema is True or schema is None:
-            schema = {"type": "object"}
-        if not isinstance(schema, dict):
-            raise ValidationError(f"a JSON schema must be an object. Given: {type(schema).__name__}")
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
-
-    @classmethod
-    def choice(cls, options: list[str]) -> ConstraintSpec:
-        if not options or not all(isinstance(o, str) for o in options):
-            raise ValidationError("`choice` must be a non-empty list of strings")
-        if len(options) > MAX_CHOICES:
-            raise ValidationError(f"`choice` takes at most {MAX_CHOICES} options. Given: {len(options)}")
-        return cls(ConstraintKind.CHOICE, json.dumps(options))
 
 
 class Matcher:
