@@ -335,7 +335,10 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence, ahead: int = 0) -> list[int]:
         """Grow seq's table to cover all its tokens (+ `ahead`); returns the new block ids (usually 0 or 1)."""
-        new_ids = [self._take_block() for _ in range(self.num_slot_blocks(seq, ahead))]
+        num_new = -(-(len(seq.prompt_ids) + len(seq.output_ids) + ahead) // self.block_size) - len(seq.block_table)
+        if num_new <= 0:  # the common case, every step of every decoding sequence: inlined num_slot_blocks
+            return []
+        new_ids = [self._take_block() for _ in range(num_new)]
         seq.block_table.extend(new_ids)
         return new_ids
 

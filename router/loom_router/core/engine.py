@@ -80,6 +80,7 @@ class Engine(RequestBook):
         self._pending_aborts: dict[int, str] = {}  # group id -> outcome ("cancelled" or "error")
         self._pending_stops: list[tuple[int, int, int]] = []  # (group id, choice, num_generated)
         self.held: dict[int, Sequence] = {}  # hold_blocks requests that finished, until release_held
+        self._constrained: set[int] = set()  # groups with a grammar, maybe finished since
         self._between_steps: list[tuple[Callable[[Scheduler], object], asyncio.Future[object]]] = []
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
@@ -248,6 +249,7 @@ class Engine(RequestBook):
         active = _Active(group, request, sink, n, time.monotonic(), [None], hold_blocks)
         if grammar is not None:
             active.matchers = {seq.seq_id: grammar.new_matcher() for seq in group.seqs}
+            self._constrained.add(group_id)
         self._active[group_id] = active
         self._pending_adds.append(group)
         self._wakeup.set()
@@ -358,9 +360,16 @@ class Engine(RequestBook):
         self._withdraw(plan, {request_id: f"the request cannot be sent to the shards: {reason}"
                               for request_id, reason in unencodable_requests(plan).items()})
         self._mark_scheduled(plan)
-        self._withdraw(plan, {seq_id: f"{CONSTRAINT_FAILED}: {reason}"
-                              for seq_id, reason in self._masks.fill(plan, self._matcher_of).items()})
+        if self._has_constrained():
+            self._withdraw(plan, {seq_id: f"{CONSTRAINT_FAILED}: {reason}"
+                                  for seq_id, reason in self._masks.fill(plan, self._matcher_of).items()})
         return bool(plan.num_requests or plan.released_ids or plan.swap_in or plan.swap_out)
+
+    def _has_constrained(self) -> bool:
+        """Does any request still running carry a grammar (no mask to fill otherwise)?"""
+        if self._constrained:
+            self._constrained.intersection_update(self._active)
+        return bool(self._constrained)
 
     def _withdraw(self, plan: StepPlan, reasons: dict[int, str]) -> None:
         """Take the groups of these sequences out of the unsent plan and fail each alone."""

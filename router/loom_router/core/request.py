@@ -123,7 +123,8 @@ class SequenceGroup:
         return all(seq.is_finished for seq in self.seqs)
 
     def unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished]
+        finished = SeqStatus.FINISHED  # compared inline: this runs for every sequence every step
+        return [seq for seq in self.seqs if seq.status is not finished]
 
     def active_seqs(self) -> list[Sequence]:
         """The unfinished sequences the shard runs now (only the first before the fork)."""

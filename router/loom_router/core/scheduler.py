@@ -171,8 +171,10 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when there is nothing to run and nothing to release."""
-        step = _Step(StepPlan(), self.config.max_batch_prefill_tokens - self._num_decodes())
-        self._schedule_running(step)
+        running = [(group, group.active_seqs()) for group in self._running.values()]
+        num_decodes = sum(1 for _, seqs in running for seq in seqs if seq.num_to_compute == 1)
+        step = _Step(StepPlan(), self.config.max_batch_prefill_tokens - num_decodes)
+        self._schedule_running(step, running)
         if self.speculator is not None:  # after every running sequence got its slots: drafts take spare ones
             step.budget -= self.speculator.add_drafts(step.plan.running_requests, self._seqs,
                                                       self.block_manager, step.budget)
@@ -199,18 +201,38 @@ class Scheduler:
         """
         outputs = {out.request_id: out for out in result.outputs}
         returned: list[tuple[Sequence, SeqOutput]] = []
-        for request in [*plan.new_requests, *plan.running_requests]:
-            seq = self._seqs.get(request.request_id)
+        seqs = self._seqs
+        for request in plan.new_requests:
+            seq = seqs.get(request.request_id)
+            if seq is not None:  # else aborted while the step ran
+                self._advance(seq, request.num_compute, outputs, returned)
+                for fork in request.forks:
+                    self._start_child(seq, fork, outputs, returned)
+        for running in plan.running_requests:
+            seq = seqs.get(running.request_id)
             if seq is None:
-                continue  # aborted while the step ran
-            if isinstance(request, RunningRequest) and request.draft_token_ids:
-                self._verify(seq, request, outputs[seq.seq_id], returned)
                 continue
-            self._advance(seq, request.num_compute, outputs, returned)
-            for fork in request.forks:
-                self._start_child(seq, fork, outputs, returned)
+            if running.draft_token_ids:
+                self._verify(seq, running, outputs[seq.seq_id], returned)
+            elif running.num_compute == 1 and not running.forks and seq.num_computed >= seq.num_prompt_tokens:
+                self._decoded(seq, outputs.get(seq.seq_id), returned)
+            else:
+                self._advance(seq, running.num_compute, outputs, returned)
+                for fork in running.forks:
+                    self._start_child(seq, fork, outputs, returned)
         self._refresh_gauges()
         return returned
+
+    def _decoded(self, seq: Sequence, out: SeqOutput | None, returned: list[tuple[Sequence, SeqOutput]]) -> None:
+        """`_advance` for the common case, a decode of one token (no prompt position, no fork)."""
+        seq.num_computed += 1
+        if out is not None:
+            if out.token_id is not None:
+                seq.output_ids.append(out.token_id)
+            returned.append((seq, out))
+        bm = self.block_manager
+        if seq.num_computed // bm.block_size > len(seq.block_hashes):  # a block just filled
+            bm.cache_full_blocks(seq)
 
     # ---- scheduling --------------------------------------------------------------------
 
@@ -218,20 +240,29 @@ class Scheduler:
         return sum(1 for group in self._running.values() for seq in group.active_seqs()
                    if seq.num_to_compute == 1)
 
-    def _schedule_running(self, step: _Step) -> None:
-        for group in list(self._running.values()):
+    def _schedule_running(self, step: _Step, running: list[tuple[SequenceGroup, list[Sequence]]]) -> None:
+        """Every running group's next tokens, oldest first (`running`: each group with its
+        active sequences, in arrival order)."""
+        bm = self.block_manager
+        block_size = bm.block_size
+        for group, seqs in running:
             if group.group_id not in self._running:
                 continue  # preempted this step to make room for an older group
-            if not self._reserve_slots(group, step):
+            # The blocks its next tokens need (BlockManager.num_slot_blocks, inlined: the hot path).
+            needed = 0
+            for seq in seqs:
+                missing = -(-(len(seq.prompt_ids) + len(seq.output_ids)) // block_size) - len(seq.block_table)
+                if missing > 0:
+                    needed += missing
+            if needed > bm.num_free_blocks and not self._make_room(group, needed, step):
                 continue  # it was the newest: preempted itself
-            for seq in group.active_seqs():
+            for seq in seqs:
                 self._run_seq(seq, step, prepaid=True)
 
-    def _reserve_slots(self, group: SequenceGroup, step: _Step) -> bool:
-        """Make room for the group's next tokens, preempting the newest groups; False when
-        the group itself had to go."""
+    def _make_room(self, group: SequenceGroup, needed: int, step: _Step) -> bool:
+        """Preempt the newest groups until `needed` blocks are free; False when the group itself
+        had to go."""
         bm = self.block_manager
-        needed = sum(bm.num_slot_blocks(seq) for seq in group.active_seqs())
         while needed > bm.num_free_blocks:
             victim = self._running[next(reversed(self._running))]  # the newest arrival
             self._preempt(victim, step)
@@ -240,6 +271,8 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, step: _Step) -> None:
+        if not self._waiting or step.budget <= 0:
+            return
         num_seqs = sum(len(group.unfinished_seqs()) for group in self._running.values())
         while self._waiting and step.budget > 0:
             group = self._waiting[0]
@@ -321,19 +354,21 @@ class Scheduler:
 
     def _run_seq(self, seq: Sequence, step: _Step, prepaid: bool) -> None:
         """Put seq's next chunk (or decode token) in the plan, in full if the shard lacks it."""
-        if seq.num_to_compute == 1:  # a decode (or a prompt's last token) always runs
+        num_to_compute = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
+        if num_to_compute == 1:  # a decode (or a prompt's last token) always runs
             num_compute = 1
-            step.budget -= 0 if prepaid else 1
+            if not prepaid:
+                step.budget -= 1
         else:
-            num_compute = max(0, min(seq.num_to_compute, step.budget))
+            num_compute = max(0, min(num_to_compute, step.budget))
             step.budget -= num_compute
         if num_compute == 0:
             return  # no budget left this step; it stays where it is
         new_block_ids = self.block_manager.append_slot(seq)
-        forks = self._forks(seq, num_compute)
+        group = seq.group
+        forks = [] if group.forked else self._forks(seq, num_compute)
         if seq.on_shard:
-            step.plan.running_requests.append(
-                RunningRequest(seq.seq_id, num_compute, new_block_ids, forks))
+            step.plan.running_requests.append(RunningRequest(seq.seq_id, num_compute, new_block_ids, forks))
         else:
             step.plan.new_requests.append(self._new_request(seq, num_compute, forks))
             seq.on_shard = True  # from now on an abort must release it

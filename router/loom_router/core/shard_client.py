@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 import grpc
 
 from loom_proto import shard_pb2_grpc
-from loom_proto.codec import from_pb, pb, snapshot_entry_from_pb, snapshot_reply_from_pb, to_pb
+from loom_proto.codec import from_pb, pb, snapshot_entry_from_pb, snapshot_reply_from_pb
 from loom_proto.snapshot import SnapshotEntry, SnapshotReply
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom_proto.wire import encode_plan
 from loom_router.types import ShardDivergence
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -174,7 +175,7 @@ class ShardClient:
         ShardDivergence when some ranks ran it and others failed or did not answer in time
         after the first failure (a rank stuck in a collective): that group cannot go on.
         """
-        data = to_pb(plan).SerializeToString()
+        data = encode_plan(plan)
         metadata = self._metadata()
 
         async def timed(r: _Rank) -> tuple[Any, float]:
