@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from loom_proto.config import RouterConfig, parse_config
-from loom_proto.event_loop import run_event_loop
+from loom_proto.event_loop import freeze_startup_heap, run_event_loop
 from loom_router.core.engine import Engine
 from loom_router.core.frontends import FrontendPool, available_cpus, default_api_workers, listening_socket
 from loom_router.core.server import EngineCoreServer
@@ -102,6 +102,7 @@ async def _serve_frontends(config: RouterConfig, engine: Engine, metrics: CoreMe
         loop.add_signal_handler(signum, stop.on_signal)
     metrics_server = None
     try:
+        freeze_startup_heap()
         pool.start()
         log.info("engine core serving %d frontend(s) on %s:%d", num_workers, config.hostname, config.port)
         if config.prometheus_port is not None:

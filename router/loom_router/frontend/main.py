@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from loom_proto.config import FrontendConfig, parse_config
-from loom_proto.event_loop import run_event_loop
+from loom_proto.event_loop import freeze_startup_heap, run_event_loop
 from loom_router.frontend.api import create_app
 from loom_router.frontend.engine_client import EngineClient
 from loom_router.frontend.http_server import server_config
@@ -40,6 +40,7 @@ async def serve(config: FrontendConfig) -> int:
         app = create_app(client, config, metrics)
         server = DrainingServer(server_config(app, config, CLOSE_CONNECTIONS_TIMEOUT_S), client,
                                 config.graceful_termination_timeout)
+        freeze_startup_heap()
         try:
             await server.serve(sockets=[socket.socket(fileno=config.listen_fd)])
         finally:
