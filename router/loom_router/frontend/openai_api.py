@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -53,6 +54,7 @@ from loom_router.types import (
 )
 
 SYSTEM_FINGERPRINT = "loom"
+MARK = "\ue000loom-choice\ue000"  # stands for a chunk's choice while its framing is cut out
 ERROR_TYPES = {422: "invalid_request_error", 429: "rate_limit_error", 424: "server_error", 503: "server_error"}
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=UnicodeJSONRoute)
@@ -86,6 +88,13 @@ class _Reply:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         return {"id": f"{prefix}-{self.id}", "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+
+    def chunk_framing(self, obj: str, extra: dict[str, Any]) -> tuple[bytes, bytes]:
+        """The SSE bytes before and after a chunk's one choice (`sse({**envelope(obj, [choice]),
+        **extra})` is prefix + choice's JSON + suffix), written once per stream, not per token."""
+        whole = sse({**self.envelope(obj, [MARK]), **extra})
+        prefix, _, suffix = whole.partition(orjson.dumps(MARK))
+        return prefix, suffix
 
 
 # ---- routes -----------------------------------------------------------------------------
@@ -197,6 +206,7 @@ async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
         yield sse({**reply.envelope(obj, [opening]), **extra})
     num_generated = 0
     offsets = [len(reply.echo_text)] * n  # text_offset of each choice's next token
+    prefix, suffix = reply.chunk_framing(obj, extra)
     try:
         async for batch in events:
             num_generated += len(batch)
@@ -207,7 +217,7 @@ async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
                 else:
                     choice = _text_choice(state, reply, one, None, offsets[one.index])
                     offsets[one.index] += sum(len(token.text) for token in one.tokens)
-                chunks.append(sse({**reply.envelope(obj, [choice]), **extra}))
+                chunks += (prefix, orjson.dumps(choice), suffix)
             yield b"".join(chunks)
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})

@@ -48,6 +48,7 @@ class GenerationStream:
                  stream_interval: int = 1) -> None:
         self.group_id = group_id
         self._tokenizer = tokenizer
+        self._special_ids = tokenizer.special_ids
         self._on_cancel = on_cancel
         self._on_stop = on_stop
         self._choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
@@ -132,7 +133,7 @@ class GenerationStream:
             emitted += tail if stopped else tail + choice.stop.flush()
             reason = FinishReason.STOP if stopped else reason
         tops = [TokenLogprob(t, lp) for t, lp in top] if top else []
-        token = GeneratedToken(token_id, delta, logprob, self._tokenizer.is_special(token_id), tops)
+        token = GeneratedToken(token_id, delta, logprob, token_id in self._special_ids, tops)
         return ChoiceEvent(index, token, emitted, reason, num_generated)
 
     def _close_choice(self, choice: _Choice, event: ChoiceEvent) -> None:

@@ -3,6 +3,7 @@ character or a wrong leading space, and stop sequences matched across token boun
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from loom_router.tokenizer import Tokenizer
@@ -28,31 +29,35 @@ class IncrementalDetokenizer:
         context = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0):])
         while context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context.pop()  # the prompt ends inside a character: those bytes are not the output's
-        self._stream = tokenizer.decode_stream(context, skip_special_tokens)
-        self._context = context  # the last ids before `_held`, for flush's decode
+        self._step = tokenizer.decode_stream(context, skip_special_tokens).step
+        # The last ids before `_held`, for flush's decode (a deque: this runs for every token).
+        self._context: deque[int] = deque(context, maxlen=PROMPT_CONTEXT_TOKENS)
         self._held: list[int] = []  # ids added since the last text came out
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text it made final (may be "")."""
-        self._held.append(token_id)
+        held = self._held
+        held.append(token_id)
         try:
-            text = self._stream.step(token_id)
+            text = self._step(token_id)
         except Exception:  # the decoder rewrote earlier text: restart the stream after it
             text = self._restart()
         if text is None:
             return ""  # nothing yet: a character waits for its other bytes, or a skipped special
-        self._context = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:]
-        self._held = []
+        self._context.extend(held)
+        held.clear()
         return text
 
     def flush(self) -> str:
         """The text still held back when the sequence ends (incomplete bytes come out as U+FFFD)."""
         if not self._held:
             return ""
-        before = self._decode(self._context)
-        after = self._decode(self._context + self._held)
-        self._context, self._held = (self._context + self._held)[-PROMPT_CONTEXT_TOKENS:], []
-        self._stream = self._tokenizer.decode_stream(self._context, self._skip_special_tokens)
+        context = list(self._context)
+        before = self._decode(context)
+        after = self._decode(context + self._held)
+        self._context.extend(self._held)
+        self._held = []
+        self._step = self._tokenizer.decode_stream(list(self._context), self._skip_special_tokens).step
         return after[len(before):] if after.startswith(before) else after
 
     def _restart(self) -> str | None:
