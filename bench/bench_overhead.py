@@ -31,8 +31,8 @@ from common import REPO, launcher, machine
 
 from loom_proto.config import RouterConfig, ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_router.engine import Engine
-from loom_router.shard_client import ShardClient
+from loom_router.core.engine import Engine
+from loom_router.core.shard_client import ShardClient
 from loom_router.tokenizer import load_tokenizer
 from loom_router.types import GenerationParams
 from loom_shard.runner import ModelRunner

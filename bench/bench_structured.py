@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import BLOCK_SIZE, load_model, make_runner  # noqa: E402
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan  # noqa: E402
-from loom_router.grammar import ConstraintSpec, GrammarCompiler, MaskFiller  # noqa: E402
+from loom_router.structured.grammar import ConstraintSpec, GrammarCompiler, MaskFiller  # noqa: E402
 from loom_router.tokenizer import load_tokenizer  # noqa: E402
 
 SCHEMA = {

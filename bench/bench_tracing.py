@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_router.tracing import RequestTracer
+from loom_router.observability.tracing import RequestTracer
 from loom_shard.runner import ModelRunner
 from loom_shard.tracing import ShardTracer
 

@@ -6,7 +6,6 @@ and `serve` returns the launcher's exit status.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import signal
 import subprocess
@@ -20,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
+from loom_proto.process import parent_death_signal
+
 NUM_LAST_LINES = 20
 POLL_INTERVAL_S = 0.1
 PROGRESS_INTERVAL_S = 5.0
@@ -90,20 +90,6 @@ def install_signal_handlers(stop: threading.Event, log: Log = log_to_stderr) -> 
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-
-
-def parent_death_signal() -> Callable[[], None] | None:
-    """On Linux, a hook that makes a child get SIGTERM when the launcher dies without
-    cleaning up (SIGKILL): its children live in sessions of their own, out of reach of a
-    process-group kill. Resolved here, before any fork, so the hook only calls into libc."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def set_parent_death_signal() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return set_parent_death_signal
 
 
 class Supervisor:

@@ -232,14 +232,20 @@ def _plan_from_pb(m: pb.StepPlan) -> StepPlan:
 
 
 def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
+    # Once per sequence and step, so every field read counts (each builds a upb wrapper): presence
+    # is asked only of a zero (an unset optional reads as 0), empty repeated fields are not copied.
+    token_id, logprob = m.token_id, m.logprob
+    if token_id == 0 and not m.HasField("token_id"):
+        token_id = None
+    if logprob == 0.0 and not m.HasField("logprob"):
+        logprob = None
+    top_tokens, prompt_logprobs, draft_samples = m.top_tokens, m.prompt_logprobs, m.draft_samples
     return SeqOutput(
-        request_id=m.request_id,
-        token_id=_optional(m, "token_id"),
-        logprob=_optional(m, "logprob"),
-        top_tokens=[from_pb(t) for t in m.top_tokens],
-        prompt_logprobs=list(m.prompt_logprobs),
-        draft_samples=[TokenSample(d.token_id, d.logprob, [from_pb(t) for t in d.top_tokens])
-                       for d in m.draft_samples],
+        m.request_id, token_id, logprob,
+        [TokenLogprob(t.token_id, t.logprob) for t in top_tokens] if top_tokens else [],
+        list(prompt_logprobs) if prompt_logprobs else [],
+        [TokenSample(d.token_id, d.logprob, [TokenLogprob(t.token_id, t.logprob) for t in d.top_tokens])
+         for d in draft_samples] if draft_samples else [],
     )
 
 

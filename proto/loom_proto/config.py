@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import types
 import typing
@@ -131,6 +132,12 @@ class RouterFlags(ModelFlags):
     stream_buffer_events: Positive = Field(
         1024, description="events a stream may queue for a client that reads slowly; past it the request "
         "is cancelled")
+    stream_interval: Positive = Field(
+        1, description="tokens a stream collects before they are sent together (the first token and the "
+        "last always go at once); 1: every token as it comes")
+    api_workers: Positive | None = Field(
+        None, description="frontend processes (HTTP, validation, tokenization, streaming) in front of the "
+        "engine core; default: from the CPU cores (1 to 8)")
     overlap_steps: bool = Field(
         False, description="plan and send the next decode step while the shards compute the current one "
         "(one step of lookahead; same tokens)")
@@ -187,10 +194,20 @@ class RouterFlags(ModelFlags):
 
 
 class RouterConfig(RouterFlags):
-    """The router process."""
+    """The router: its engine core process (`loom-router`), which starts its frontends."""
 
     shard_uds_paths: tuple[str, ...] = Field(min_length=1, description="unix socket of a shard rank, "
                                              "once per rank in rank order")
+
+
+class FrontendConfig(RouterConfig):
+    """One frontend process, started by the engine core with its own index and sockets."""
+
+    frontend_index: int = Field(0, ge=0, description="this frontend's number (its socket's name)")
+    ipc_folder: str = Field(description="the router's private folder of sockets (the engine core's and "
+                            "the frontends')")
+    listen_fd: int = Field(ge=0, description="the HTTP listening socket, bound by the engine core and inherited")
+    metrics_folder: str | None = Field(None, description="prometheus_client's multiprocess folder")
 
 
 class LauncherSettings(BaseSettings, ShardFlags, RouterFlags):
@@ -213,6 +230,11 @@ class LauncherSettings(BaseSettings, ShardFlags, RouterFlags):
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(**_values(self, RouterFlags), shard_uds_paths=self.socket_paths())
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment with `extra` added, for a child process it starts."""
+    return {**os.environ, **extra}
 
 
 def _values(model: BaseModel, fields_of: type[BaseModel]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
-        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
         self._compiled_template: jinja2.Template | None = None
         self._byte_level = _is_byte_level(backend.decoder)
 
@@ -104,7 +105,7 @@ class Tokenizer:
         piece = self._backend.id_to_token(token_id)
         if piece is None:
             return b""
-        if token_id in self._special_ids:
+        if token_id in self.special_ids:
             return piece.encode()
         if self._byte_level:
             return bytes(_BYTE_LEVEL_DECODE.get(ch, 0) for ch in piece)
@@ -118,7 +119,7 @@ class Tokenizer:
         return self._backend.to_str()
 
     def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
+        return token_id in self.special_ids
 
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry of an id (byte-level or SentencePiece form), None when out of range."""
@@ -164,17 +165,16 @@ class Tokenizer:
 
 
 class TokenStream:
-    """One sequence's `DecodeStream`, bound to its tokenizer."""
+    """One sequence's `DecodeStream`, bound to its tokenizer.
 
-    __slots__ = ("_backend", "_stream")
+    `step(token_id)`: the text token_id completes, or None while it completes nothing yet (the
+    stream's own step with the backend bound in C: no Python frame per token).
+    """
+
+    __slots__ = ("step",)
 
     def __init__(self, backend: Backend, stream: DecodeStream) -> None:
-        self._backend = backend
-        self._stream = stream
-
-    def step(self, token_id: int) -> str | None:
-        """The text token_id completes, or None while it completes nothing yet."""
-        return self._stream.step(self._backend, token_id)
+        self.step: Callable[[int], str | None] = partial(stream.step, backend)
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:

@@ -1,8 +1,9 @@
-"""What the HTTP layer hands the engine, and what the engine streams back.
+"""Types both kinds of router process share: a validated request, what a frontend streams, the
+engine's counters, and the errors with their HTTP meaning.
 
-The API modules (TGI and OpenAI) validate a request into `GenerationParams`,
-call `Engine.submit(prompt_ids, params)` and read `ChoiceEvent`s from the
-returned stream; the engine never sees HTTP and the API never sees blocks.
+The API modules (TGI and OpenAI) validate a request into `GenerationParams`, submit it through
+the frontend's engine client (loom_router.frontend.engine_client) and read `ChoiceEvent`s from
+the returned stream; the engine core never sees HTTP and the API never sees blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from loom_proto.step import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from loom_router.grammar import Grammar
+    from loom_router.structured.spec import ConstraintSpec
 
 
 class FinishReason(enum.Enum):
@@ -36,7 +37,7 @@ class GenerationParams:
     stop_sequences: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
-    grammar: Grammar | None = None  # constrained decoding: every choice gets its own matcher
+    constraint: ConstraintSpec | None = None  # constrained decoding: compiled by the engine core
 
     @property
     def n(self) -> int:
@@ -133,3 +134,33 @@ class GenerationError(RuntimeError):
 
 class UnavailableError(GenerationError):
     """A shard is down: the request cannot run here (HTTP 503; retry on another replica)."""
+
+
+class SnapshotHTTPError(Exception):
+    """A snapshot operation failed: its HTTP status, message and error_type (the body's)."""
+
+    def __init__(self, status: int, message: str, error_type: str = "snapshot") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+
+
+# The engine's errors and the HTTP status each maps to (a subclass's entry wins over its base's).
+ERROR_STATUS: dict[type[Exception], int] = {
+    ValidationError: 422, OverloadedError: 429, GenerationError: 424, UnavailableError: 503,
+}
+
+
+def status_of(error: Exception) -> int:
+    """The HTTP status of an engine error (how the core tells a frontend which one it was)."""
+    for kind in type(error).__mro__:
+        if kind in ERROR_STATUS:
+            return ERROR_STATUS[kind]
+    return 500
+
+
+def error_for_status(status: int, message: str) -> Exception:
+    """The engine error a status stands for, with the core's message (the inverse of status_of)."""
+    kinds = {code: kind for kind, code in ERROR_STATUS.items()}
+    return kinds.get(status, GenerationError)(message)

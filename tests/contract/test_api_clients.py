@@ -1,5 +1,5 @@
-"""The router served by uvicorn on a free localhost port (real Engine, fake shard), exercised
-by the official `text_generation` and `openai` clients, and by clients that hang up."""
+"""The router served by uvicorn on a free localhost port (a frontend and an engine core, fake shard),
+exercised by the official `text_generation` and `openai` clients, and by clients that hang up."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ import httpx
 import openai
 import pytest
 import text_generation
-import uvicorn
 from api_fakes import WORDS, FakeShardClient
+from router_harness import served_router
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
 from loom_router.tokenizer import Tokenizer
 from tests.net import free_port
 
@@ -36,16 +35,8 @@ async def served(tokenizer: Tokenizer) -> AsyncIterator[Served]:
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port(),
                           max_total_tokens=256, served_model_name="smol")
-    engine = Engine(config, backend, tokenizer)
-    app = create_app(engine, config, manage_engine=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    yield Served(f"http://127.0.0.1:{config.port}", engine, backend, tokenizer)
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+    async with served_router(config, backend, tokenizer) as (url, router, _):
+        yield Served(url, router.engine, backend, tokenizer)
 
 
 def expected_text(s: Served, prompt_ids: list[int], seed: int, count: int) -> str:
@@ -126,20 +117,14 @@ async def test_shutdown_lets_in_flight_streams_finish(tokenizer: Tokenizer) -> N
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     backend.step_delay_s = 0.01
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port())
-    engine = Engine(config, backend, tokenizer)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host=config.hostname,
-                                           port=config.port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
     events = []
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.port}") as client:
-        async with client.stream("POST", "/generate_stream",
-                                 json={"inputs": "x", "parameters": {"max_new_tokens": 30}}) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    events.append(line)
-                    server.should_exit = True  # as SIGTERM does
-    await asyncio.wait_for(task, 10)
-    assert len(events) == 30 and json.loads(events[-1][5:])["generated_text"] is not None
-    assert engine._loop_task is not None and engine._loop_task.done()  # the lifespan stopped the engine
+    async with served_router(config, backend, tokenizer) as (url, router, server):
+        async with httpx.AsyncClient(base_url=url) as client:
+            async with client.stream("POST", "/generate_stream",
+                                     json={"inputs": "x", "parameters": {"max_new_tokens": 30}}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                        server.should_exit = True  # as SIGTERM does
+        assert len(events) == 30 and json.loads(events[-1][5:])["generated_text"] is not None
+        assert router.engine.stats().num_running == 0  # the stream's request ran to its end

@@ -1,7 +1,7 @@
 """A client that hangs up has its request's shard work stopped before the next step, also
 when many streams share the batch, and a client that never reads is cancelled at its
-stream's buffer bound: the router served by uvicorn (real Engine, fake shard that records
-which requests every step carried)."""
+stream's buffer bound: the router served by uvicorn (a frontend and an engine core, fake shard
+that records which requests every step carried)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from api_fakes import WORDS, FakeShardClient
+from router_harness import served_router
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
 from loom_router.tokenizer import load_tokenizer
 from tests.net import free_port
 
@@ -44,18 +43,8 @@ class RecordingShard(FakeShardClient):
 
 @asynccontextmanager
 async def serving(config: RouterConfig, backend: FakeShardClient) -> AsyncIterator[tuple[str, Engine]]:
-    engine = Engine(config, backend, load_tokenizer(""))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host=config.hostname,
-                                           port=config.port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{config.port}", engine
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+    async with served_router(config, backend, load_tokenizer("")) as (url, router, _):
+        yield url, router.engine
 
 
 @pytest.fixture
@@ -76,9 +65,9 @@ async def test_hung_up_streams_leave_the_batch_before_the_next_step(
     cancelled_at: dict[int, int] = {}  # group -> steps started when its cancel arrived
     real_cancel = engine.cancel
 
-    def cancel(group_id: int) -> None:
+    def cancel(group_id: int, outcome: str = "cancelled") -> None:
         cancelled_at.setdefault(group_id, len(backend.step_groups))
-        real_cancel(group_id)
+        real_cancel(group_id, outcome)
 
     engine.cancel = cancel  # type: ignore[method-assign]
 

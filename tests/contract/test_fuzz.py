@@ -1,7 +1,7 @@
 """Bad input never yields a 5xx, and the OpenAPI document says what the server does: the
 schemathesis command runs every phase (examples, coverage, fuzzing, stateful) over every operation
-of Loom's own document, bounded in time, against the router served by uvicorn (real Engine, fake
-shard with snapshot RPCs over a real PartStore), with every check but the two that cannot apply.
+of Loom's own document, bounded in time, against the router served by uvicorn (a frontend and an
+engine core, fake shard with snapshot RPCs over a real PartStore), with every check but the two that cannot apply.
 Hand-made bodies cover what a schema cannot generate (broken JSON, invalid UTF-8, NaN, deep
 nesting). Afterwards the server is healthy and idle: no request running, no KV block held."""
 
@@ -21,12 +21,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from router_harness import served_router
 from test_snapshots import SnapshotFakeClient
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
 from loom_router.tokenizer import load_tokenizer
 from tests.net import free_port
 
@@ -51,17 +50,22 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("snapshots")
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port(),
                           max_total_tokens=64, max_n=4, max_concurrent_requests=8, snapshot_dir=str(root))
-    engine = Engine(config, SnapshotFakeClient(tokenizer, Path(root)), tokenizer)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host=config.hostname,
-                                           port=config.port, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    started: list[Any] = []
+    finish = threading.Event()
+
+    async def run() -> None:
+        async with served_router(config, SnapshotFakeClient(tokenizer, Path(root)), tokenizer) as (url, router, _):
+            started.append(Served(url, router.engine))
+            await asyncio.to_thread(finish.wait)
+
+    thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
-    while not server.started:
+    while not started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    yield Served(f"http://127.0.0.1:{config.port}", engine)
-    server.should_exit = True
+    yield started[0]
+    finish.set()
     thread.join(timeout=15)
 
 

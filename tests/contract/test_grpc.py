@@ -14,7 +14,7 @@ import pytest
 from grpc_fakes import BLOCK_SIZE, FakeRunner
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_router.shard_client import ShardClient, ShardError
+from loom_router.core.shard_client import ShardClient, ShardError
 from loom_router.types import ShardDivergence
 from loom_shard.server import start_server
 from tests.net import free_port

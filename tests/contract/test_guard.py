@@ -1,6 +1,6 @@
-"""The router's front door (loom_router.guard) and life cycle (loom_router.lifecycle) against a
-real Engine driving a fake shard: API keys, payload limit, CORS, readiness, drain, dead
-shards, and slow stream readers."""
+"""The router's front door (loom_router.frontend.guard) and life cycle (loom_router.frontend.lifecycle)
+through a frontend and an engine core driving a fake shard: API keys, payload limit, CORS,
+readiness, drain, dead shards, and slow stream readers."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Any
 import httpx
 import pytest
 from api_fakes import FakeShardClient
+from router_harness import InProcessRouter, start_router
 from starlette.responses import JSONResponse
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import SamplingParams
-from loom_router import guard
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.shard_client import ShardError
+from loom_router.core.engine import Engine
+from loom_router.core.shard_client import ShardError
+from loom_router.frontend import guard
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams
 
@@ -41,26 +41,19 @@ Serve = Callable[..., Any]
 
 @pytest.fixture
 async def serve(backend: FakeShardClient, tokenizer: Tokenizer) -> AsyncIterator[Serve]:
-    """serve(**config) -> (client, engine), the engine started unless start=False."""
-    engines: list[Engine] = []
-    clients: list[httpx.AsyncClient] = []
+    """serve(**config) -> (HTTP client, the engine core's engine), started unless start=False;
+    `serve.routers` holds each in-process router."""
+    routers: list[InProcessRouter] = []
 
     async def start(start: bool = True, **overrides: Any) -> tuple[httpx.AsyncClient, Engine]:
-        config = router_config(**overrides)
-        engine = Engine(config, backend, tokenizer)
-        if start:
-            await engine.start()
-        engines.append(engine)
-        app = create_app(engine, config)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom")
-        clients.append(client)
-        return client, engine
+        router = await start_router(router_config(**overrides), backend, tokenizer, start=start)
+        routers.append(router)
+        return router.http, router.engine
 
+    start.routers = routers  # type: ignore[attr-defined]
     yield start
-    for client in clients:
-        await client.aclose()
-    for engine in engines:
-        await engine.stop(drain_timeout_s=1.0)
+    for router in routers:
+        await router.stop()
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -245,12 +238,13 @@ async def test_snapshot_routes_can_be_turned_off(serve: Serve, tmp_path: Path) -
 
 
 async def test_ready_fails_before_warmup_and_from_the_first_instant_of_a_drain(serve: Serve) -> None:
-    client, engine = await serve(start=False)
+    client, _ = await serve(start=False)
+    router = serve.routers[-1]
     for path in ("/ready", "/v2/health/ready"):
         assert (await client.get(path)).status_code == 503
-    await engine.start()
+    await router.start()
     assert (await client.get("/ready")).status_code == 200
-    engine.begin_drain()
+    await router.begin_drain()  # the engine core's drain, as its frontend sees it
     assert (await client.get("/ready")).status_code == 503
     assert (await client.get("/v2/health/ready")).json()["error_type"] == "unavailable"
     response = await client.post("/generate", json=GENERATE)
@@ -374,11 +368,14 @@ async def test_a_frozen_shard_turns_new_requests_away_at_once(serve: Serve, back
 # ---- slow readers ---------------------------------------------------------------------------
 
 
-async def test_a_stream_nobody_reads_is_cancelled_at_its_buffer_bound(serve: Serve) -> None:
+async def test_a_stream_nobody_reads_is_cancelled_at_its_buffer_bound(serve: Serve, backend: FakeShardClient) -> None:
     _, engine = await serve(stream_buffer_events=8)
+    backend.step_delay_s = 0.005  # the frontend learns of the overflow while the request still runs
+    client = serve.routers[-1].client
     params = GenerationParams(max_new_tokens=40, choices=[SamplingParams(seed=1)], ignore_eos=True)
-    stream = engine.submit([1, 2, 3], params)  # never read while it runs
-    other = engine.submit([1, 2, 3], GenerationParams(max_new_tokens=40, choices=[SamplingParams(seed=2)], ignore_eos=True))
+    stream = await client.submit([1, 2, 3], params)  # never read while it runs
+    other = await client.submit([1, 2, 3], GenerationParams(max_new_tokens=40, choices=[SamplingParams(seed=2)],
+                                                            ignore_eos=True))
     events = [event async for event in other]  # another stream is not held back
     assert len(events) == 40
     with pytest.raises(GenerationError, match="read too slowly"):

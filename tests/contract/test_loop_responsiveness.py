@@ -14,12 +14,11 @@ from collections.abc import AsyncIterator, Awaitable
 
 import httpx
 import pytest
-import uvicorn
 from api_fakes import WORDS, FakeShardClient
+from router_harness import served_router
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
 from loom_router.tokenizer import Tokenizer
 from tests.net import free_port
 
@@ -35,16 +34,8 @@ async def served(tokenizer: Tokenizer) -> AsyncIterator[tuple[str, Engine]]:
                               block_size=16, num_blocks=CONTEXT // 16 + 8, max_position_embeddings=CONTEXT)
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=free_port(),
                           max_batch_prefill_tokens=CONTEXT)
-    engine = Engine(config, backend, tokenizer)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, manage_engine=True), host="127.0.0.1",
-                                           port=config.port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    yield f"http://127.0.0.1:{config.port}", engine
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+    async with served_router(config, backend, tokenizer) as (url, router, _):
+        yield url, router.engine
 
 
 async def health_answers_during(url: str, big: Awaitable[httpx.Response]) -> tuple[httpx.Response, int]:

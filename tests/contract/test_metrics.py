@@ -13,10 +13,11 @@ from prometheus_client.utils import floatToGoString
 from test_api import Harness, harness  # noqa: F401 (fixture)
 
 from loom_proto.step import StepPlan, StepResult
-from loom_router.metrics import RouterMetrics
-from loom_router.metrics_server import start_metrics_server
-from loom_router.request_log import REQUEST_LOGGER, JsonFormatter
-from loom_router.tgi_metrics import DURATION_BUCKETS
+from loom_router.observability.core_metrics import CoreMetrics
+from loom_router.observability.metrics import FrontendMetrics
+from loom_router.observability.metrics_server import start_metrics_server
+from loom_router.observability.request_log import REQUEST_LOGGER, JsonFormatter
+from loom_router.observability.tgi_metrics import DURATION_BUCKETS
 
 SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
 
@@ -126,10 +127,12 @@ async def test_snapshot_failures_are_counted_by_reason(harness: Harness) -> None
     assert s['loom_snapshot_failures_total{op="save",reason="disabled"}'] == 1
 
 
-async def test_prometheus_port_serves_the_same_registry() -> None:
-    metrics = RouterMetrics()
-    metrics.tgi.on_arrival()
-    server = await start_metrics_server(metrics, "127.0.0.1", 0)
+async def test_prometheus_port_serves_the_same_exposition() -> None:
+    frontend = FrontendMetrics()
+    frontend.tgi.on_arrival()
+    core = CoreMetrics()
+    core.frontend_sources.append(frontend.registry)
+    server = await start_metrics_server(core.render, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         async with httpx.AsyncClient() as client:

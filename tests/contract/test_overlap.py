@@ -1,4 +1,4 @@
-"""One step of lookahead (--overlap-steps, loom_router.lookahead) against the fake shard.
+"""One step of lookahead (--overlap-steps, loom_router.core.lookahead) against the fake shard.
 
 Every test runs the same requests with lookahead off and on and wants the same events, and
 checks the invariants of running ahead: steps really overlapped, a sequence that finished was
@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import pytest
 from api_fakes import WORDS, FakeShardClient
 from fake_shard import FailAt
+from router_harness import InProcessRouter, start_router
 from test_api import router_config
 
 from loom_proto.step import SamplingParams, StepPlan, StepResult
-from loom_router.engine import Engine
-from loom_router.grammar import ConstraintSpec
-from loom_router.stream import GenerationStream
+from loom_router.core.engine import Engine
+from loom_router.frontend.stream import GenerationStream
+from loom_router.structured.spec import ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams
 
@@ -98,16 +99,17 @@ def params(seed: int, max_new_tokens: int = 12, n: int = 1, **kw: object) -> Gen
 
 
 async def start(tokenizer: Tokenizer, overlap: bool, num_blocks: int = 256,
-                eos_at: int | None = None) -> tuple[Engine, FakeShardClient, Probe]:
+                eos_at: int | None = None) -> tuple[InProcessRouter, FakeShardClient, Probe]:
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
                               num_blocks=num_blocks)
     backend.eos_at = eos_at
-    engine = Engine(router_config(overlap_steps=overlap, max_concurrent_requests=16), backend, tokenizer)
-    probe = Probe(engine, backend)
+    router = await start_router(router_config(overlap_steps=overlap, max_concurrent_requests=16), backend,
+                                tokenizer, start=False)
+    probe = Probe(router.engine, backend)
     probe.install()
-    await engine.start()
+    await router.start()
     probe.watch_frees()
-    return engine, backend, probe
+    return router, backend, probe
 
 
 async def run_both(tokenizer: Tokenizer, requests: list[tuple[str, GenerationParams]],
@@ -115,13 +117,13 @@ async def run_both(tokenizer: Tokenizer, requests: list[tuple[str, GenerationPar
     """The same concurrent requests with lookahead off, then on; the on run's probe."""
     outputs: dict[bool, list[list[Event]]] = {}
     for overlap in (False, True):
-        engine, backend, probe = await start(tokenizer, overlap, **kw)  # type: ignore[arg-type]
+        router, backend, probe = await start(tokenizer, overlap, **kw)  # type: ignore[arg-type]
         try:
-            streams = [engine.submit(tokenizer.encode(prompt), p) for prompt, p in requests]
+            streams = await asyncio.gather(*(router.client.submit(tokenizer.encode(prompt), p) for prompt, p in requests))
             outputs[overlap] = list(await asyncio.gather(*(events(s) for s in streams)))
-            await assert_all_free(engine)
+            await assert_all_free(router.engine)
         finally:
-            await engine.stop(drain_timeout_s=1.0)
+            await router.stop()
         assert probe.early_frees == []
     assert outputs[True] == outputs[False]
     return outputs[True], probe
@@ -150,10 +152,11 @@ async def test_eos_in_a_step_ahead_discards_the_extra_token(tokenizer: Tokenizer
 
 
 async def test_eos_finished_sequence_was_run_once_more_then_released(tokenizer: Tokenizer) -> None:
-    engine, backend, probe = await start(tokenizer, overlap=True, eos_at=4)
+    router, backend, probe = await start(tokenizer, overlap=True, eos_at=4)
+    engine, client = router.engine, router.client
     try:
         prompt = tokenizer.encode("one more step")
-        out = await events(engine.submit(prompt, params(3, max_new_tokens=20)))
+        out = await events(await client.submit(prompt, params(3, max_new_tokens=20)))
         assert len(out) == 5
         await assert_all_free(engine)
         await engine.run_between_steps(lambda s: None)  # after the step that sent the release
@@ -164,7 +167,7 @@ async def test_eos_finished_sequence_was_run_once_more_then_released(tokenizer: 
         assert len(releases) == 1 and backend.shard.plans.index(runs[-1]) < releases[0]
         assert probe.early_frees == []
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_stop_strings(tokenizer: Tokenizer) -> None:
@@ -181,12 +184,13 @@ async def test_n_forks_and_preemption(tokenizer: Tokenizer) -> None:
 
 
 async def test_grammar_requests_never_run_ahead(tokenizer: Tokenizer) -> None:
-    engine, backend, probe = await start(tokenizer, overlap=True)
+    router, backend, probe = await start(tokenizer, overlap=True)
+    engine, client = router.engine, router.client
     try:
-        grammar = engine.grammars.compile(ConstraintSpec.choice(["yes please", "no thanks", "maybe later"]))
-        constrained = params(5, max_new_tokens=16, grammar=grammar)
-        free = engine.submit(tokenizer.encode("free"), params(6, max_new_tokens=40))
-        out = await events(engine.submit(tokenizer.encode("answer"), constrained))
+        constrained = params(5, max_new_tokens=16,
+                             constraint=ConstraintSpec.choice(["yes please", "no thanks", "maybe later"]))
+        free = await client.submit(tokenizer.encode("free"), params(6, max_new_tokens=40))
+        out = await events(await client.submit(tokenizer.encode("answer"), constrained))
         assert "".join(e[2] for e in out) in {"yes please", "no thanks", "maybe later"}
         await events(free)
         constrained_id = 1 * engine.config.max_n  # the second group's only sequence
@@ -195,14 +199,15 @@ async def test_grammar_requests_never_run_ahead(tokenizer: Tokenizer) -> None:
         assert any(constrained_id in plan.allowed_token_masks for plan in backend.shard.plans)
         await assert_all_free(engine)
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_abort_while_a_step_runs_ahead(tokenizer: Tokenizer) -> None:
-    engine, backend, probe = await start(tokenizer, overlap=True)
+    router, backend, probe = await start(tokenizer, overlap=True)
+    engine, client = router.engine, router.client
     try:
-        stream = engine.submit(tokenizer.encode("to be cancelled"), params(1, max_new_tokens=50))
-        other = engine.submit(tokenizer.encode("keeps going"), params(2, max_new_tokens=30))
+        stream = await client.submit(tokenizer.encode("to be cancelled"), params(1, max_new_tokens=50))
+        other = await client.submit(tokenizer.encode("keeps going"), params(2, max_new_tokens=30))
         got = 0
         async for _ in stream:
             got += 1
@@ -215,25 +220,26 @@ async def test_abort_while_a_step_runs_ahead(tokenizer: Tokenizer) -> None:
         assert probe.early_frees == [] and probe.max_in_flight == 2
         assert engine.stats().requests_finished.get("cancelled") == 1
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 @pytest.mark.parametrize("fail_at", [FailAt.START, FailAt.AFTER_FORWARD])
 async def test_failed_step_with_a_step_ahead_rolls_back(tokenizer: Tokenizer, fail_at: FailAt) -> None:
-    engine, backend, probe = await start(tokenizer, overlap=True)
+    router, backend, probe = await start(tokenizer, overlap=True)
+    engine, client = router.engine, router.client
     try:
         prompt = tokenizer.encode("Hello there")
-        reference = await events(engine.submit(prompt, params(1, max_new_tokens=8)))
+        reference = await events(await client.submit(prompt, params(1, max_new_tokens=8)))
         start_plans = len(backend.shard.plans)
         backend.shard.fail_at = fail_at
         backend.shard.fail_when = lambda plan: len(backend.shard.plans) == start_plans + 4  # mid-decode
         with pytest.raises(GenerationError, match="injected failure"):
-            await events(engine.submit(prompt, params(1, max_new_tokens=8)))
-        assert await events(engine.submit(prompt, params(1, max_new_tokens=8))) == reference
+            await events(await client.submit(prompt, params(1, max_new_tokens=8)))
+        assert await events(await client.submit(prompt, params(1, max_new_tokens=8))) == reference
         await assert_all_free(engine)
         assert probe.early_frees == [] and probe.max_in_flight == 2
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_a_request_arriving_mid_decode_starts_in_the_step_sent_ahead(tokenizer: Tokenizer) -> None:
@@ -241,21 +247,22 @@ async def test_a_request_arriving_mid_decode_starts_in_the_step_sent_ahead(token
     for the step in flight and the one queued behind it), with the same events as without."""
     outputs: dict[bool, tuple[list[Event], list[Event]]] = {}
     for overlap in (False, True):
-        engine, _, probe = await start(tokenizer, overlap)
+        router, _, probe = await start(tokenizer, overlap)
+        engine, client = router.engine, router.client
         try:
-            first = engine.submit(tokenizer.encode("the first prompt"), params(1, max_new_tokens=30))
+            first = await client.submit(tokenizer.encode("the first prompt"), params(1, max_new_tokens=30))
             seen: list[Event] = []
             second: asyncio.Future[list[Event]] | None = None
             async for e in first:
                 seen.append((e.index, e.token.token_id, e.text, e.finish_reason.value if e.finish_reason else None))
                 if len(seen) == 5:  # a steady decode by now: with lookahead, two steps are on the shard
-                    second = asyncio.ensure_future(events(engine.submit(tokenizer.encode("a later prompt"),
-                                                                        params(7, max_new_tokens=12))))
+                    later = await client.submit(tokenizer.encode("a later prompt"), params(7, max_new_tokens=12))
+                    second = asyncio.ensure_future(events(later))
             assert second is not None
             outputs[overlap] = (seen, await second)
             await assert_all_free(engine)
         finally:
-            await engine.stop(drain_timeout_s=1.0)
+            await router.stop()
         assert probe.early_frees == []
         if overlap:
             assert any(plan.new_requests for plan in probe.sent_ahead), "the arrival waited for a drain"

@@ -10,11 +10,10 @@ from importlib.resources import files
 import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
+from router_harness import start_router
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.playground import is_public
+from loom_router.frontend.playground import is_public
 from loom_router.tokenizer import load_tokenizer
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -25,19 +24,18 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
     tokenizer = load_tokenizer("")
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_total_tokens=64)
-    engine = Engine(config, backend, tokenizer)
-    await engine.start()
-    app = create_app(engine, config)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as c:
-        yield c
-    await engine.stop(drain_timeout_s=1.0)
+    router = await start_router(config, backend, tokenizer)
+    try:
+        yield router.http
+    finally:
+        await router.stop()
 
 
 async def test_a_browser_gets_the_page_and_its_files(client: httpx.AsyncClient) -> None:
     page = await client.get("/", headers={"Accept": BROWSER_ACCEPT})
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
-    assert page.text == files("loom_router.playground").joinpath("index.html").read_text(encoding="utf-8")
+    assert page.text == files("loom_router.frontend.playground").joinpath("index.html").read_text(encoding="utf-8")
     linked = re.findall(r'(?:src|href)="(/playground/[^"]+)"', page.text)
     assert sorted(linked) == ["/playground/app.js", "/playground/style.css"]
     for path, media_type in (("/playground/app.js", "text/javascript"), ("/playground/style.css", "text/css")):
@@ -75,7 +73,7 @@ async def test_post_slash_still_generates(client: httpx.AsyncClient) -> None:
 
 def test_model_output_is_never_written_as_html() -> None:
     """The page sets text only: no API that parses a string as HTML appears in its script."""
-    script = files("loom_router.playground").joinpath("app.js").read_text(encoding="utf-8")
+    script = files("loom_router.frontend.playground").joinpath("app.js").read_text(encoding="utf-8")
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval("):
         assert sink not in script, sink
     assert "textContent" in script

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
+from router_harness import InProcessRouter, start_router
 
 from loom_proto.config import RouterConfig
 from loom_proto.snapshot import KVLayout, Manifest, SnapshotEntry, SnapshotReply, SnapshotStatus, model_fingerprint
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
 from loom_router.tokenizer import Tokenizer
 from loom_shard.server import _snapshot_call as shard_snapshot_call
 from loom_shard.snapshot import PartStore
@@ -99,10 +99,16 @@ async def _reply(call) -> SnapshotReply:  # call: an awaitable of a byte count o
 async def _serve(tokenizer: Tokenizer, backend: FakeShardClient, snapshot_dir: str | None):
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_total_tokens=128,
                           snapshot_dir=snapshot_dir)
-    engine = Engine(config, backend, tokenizer)
-    await engine.start()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, config)), base_url="http://loom")
-    return engine, client
+    router = await start_router(config, backend, tokenizer)
+    ROUTERS[router.engine] = router
+    return router.engine, router.http
+
+
+ROUTERS: dict[Engine, InProcessRouter] = {}  # by the engine `_serve` returned: what stop() stops
+
+
+async def stop(engine: Engine) -> None:
+    await ROUTERS.pop(engine).stop()
 
 
 @pytest.fixture
@@ -118,7 +124,7 @@ async def served(tokenizer: Tokenizer, root: Path) -> AsyncIterator[tuple[Engine
     engine, client = await _serve(tokenizer, backend, str(root))
     async with client:
         yield engine, client, backend
-    await engine.stop(drain_timeout_s=1.0)
+    await stop(engine)
 
 
 def cached_blocks(engine: Engine) -> int:
@@ -142,7 +148,7 @@ async def test_off_without_snapshot_dir(tokenizer: Tokenizer) -> None:
                             ("DELETE", "/snapshots/a")]:
             response = await client.request(method, url)
             assert response.status_code == 501 and "--snapshot-dir" in response.json()["error"]
-    await engine.stop(drain_timeout_s=1.0)
+    await stop(engine)
 
 
 async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root: Path, served) -> None:
@@ -180,7 +186,7 @@ async def test_save_restart_restore_then_prefix_hits(tokenizer: Tokenizer, root:
         assert deleted.json()["cached_blocks_dropped"] == full_blocks
         assert not router_side.exists()
         assert cached_blocks(engine2) == before - full_blocks
-    await engine2.stop(drain_timeout_s=1.0)
+    await stop(engine2)
 
 
 async def test_save_from_text_and_messages(served, tokenizer: Tokenizer) -> None:
@@ -349,7 +355,7 @@ async def grpc_shard(tmp_path: Path):
     import torch
 
     from loom_proto.config import ShardConfig
-    from loom_router.shard_client import ShardClient
+    from loom_router.core.shard_client import ShardClient
     from loom_shard.runner import ModelRunner
     from loom_shard.server import start_server
     from tests.unit.shard.conftest import make_pair

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 from api_fakes import WORDS, FakeShardClient
+from router_harness import start_router
 from test_api import router_config
 from test_overlap import params
 
 from loom_proto.step import SamplingParams
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.grammar import ConstraintSpec
-from loom_router.stream import GenerationStream
+from loom_router.core.engine import Engine
+from loom_router.frontend.stream import GenerationStream
+from loom_router.structured.spec import ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationParams
 
@@ -56,15 +55,15 @@ def by_choice(out: list[Event]) -> list[list[Event]]:
 async def run(tokenizer: Tokenizer, requests: list[tuple[str, GenerationParams]], speculate: int,
               **kw: object) -> tuple[list[list[Event]], Engine, FakeShardClient]:
     backend = cyclic_backend(tokenizer, **kw)  # type: ignore[arg-type]
-    engine = Engine(router_config(speculate=speculate, max_concurrent_requests=16), backend, tokenizer)
-    await engine.start()
+    router = await start_router(router_config(speculate=speculate, max_concurrent_requests=16), backend, tokenizer)
+    engine = router.engine
     try:
-        streams = [engine.submit(tokenizer.encode(prompt), p) for prompt, p in requests]
+        streams = await asyncio.gather(*(router.client.submit(tokenizer.encode(prompt), p) for prompt, p in requests))
         outs = list(await asyncio.gather(*(events(s) for s in streams)))
         used = await engine.run_between_steps(lambda s: s.block_manager.num_used_blocks)
         assert used == 0
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
     return outs, engine, backend
 
 
@@ -106,40 +105,38 @@ async def test_n_choices_and_preemption(tokenizer: Tokenizer) -> None:
 
 async def test_constrained_requests_are_never_drafted(tokenizer: Tokenizer) -> None:
     backend = cyclic_backend(tokenizer)
-    engine = Engine(router_config(speculate=4, max_concurrent_requests=16), backend, tokenizer)
-    await engine.start()
+    router = await start_router(router_config(speculate=4, max_concurrent_requests=16), backend, tokenizer)
+    engine, client = router.engine, router.client
     try:
-        grammar = engine.grammars.compile(ConstraintSpec.choice(["yes please yes please", "no thanks no thanks"]))
-        free = engine.submit(tokenizer.encode("free"), params(6, max_new_tokens=40))
-        out = await events(engine.submit(tokenizer.encode("answer"), params(5, max_new_tokens=16, grammar=grammar)))
+        constraint = ConstraintSpec.choice(["yes please yes please", "no thanks no thanks"])
+        free = await client.submit(tokenizer.encode("free"), params(6, max_new_tokens=40))
+        out = await events(await client.submit(tokenizer.encode("answer"),
+                                               params(5, max_new_tokens=16, constraint=constraint)))
         assert "".join(e[2] for e in out) in {"yes please yes please", "no thanks no thanks"}
         await events(free)
         drafted = {r.request_id for plan in backend.shard.plans for r in plan.running_requests if r.draft_token_ids}
         assert 0 in drafted and 1 * engine.config.max_n not in drafted  # the free one drafted, never the other
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_overlap_steps_turns_speculation_off(tokenizer: Tokenizer) -> None:
     backend = cyclic_backend(tokenizer)
-    engine = Engine(router_config(speculate=4, overlap_steps=True), backend, tokenizer)
-    await engine.start()
+    router = await start_router(router_config(speculate=4, overlap_steps=True), backend, tokenizer)
+    engine = router.engine
     try:
-        await events(engine.submit(tokenizer.encode("ahead"), params(1, max_new_tokens=20)))
+        await events(await router.client.submit(tokenizer.encode("ahead"), params(1, max_new_tokens=20)))
         assert engine.scheduler is not None and engine.scheduler.speculator is None
         assert not any(r.draft_token_ids for plan in backend.shard.plans for r in plan.running_requests)
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_streams_usage_and_metrics_count_every_accepted_token(tokenizer: Tokenizer) -> None:
     backend = cyclic_backend(tokenizer)
-    config = router_config(speculate=4)
-    engine = Engine(config, backend, tokenizer)
-    await engine.start()
-    app = create_app(engine, config)
+    router = await start_router(router_config(speculate=4), backend, tokenizer)
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as client:
+        async with router.http as client:
             body = {"model": "x", "prompt": "the quick", "max_tokens": 30, "stream": True, "seed": 3,
                     "stream_options": {"include_usage": True}}
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -152,26 +149,25 @@ async def test_streams_usage_and_metrics_count_every_accepted_token(tokenizer: T
         accepted = [line for line in metrics.splitlines() if line.startswith("loom_spec_accepted_tokens_total")]
         assert accepted and float(accepted[0].split()[-1]) > 0
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_a_choice_stopping_inside_an_accepted_run_while_its_siblings_go_on(tokenizer: Tokenizer,
                                                                                   monkeypatch) -> None:
     """Drafts from the prompt run through a stop sequence: the tokens after it are never sent,
     while the request's other choices keep streaming."""
-    from loom_router.engine_requests import RequestBook
+    after_stop = []  # (group, choice) whose tokens past the stop reached the frontend, to be dropped
+    feed = GenerationStream.feed
 
-    after_stop = []
-    postprocess = RequestBook._postprocess
+    def watched(self, output, now):  # noqa: ANN001, ANN202
+        before = len(self._events)
+        feed(self, output, now)
+        if before + len(output.token_ids) > len(self._events) and not self.overflowed:
+            after_stop.append((output.group_id, output.index))
 
-    def watched(self, seq, out, num_generated=None):  # noqa: ANN001, ANN202
-        if seq.is_finished:
-            after_stop.append(seq.seq_id)
-        return postprocess(self, seq, out, num_generated)
-
-    monkeypatch.setattr(RequestBook, "_postprocess", watched)
+    monkeypatch.setattr(GenerationStream, "feed", watched)
     prompt = " the quick brown fox jumps over the quick brown fox jumps over"
     requests = [(prompt, params(i, max_new_tokens=30, n=3, stop_sequences=[" fox jumps over"])) for i in range(3)]
     outs, _, _, _ = await same_as_plain(tokenizer, requests)
-    assert after_stop  # a verify step kept tokens past a stop: they were dropped
+    assert after_stop  # a verify step kept tokens past a stop (or the core ran on until told): dropped
     assert any(len({e[3] for e in choice}) > 1 for out in outs for choice in by_choice(out))

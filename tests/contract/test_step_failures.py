@@ -9,15 +9,15 @@ from dataclasses import replace
 import httpx
 import pytest
 from api_fakes import WORDS, FakeShardClient
+from router_harness import start_router
 from test_api import router_config
 
 from loom_proto.step import StepPlan, StepResult
 from loom_router import main
-from loom_router.engine import Engine
-from loom_router.shard_client import ShardError, agreed_step_reply
+from loom_router.core.shard_client import ShardError, agreed_step_reply
+from loom_router.frontend.validation import Limits, TGIParameters, tgi_generation_params
 from loom_router.tokenizer import Tokenizer
 from loom_router.types import GenerationError, GenerationParams, ShardDivergence
-from loom_router.validation import Limits, TGIParameters, tgi_generation_params
 from tests.net import free_port
 
 
@@ -32,18 +32,18 @@ async def collect(stream) -> list[int]:  # noqa: ANN001
 
 async def test_failed_step_fails_its_requests_and_later_ones_are_exact(tokenizer: Tokenizer) -> None:
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
-    engine = Engine(router_config(), backend, tokenizer)
-    await engine.start()
+    router = await start_router(router_config(), backend, tokenizer)
+    engine, client = router.engine, router.client
     try:
         prompt = tokenizer.encode("Hello there")
         backend.shard.fail_when = lambda plan: len(backend.shard.plans) == 3  # mid-generation
         with pytest.raises(GenerationError, match="injected failure"):
-            await collect(engine.submit(prompt, params(1)))
+            await collect(await client.submit(prompt, params(1)))
         assert engine.stats().requests_finished == {"error": 1}
-        assert await collect(engine.submit(prompt, params(1))) == backend.reference(prompt, 1, 4)
+        assert await collect(await client.submit(prompt, params(1))) == backend.reference(prompt, 1, 4)
         assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -51,24 +51,24 @@ async def test_a_request_the_plan_cannot_encode_fails_alone(tokenizer: Tokenizer
     """Validation bounds every field; should one slip through, its step still runs for the others."""
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
     backend.step_delay_s = 0.01
-    engine = Engine(router_config(), backend, tokenizer)
-    await engine.start()
+    router = await start_router(router_config(), backend, tokenizer)
+    engine, client = router.engine, router.client
     try:
         prompt = tokenizer.encode("Hello there")
-        good = asyncio.create_task(collect(engine.submit(prompt, params(1, max_new_tokens=8))))
+        good = asyncio.create_task(collect(await client.submit(prompt, params(1, max_new_tokens=8))))
         while engine.stats().num_running == 0:
             await asyncio.sleep(0.005)
         bad_params = params(2)
         bad_params.choices = [replace(bad_params.choices[0], seed=2 + i) for i in range(n)]
         bad_params.choices[-1].top_k = 2**32  # past the protocol's uint32 (n = 2: the fork's)
         with pytest.raises(GenerationError, match="cannot be sent to the shards"):
-            await collect(engine.submit(prompt, bad_params))
+            await collect(await client.submit(prompt, bad_params))
         assert await good == backend.reference(prompt, 1, 8)
         assert engine.stats().requests_finished == {"error": 1, "length": 1}
         assert engine.scheduler is not None and engine.scheduler.block_manager.num_used_blocks == 0
-        assert await collect(engine.submit(prompt, params(3))) == backend.reference(prompt, 3, 4)
+        assert await collect(await client.submit(prompt, params(3))) == backend.reference(prompt, 3, 4)
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 async def test_diverged_ranks_stop_the_engine_and_say_so(tokenizer: Tokenizer) -> None:
@@ -78,20 +78,21 @@ async def test_diverged_ranks_stop_the_engine_and_say_so(tokenizer: Tokenizer) -
         raise ShardDivergence("tensor-parallel ranks diverged on a step (ranks [0] ran it; rank 1: boom)")
 
     backend.step = diverging_step  # type: ignore[method-assign]
-    engine = Engine(router_config(), backend, tokenizer)
+    router = await start_router(router_config(), backend, tokenizer, start=False)
+    engine, client = router.engine, router.client
     fatal: list[BaseException] = []
     engine.on_fatal = fatal.append
-    await engine.start()
+    await router.start()
     try:
         with pytest.raises(GenerationError, match="diverged"):
-            await collect(engine.submit(tokenizer.encode("Hello"), params(1)))
+            await collect(await client.submit(tokenizer.encode("Hello"), params(1)))
         await asyncio.sleep(0)
         assert len(fatal) == 1 and isinstance(fatal[0], ShardDivergence)
         assert not await engine.health()
         with pytest.raises(GenerationError, match="not running"):
-            engine.submit(tokenizer.encode("Hello"), params(1))
+            await client.submit(tokenizer.encode("Hello"), params(1))  # the engine core refuses it
     finally:
-        await engine.stop(drain_timeout_s=1.0)
+        await router.stop()
 
 
 def _futures(*outcomes: object) -> list[asyncio.Future]:

@@ -7,13 +7,11 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 from api_fakes import FakeShardClient
+from router_harness import start_router
 from test_api import Harness, router_config, sse_payloads
 
-from loom_router.api import create_app
-from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "router"))
@@ -34,13 +32,11 @@ async def _harness(tokenizer: Tokenizer, **config: object) -> AsyncIterator[Harn
     backend = FakeShardClient(tokenizer.encode("the"), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     answer = SP_ANSWER if _is_sentencepiece(tokenizer) else ANSWER
     backend.script = tokenizer.encode(answer, add_special_tokens=False)
-    cfg = router_config(**config)
-    engine = Engine(cfg, backend, tokenizer)
-    await engine.start()
-    app = create_app(engine, cfg)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as client:
-        yield Harness(client, engine, backend, tokenizer)
-    await engine.stop(drain_timeout_s=1.0)
+    router = await start_router(router_config(**config), backend, tokenizer)
+    try:
+        yield Harness(router.http, router.engine, backend, tokenizer, router)
+    finally:
+        await router.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Constrained decoding and tool calling through the router's HTTP APIs (real Engine, fake shard).
+"""Constrained decoding and tool calling through the router's HTTP APIs (a frontend and an engine
+core, fake shard).
 
 The fake shard samples a hash-picked token among those its step's mask allows, so every
 output below is a random walk through the grammar: it can only be valid if the router's
@@ -19,12 +20,12 @@ import jsonschema
 import pytest
 from api_fakes import WORDS, FakeShardClient
 from fake_shard import FakeShard
+from router_harness import InProcessRouter, start_router
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import WarmupResult
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.grammar import COMPILE_THREADS, ConstraintSpec
+from loom_router.core.engine import Engine
+from loom_router.structured.grammar import COMPILE_THREADS, ConstraintSpec
 from loom_router.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -71,6 +72,13 @@ class SwappingShardClient(FakeShardClient):
         return WarmupResult(self.num_blocks, len(self.shard.host), self.block_size)
 
 
+ROUTERS: dict[Engine, InProcessRouter] = {}  # by the engine `start` returned: what stop() stops
+
+
+async def stop(engine: Engine) -> None:
+    await ROUTERS.pop(engine).stop()
+
+
 async def start(tokenizer: Tokenizer, num_blocks: int = 256,
                 num_host_blocks: int = 0) -> tuple[Engine, httpx.AsyncClient, FakeShardClient]:
     kind = SwappingShardClient if num_host_blocks else FakeShardClient
@@ -79,10 +87,9 @@ async def start(tokenizer: Tokenizer, num_blocks: int = 256,
                    num_blocks=num_blocks, max_position_embeddings=512, **extra)
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), max_concurrent_requests=8,
                           max_total_tokens=512, max_n=4)
-    engine = Engine(config, backend, tokenizer)
-    await engine.start()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, config)), base_url="http://loom")
-    return engine, client, backend
+    router = await start_router(config, backend, tokenizer)
+    ROUTERS[router.engine] = router
+    return router.engine, router.http, backend
 
 
 @pytest.fixture
@@ -90,7 +97,7 @@ async def harness(tokenizer: Tokenizer) -> AsyncIterator[Harness]:
     engine, client, backend = await start(tokenizer)
     async with client:
         yield Harness(client, engine, backend)
-    await engine.stop(drain_timeout_s=1.0)
+    await stop(engine)
 
 
 async def chat(h: Harness, **body: object) -> dict:
@@ -307,13 +314,13 @@ async def test_preempted_constrained_requests_resume_exactly(tokenizer: Tokenize
     engine, client, _ = await start(tokenizer)
     async with client:
         alone = [await run(client, seed) for seed in range(4)]
-    await engine.stop(drain_timeout_s=1.0)
+    await stop(engine)
     # ~36-token prompts + >= 55 tokens each (single-digit tokens): 40 blocks of 4 cannot hold all four
     engine, client, _ = await start(tokenizer, num_blocks=40, num_host_blocks=num_host_blocks)
     async with client:
         crowded = await asyncio.gather(*(run(client, seed) for seed in range(4)))
     assert getattr(engine.stats(), f"preemptions_{kind}") > 0
-    await engine.stop(drain_timeout_s=1.0)
+    await stop(engine)
     assert list(crowded) == alone
     for text in alone:
         jsonschema.validate(json.loads(text), LONG_SCHEMA)

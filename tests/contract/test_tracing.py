@@ -17,15 +17,13 @@ import httpx
 import pytest
 from api_fakes import FakeShardClient
 from grpc_fakes import FakeRunner
+from router_harness import start_router
 from test_api import router_config
 from test_grpc import decode_plan
 
-from loom_router.api import create_app
-from loom_router.engine import Engine
-from loom_router.metrics import RouterMetrics
-from loom_router.shard_client import ShardClient
+from loom_router.core.shard_client import ShardClient
+from loom_router.observability.tracing import configure_tracing, traces_url
 from loom_router.tokenizer import Tokenizer
-from loom_router.tracing import configure_tracing, traces_url
 from loom_shard.server import ShardServicer, start_server
 from loom_shard.tracing import ShardTracer
 from loom_shard.tracing import configure_tracing as configure_shard_tracing
@@ -45,14 +43,10 @@ async def test_a_request_is_exported_as_spans(collector: Collector,
     url, received = collector
     tracer = configure_tracing(url)
     assert tracer is not None
-    config = router_config()
-    engine = Engine(config, backend, tokenizer)
-    await engine.start()
-    app = create_app(engine, config, RouterMetrics(engine.stats, tracer))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as client:
-        response = await client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 3}})
-        assert response.status_code == 200
-    await engine.stop(drain_timeout_s=1.0)
+    router = await start_router(router_config(), backend, tokenizer, tracer=tracer)
+    response = await router.http.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 3}})
+    assert response.status_code == 200
+    await router.stop()
     tracer.shutdown()  # flushes the batch
     assert [path for path, _ in received] == ["/v1/traces"]
     export = ExportTraceServiceRequest.FromString(received[0][1])
@@ -95,8 +89,8 @@ def stop_shard(proc: subprocess.Popen[str]) -> str:
 @asynccontextmanager
 async def router_over_real_shard(tmp_path: Path, tokenizer: Tokenizer, endpoint: str,
                                  shard_log: list[str]) -> AsyncIterator[httpx.AsyncClient]:
-    """The router (in process, wired as loom_router.main does) over one real shard process,
-    both tracing to `endpoint`. The shard's stderr lands in shard_log at the end."""
+    """The router (an engine core and a frontend in process, wired as loom_router.main does) over
+    one real shard process, all tracing to `endpoint`. The shard's stderr lands in shard_log at the end."""
     socket, snapshots = tmp_path / "shard.sock", tmp_path / "snapshots"
     shard = start_shard(socket, snapshots, "--otlp-endpoint", endpoint)
     try:
@@ -104,16 +98,11 @@ async def router_over_real_shard(tmp_path: Path, tokenizer: Tokenizer, endpoint:
         await client.wait_ready(timeout_s=60.0)
         config = router_config(shard_uds_paths=(str(socket),), snapshot_dir=str(snapshots),
                                max_batch_total_tokens=256, max_total_tokens=128)
-        engine = Engine(config, client, tokenizer)
         tracer = configure_tracing(endpoint)
         assert tracer is not None
-        engine.tracer = tracer  # as loom_router.main wires it
-        client.trace_metadata = tracer.grpc_metadata
-        await engine.start()
-        app = create_app(engine, config, RouterMetrics(engine.stats, tracer))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://loom") as http:
-            yield http
-        await engine.stop(drain_timeout_s=1.0)
+        router = await start_router(config, client, tokenizer, tracer=tracer, core_tracer=tracer)
+        yield router.http
+        await router.stop()
         await client.close()
         tracer.shutdown()
     finally:

@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 
 from loom_proto.config import RouterConfig
-from loom_router.api import create_app
-from loom_router.engine import Engine
+from loom_router.core.engine import Engine
+from loom_router.frontend.api import create_app
 from loom_router.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))

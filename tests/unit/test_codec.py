@@ -167,3 +167,26 @@ def test_missing_stubs_say_how_to_generate_them():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, timeout=60)
     assert done.returncode != 0
     assert "run `python proto/generate.py` (make does it)" in done.stderr
+
+
+@pytest.mark.parametrize("plan", [
+    sample_plan(),
+    StepPlan(),
+    StepPlan(running_requests=[RunningRequest(2**40, 1), RunningRequest(0, 0), RunningRequest(300, 1, [0, 70000])],
+             released_ids=[0, 2**63], swap_out=[(0, 0), (128, 1)], allowed_token_masks={0: b"", 5: b"\x00"}),
+    StepPlan(running_requests=[RunningRequest(6, 4, [3], draft_token_ids=[0, 9, 300])]),
+], ids=["sample", "empty", "edges", "drafts"])
+def test_the_plan_written_by_hand_is_the_protobuf_message(plan: StepPlan) -> None:
+    """encode_plan (the router's hot path) writes what to_pb's message would serialize."""
+    from loom_proto.wire import encode_plan
+
+    wire = encode_plan(plan)
+    assert pb.StepPlan.FromString(wire) == to_pb(plan)
+    assert from_pb(pb.StepPlan.FromString(wire)) == plan
+
+
+def test_the_hand_written_plan_refuses_a_negative_id() -> None:
+    from loom_proto.wire import encode_plan
+
+    with pytest.raises(ValueError):
+        encode_plan(StepPlan(running_requests=[RunningRequest(-1, 1)]))

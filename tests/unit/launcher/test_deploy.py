@@ -83,14 +83,18 @@ def test_dashboard_covers_exactly_the_documented_metrics() -> None:
 
 
 def test_dashboard_metrics_are_what_the_router_exports() -> None:
-    from loom_router.metrics import RouterMetrics
+    from loom_router.observability.core_metrics import CoreMetrics
+    from loom_router.observability.metrics import FrontendMetrics
     from loom_router.types import EngineStats, StepRecord
 
-    metrics = RouterMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}, shard_healthy=[True]))
-    metrics.requests.labels(route="/generate", status="200").inc()
+    frontend = FrontendMetrics()
+    frontend.bind_limits(100, 200)
+    metrics = CoreMetrics(read_stats=lambda: EngineStats(requests_finished={"length": 1}, shard_healthy=[True]))
+    metrics.frontend_sources.append(frontend.registry)
+    frontend.requests.labels(route="/generate", status="200").inc()
     metrics.on_step(StepRecord("prefill", True, 0.1, 0.05, [0.1]))
-    metrics.snapshot_operations.labels(op="save", result="error").inc()
-    metrics.snapshot_failures.labels(op="save", reason="disabled").inc()
+    frontend.snapshot_operations.labels(op="save", result="error").inc()
+    frontend.snapshot_failures.labels(op="save", reason="disabled").inc()
     exposition, _ = metrics.render()
     exported = {re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split(" ")[0])
                 for line in exposition.decode().splitlines() if not line.startswith("#")}

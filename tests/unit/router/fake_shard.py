@@ -25,8 +25,8 @@ from loom_proto.step import (
     accepted_drafts,
     blocks_after_verify,
 )
-from loom_router.request import Sequence
-from loom_router.scheduler import Scheduler
+from loom_router.core.request import Sequence
+from loom_router.core.scheduler import Scheduler
 
 VOCAB_SIZE = 1000
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from loom_proto.step import SamplingParams
-from loom_router.block_manager import BlockManager
-from loom_router.request import Sequence, SequenceGroup
+from loom_router.core.block_manager import BlockManager
+from loom_router.core.request import Sequence, SequenceGroup
 
 _ids = itertools.count()
 

@@ -9,10 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from loom_proto.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_router.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler, MaskFiller, allowed_ids
-from loom_router.tokenizer import Tokenizer, load_tokenizer
-from loom_router.tool_stream import tool_chunks
-from loom_router.tools import (
+from loom_router.frontend.tool_stream import tool_chunks
+from loom_router.frontend.tools import (
     ToolFields,
     ToolMode,
     chat_message,
@@ -21,6 +19,8 @@ from loom_router.tools import (
     plan_tools,
     template_inputs,
 )
+from loom_router.structured.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler, MaskFiller, allowed_ids
+from loom_router.tokenizer import Tokenizer, load_tokenizer
 from loom_router.types import ChoiceEvent, FinishReason, GeneratedToken, ValidationError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -121,13 +121,14 @@ async def test_auto_stream_sends_content_then_call_deltas() -> None:
     plan = plan_tools(ToolFields.model_validate({"tools": [WEATHER]}))
     pieces = ["Sure", ". <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
 
-    async def events() -> AsyncIterator[ChoiceEvent]:
+    async def batches() -> AsyncIterator[list[ChoiceEvent]]:  # a token at a time, as a reader keeping up gets them
         for i, text in enumerate(pieces):
             reason = FinishReason.EOS if i == len(pieces) - 1 else None
-            yield ChoiceEvent(0, GeneratedToken(i, text, 0.0, False), text, reason)
+            yield [ChoiceEvent(0, GeneratedToken(i, text, 0.0, False), text, reason)]
 
     reply = SimpleNamespace(include_usage=False, envelope=lambda obj, choices: {"object": obj, "choices": choices})
-    chunks = [c async for c in tool_chunks(reply, plan, 1, None, events(), lambda p, n: {})]
+    writes = [c async for c in tool_chunks(reply, plan, 1, None, batches(), lambda p, n: {})]
+    chunks = [event.decode() + "\n\n" for write in writes for event in write.split(b"\n\n") if event]
     deltas = [json.loads(c[6:])["choices"][0] for c in chunks if c.startswith("data: {")]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     assert content == "Sure. "  # "<tool" was held back, never sent as content

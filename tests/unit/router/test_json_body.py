@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loom_router.json_body import loads
+from loom_router.frontend.json_body import loads
 
 
 @pytest.mark.parametrize("body", [rb'{"a": "x\ud800"}', rb'{"\udc00": 1}', rb'[[{"b": ["\uDBFF"]}]]',

@@ -6,8 +6,8 @@ from __future__ import annotations
 from fake_shard import FakeShard
 from test_scheduler import assert_reference_outputs, group
 
-from loom_router.request import SequenceGroup
-from loom_router.scheduler import Scheduler, SchedulerConfig
+from loom_router.core.request import SequenceGroup
+from loom_router.core.scheduler import Scheduler, SchedulerConfig
 
 LONG_NEW, SHORT_NEW = 40, 6
 

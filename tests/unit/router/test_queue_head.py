@@ -5,8 +5,8 @@ from __future__ import annotations
 from fake_shard import FakeShard, reference_tokens
 from test_scheduler import group
 
-from loom_router.block_manager import chain_hash
-from loom_router.scheduler import Scheduler, SchedulerConfig
+from loom_router.core.block_manager import chain_hash
+from loom_router.core.scheduler import Scheduler, SchedulerConfig
 
 
 def test_blocked_head_hashes_its_prompt_once():

@@ -7,8 +7,8 @@ import random
 from fake_shard import Driver, FakeShard, fake_prompt_logprob, reference_tokens
 
 from loom_proto.step import SamplingParams, StepPlan
-from loom_router.request import SeqStatus, SequenceGroup
-from loom_router.scheduler import Scheduler, SchedulerConfig
+from loom_router.core.request import SeqStatus, SequenceGroup
+from loom_router.core.scheduler import Scheduler, SchedulerConfig
 
 
 def setup(num_host_blocks: int = 0, budget: int = 8, max_new_tokens: int = 10, num_blocks: int = 8,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loom_router.snapshots import SnapshotHTTPError, redact_paths, validate_name
+from loom_router.frontend.snapshots import SnapshotHTTPError, redact_paths, validate_name
 
 GOOD = ["a", "my-prompt_v2", "système", "日本語のプロンプト", "a b", "x.kv", "a.b.c", "emoji 🚀", "é" * 127]
 BAD = {

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts (loom_router.speculate) and the accept rule, with the scheduler and the
+"""Prompt-lookup drafts (loom_router.core.speculate) and the accept rule, with the scheduler and the
 fake shard: outputs identical to plain decoding, blocks consistent on both sides."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from fake_shard import Driver, FakeShard
 
 from loom_proto.step import SamplingParams, accepted_drafts, blocks_after_verify
-from loom_router.request import SequenceGroup
-from loom_router.scheduler import Scheduler, SchedulerConfig
-from loom_router.speculate import NgramIndex, SpeculateConfig, Speculator
+from loom_router.core.request import SequenceGroup
+from loom_router.core.scheduler import Scheduler, SchedulerConfig
+from loom_router.core.speculate import NgramIndex, SpeculateConfig, Speculator
 
 
 def _seq(tokens: list[int], num_prompt: int | None = None):  # noqa: ANN202 (a Sequence)
@@ -151,7 +151,7 @@ def test_a_wrong_accept_rule_changes_the_tokens(monkeypatch) -> None:
     """The identity above is sensitive: accepting one draft too many (on both sides) is caught."""
     import fake_shard
 
-    import loom_router.speculate as speculate
+    import loom_router.core.speculate as speculate
 
     def too_generous(drafts: list[int], sampled: list[int]) -> int:
         return min(len(drafts), accepted_drafts(drafts, sampled) + 1)

@@ -8,8 +8,8 @@ import pytest
 from fake_shard import FailAt, FakeShard, ShardFailure, reference_tokens
 from test_scheduler import group, setup
 
-from loom_router.request import SequenceGroup
-from loom_router.scheduler import Scheduler
+from loom_router.core.request import SequenceGroup
+from loom_router.core.scheduler import Scheduler
 
 MAX_NEW = 20
 

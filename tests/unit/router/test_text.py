@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from loom_router.text import IncrementalDetokenizer, StopMatcher, token_spans, token_texts
+from loom_router.frontend.text import IncrementalDetokenizer, StopMatcher, token_spans, token_texts
 from loom_router.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from loom_router.text import IncrementalDetokenizer
+from loom_router.frontend.text import IncrementalDetokenizer
 from loom_router.tokenizer import ChatTemplateError, Tokenizer, TokenizerLoadError, load_tokenizer
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

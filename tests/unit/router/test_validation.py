@@ -5,8 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from loom_router.types import ValidationError
-from loom_router.validation import (
+from loom_router.frontend.validation import (
     SEED_LIMIT,
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,6 +18,7 @@ from loom_router.validation import (
     openai_generation_params,
     tgi_generation_params,
 )
+from loom_router.types import ValidationError
 
 LIMITS = Limits(max_stop_sequences=2, max_top_n_tokens=3, max_n=4, vocab_size=100, eos_token_ids=(2,))
 CHAT = [{"role": "user", "content": "hi"}]

@@ -1,0 +1,336 @@
+"""The serving layer's ceiling: the real router, started by the real launcher, in front of a shard
+that computes nothing (bench/zero_cost_shard.py), so that what is measured is the router's own cost.
+
+    python bench/bench_ceiling.py                                   # every endpoint, 1 to 512 streams
+    python bench/bench_ceiling.py --streams 1 256 --endpoint chat --launcher-flag=--api-workers=2
+
+Each (endpoint, streams) run opens `streams` concurrent streams, each sending `--requests` requests
+one after the other (greedy, ignore_eos, `--new-tokens` each), from `--client-procs` processes so
+that one client's event loop is not what limits. It reports output tokens/s, the router's CPU time
+per streamed token (utime + stime from /proc of every process the launcher started except the
+shard: the router, or its engine core and frontends), TTFT and the gap between a stream's events
+(p50, p99), and how many tokens an event carried on average (above 1: the server coalesced tokens
+of a stream that fell behind). CPU times of the shard and of the clients are shown too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+
+import aiohttp
+from common import free_port, machine, percentile, serving
+
+BENCH = Path(__file__).resolve().parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SHARD_MODULE = "zero_cost_shard"
+# The launcher, with the zero-cost shard in place of loom_shard.server; every other process
+# (router, or engine core and frontends) is started exactly as `loom-launcher` starts it.
+LAUNCHER = ("import sys, loom_launcher.cli as cli; cli.SHARD_MODULE = {module!r}; "
+            "sys.exit(cli.main(sys.argv[1:]))")
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate_stream": "/generate_stream"}
+
+
+@dataclass(slots=True)
+class RequestStats:
+    ok: bool
+    tokens: int = 0
+    events: int = 0
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def request_body(endpoint: str, new_tokens: int, index: int) -> dict:
+    prompt = f"{index}. {PROMPT}"
+    if endpoint == "generate_stream":
+        # TGI has no ignore_eos: the zero-cost shard never samples EOS, so every request runs to its end
+        return {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens}}
+    body = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+    return {**body, "prompt": prompt}
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, endpoint: str, body: dict) -> RequestStats:
+    """One stream, parsed as little as possible: JSON only for the usage and error events."""
+    start = time.perf_counter()
+    stats, last = RequestStats(ok=True), None
+    async with session.post(url + ENDPOINTS[endpoint], json=body) as response:
+        if response.status != 200:
+            return RequestStats(False, error=f"HTTP {response.status}: {(await response.text())[:200]}")
+        async for line in response.content:
+            if not line.startswith(b"data:"):
+                continue
+            if b'"error"' in line[:20]:
+                return RequestStats(False, error=line.decode(errors="replace")[:200])
+            if b"[DONE]" in line or b'"role"' in line:
+                continue
+            usage_at = line.find(b'"usage"')
+            if usage_at >= 0 and not line[usage_at + 7:].lstrip(b": ").startswith(b"null"):
+                event = json.loads(line[5:])
+                stats.tokens = event["usage"]["completion_tokens"]
+                if not event["choices"]:
+                    continue
+            now = time.perf_counter()
+            if last is None:
+                stats.ttft_s = now - start
+            else:
+                stats.gaps_s.append(now - last)
+            last = now
+            stats.events += 1
+    if endpoint == "generate_stream":
+        stats.tokens = stats.events  # TGI streams one token per event
+    return stats
+
+
+async def client_streams(url: str, endpoint: str, stream_ids: list[int], num_requests: int,
+                         new_tokens: int) -> list[RequestStats]:
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+        async def stream(stream_id: int) -> list[RequestStats]:
+            out = []
+            for r in range(num_requests):
+                body = request_body(endpoint, new_tokens, stream_id * num_requests + r)
+                try:
+                    out.append(await one_request(session, "", endpoint, body))
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    out.append(RequestStats(False, error=repr(error)))
+            return out
+
+        results = await asyncio.gather(*(stream(i) for i in stream_ids))
+    return [r for rs in results for r in rs]
+
+
+def client_process(url: str, endpoint: str, stream_ids: list[int], num_requests: int, new_tokens: int,
+                   start_at: float, queue: mp.Queue) -> None:
+    import uvloop
+
+    time.sleep(max(0.0, start_at - time.time()))
+    before = os.times()
+    results = uvloop.run(client_streams(url, endpoint, stream_ids, num_requests, new_tokens))
+    after = os.times()
+    cpu = (after.user - before.user) + (after.system - before.system)
+    queue.put(([asdict(r) for r in results], cpu))
+
+
+# ---- processes and their CPU time ------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            for child in map(int, children):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def process_label(pid: int) -> str:
+    """`-m module` of a process's command line (the launcher's children are started that way)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    if "-m" in argv:
+        return argv[argv.index("-m") + 1]
+    return SHARD_MODULE if any(SHARD_MODULE in a for a in argv) else Path(argv[0]).name
+
+
+def cpu_by_label(launcher_pid: int) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for pid in descendants(launcher_pid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            totals[process_label(pid)] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        except (OSError, IndexError):
+            continue  # it exited meanwhile
+    return dict(totals)
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunResult:
+    endpoint: str
+    streams: int
+    requests: int
+    failed: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    router_cpu_us_per_token: float
+    cpu_us_per_token: dict[str, float]  # by process label, plus "client"
+    tokens_per_event: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    errors: list[str]
+
+
+def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: int, new_tokens: int,
+        client_procs: int) -> RunResult:
+    procs = max(1, min(client_procs, streams))
+    ctx = mp.get_context("fork")
+    queue: mp.Queue = ctx.Queue()
+    start_at = time.time() + 0.5
+    workers = [ctx.Process(target=client_process, args=(url, endpoint, list(range(p, streams, procs)),
+                                                          num_requests, new_tokens, start_at, queue))
+               for p in range(procs)]
+    for worker in workers:
+        worker.start()
+    time.sleep(max(0.0, start_at - time.time()))
+    before, wall = cpu_by_label(launcher_pid), time.perf_counter()
+    outputs = [queue.get() for _ in workers]
+    wall = time.perf_counter() - wall
+    after = cpu_by_label(launcher_pid)
+    for worker in workers:
+        worker.join()
+    stats = [RequestStats(**r) for rs, _ in outputs for r in rs]
+    ok = [s for s in stats if s.ok]
+    tokens = sum(s.tokens for s in ok)
+    cpu = {label: after[label] - before.get(label, 0.0) for label in after}
+    per_token = {label: seconds * 1e6 / max(tokens, 1) for label, seconds in cpu.items()}
+    per_token["client"] = sum(c for _, c in outputs) * 1e6 / max(tokens, 1)
+    router = sum(v for label, v in per_token.items() if label.startswith("loom_router"))
+    gaps = [g for s in ok for g in s.gaps_s]
+    ttfts = [s.ttft_s for s in ok]
+    return RunResult(endpoint, streams, len(stats), len(stats) - len(ok), tokens, wall, tokens / wall, router,
+                     per_token, tokens / max(1, sum(s.events for s in ok)),
+                     percentile(ttfts, 0.5) * 1e3, percentile(ttfts, 0.99) * 1e3,
+                     percentile(gaps, 0.5) * 1e3, percentile(gaps, 0.99) * 1e3,
+                     sorted({s.error for s in stats if not s.ok})[:3])
+
+
+def warm_up(url: str, endpoint: str) -> None:
+    async def go() -> None:
+        async with aiohttp.ClientSession(url) as session:
+            result = await one_request(session, "", endpoint, request_body(endpoint, 16, 0))
+            if not result.ok:
+                raise RuntimeError(f"warm-up failed on {endpoint}: {result.error}")
+
+    asyncio.run(go())
+
+
+def launcher_pid(port: int) -> int:
+    for proc in sorted(Path("/proc").iterdir(), key=lambda p: -int(p.name) if p.name.isdigit() else 0):
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"loom_launcher.cli" in a for a in argv) and str(port).encode() in argv:
+            return int(proc.name)
+    raise RuntimeError(f"no launcher on port {port}")
+
+
+def row(r: RunResult) -> str:
+    others = ", ".join(f"{k.removeprefix('loom_router.')} {v:.1f}" for k, v in sorted(r.cpu_us_per_token.items()))
+    failed = f" ({r.failed} failed)" if r.failed else ""
+    return (f"| {r.endpoint} | {r.streams} | {r.tokens_per_s:,.0f}{failed} | **{r.router_cpu_us_per_token:.1f}** | "
+            f"{r.ttft_p50_ms:.1f} / {r.ttft_p99_ms:.1f} | {r.itl_p50_ms:.2f} / {r.itl_p99_ms:.2f} | "
+            f"{r.tokens_per_event:.2f} | {others} |")
+
+
+HEADER = ("| endpoint | streams | tokens/s | router CPU µs/token | TTFT p50 / p99 ms | event gap p50 / p99 ms | "
+          "tokens/event | CPU µs/token by process |\n|---|---|---|---|---|---|---|---|")
+
+
+@dataclass(slots=True)
+class Variant:
+    """What one server runs: its environment (PYTHONPATH=<another checkout> measures other code)
+    and launcher flags, as profile_serving's "NAME[,ENV=VALUE...][ flags]"."""
+
+    name: str
+    env: dict[str, str]
+    flags: list[str]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        head, _, flags = text.strip().partition(" ")
+        name, *env_items = head.split(",")
+        return cls(name, dict(item.split("=", 1) for item in env_items), flags.split())
+
+
+def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]) -> list[RunResult]:
+    port = free_port()
+    flags = ["--port", str(port), "--hostname", "127.0.0.1", "--shard-uds-path", tempfile.mktemp(prefix="loom-ceil-"),
+             "--max-concurrent-requests", str(max(args.streams) * 2), *args.launcher_flag, *variant.flags]
+    cmd = [sys.executable, "-c", LAUNCHER.format(module=SHARD_MODULE), *flags]
+    saved = dict(os.environ)
+    os.environ.update(variant.env)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])
+    results = []
+    try:
+        with serving(cmd, port, "ceiling", 120.0) as url:
+            os.environ.clear()
+            os.environ.update(saved)
+            pid = launcher_pid(port)
+            print(f"\n{variant.name}: {' '.join([*args.launcher_flag, *variant.flags]) or '(default flags)'}")
+            print(HEADER, flush=True)
+            for endpoint in endpoints:
+                warm_up(url, endpoint)
+                for streams in args.streams:
+                    num_requests = args.requests or (8 if streams == 1 else 2)
+                    result = run(url, pid, endpoint, streams, num_requests, args.new_tokens, args.client_procs)
+                    results.append(result)
+                    print(row(result) + f"  (load {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128, 256, 512])
+    parser.add_argument("--endpoint", choices=ENDPOINTS, action="append", help="default: all three")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--requests", type=int, help="requests per stream; default: 8 at one stream, else 2")
+    parser.add_argument("--client-procs", type=int, default=4, help="load generator processes")
+    parser.add_argument("--launcher-flag", action="append", default=[], help="extra launcher flag (repeatable)")
+    parser.add_argument("--variant", action="append", type=Variant.parse, default=[],
+                        help="'NAME[,ENV=V...][ flags]' (repeatable; variants take turns each round)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    endpoints = args.endpoint or list(ENDPOINTS)
+    variants = args.variant or [Variant("default", {}, [])]
+    print(f"machine: {machine()}; load {os.getloadavg()[0]:.1f}")
+    results: dict[str, list[RunResult]] = defaultdict(list)
+    for _ in range(args.rounds):
+        for variant in variants:
+            results[variant.name] += run_variant(variant, args, endpoints)
+    if args.json:
+        args.json.write_text(json.dumps({name: [asdict(r) for r in rs] for name, rs in results.items()}, indent=1))
+    if args.rounds > 1 or len(variants) > 1:
+        print("\nmedians over rounds:\n| variant | endpoint | streams | tokens/s | router CPU µs/token | event gap p50 ms |"
+              "\n|---|---|---|---|---|---|")
+        for name, rs in results.items():
+            by_run: dict[tuple[str, int], list[RunResult]] = defaultdict(list)
+            for r in rs:
+                by_run[(r.endpoint, r.streams)].append(r)
+            for (endpoint, streams), runs in by_run.items():
+                print(f"| {name} | {endpoint} | {streams} | {median(r.tokens_per_s for r in runs):,.0f} | "
+                      f"{median(r.router_cpu_us_per_token for r in runs):.1f} | "
+                      f"{median(r.itl_p50_ms for r in runs):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""A shard that computes nothing: it serves the shard's gRPC contract and answers every Step at
+once with one token for each sequence whose prompt is done, so that what remains of a serving
+run is the router's own cost (bench/bench_ceiling.py).
+
+Started as the launcher starts `loom_shard.server` (`--config-json` with a ShardConfig), it prints
+the same readiness line. Its Step handler reads the plan with protobuf and writes the reply's
+bytes from per-sequence pieces encoded once, so that at 512 sequences it stays far cheaper than
+the router it stands in front of (it shares the machine's cores with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from loom_proto.codec import pb
+from loom_proto.config import ShardConfig, parse_config
+from loom_proto.event_loop import run_event_loop
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+VOCAB_SIZE = 49152  # the embedded SmolLM2's, so that the router's checks see a real vocabulary
+MAX_POSITIONS = 8192
+NUM_BLOCKS = 1 << 16  # KV blocks it claims: enough for 512 streams of any benchmark length
+FIRST_TOKEN, NUM_TOKENS = 1000, 1000  # it answers ids in this range: ordinary sub-words of the vocabulary
+LOGPROB = struct.pack("<d", -0.5)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def token_field(token_id: int) -> bytes:
+    """SeqOutput's token_id (2) and logprob (3) fields."""
+    return b"\x10" + varint(token_id) + b"\x19" + LOGPROB
+
+
+TOKEN_FIELDS = [token_field(FIRST_TOKEN + i) for i in range(NUM_TOKENS)]
+
+
+@dataclass(slots=True)
+class _Seq:
+    num_known: int  # tokens the shard knows (prompt + sampled)
+    num_computed: int
+    id_field: bytes  # SeqOutput's request_id field, encoded once
+
+
+@dataclass(slots=True)
+class ZeroCostShard:
+    block_size: int
+    rank: int = 0
+    world_size: int = 1
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+
+    def step(self, data: bytes) -> bytes:
+        plan = pb.StepPlan.FromString(data)
+        for request_id in plan.released_ids:
+            self.seqs.pop(request_id, None)
+        out: list[bytes] = []
+        for new in plan.new_requests:
+            seq = _Seq(len(new.token_ids), new.num_cached, b"\x08" + varint(new.request_id))
+            self.seqs[new.request_id] = seq
+            self._compute(seq, new.request_id, new.num_compute, out)
+            self._fork(new.forks, seq, out)
+        for running in plan.running_requests:
+            seq = self.seqs[running.request_id]
+            self._compute(seq, running.request_id, running.num_compute, out)
+            self._fork(running.forks, seq, out)
+        return b"".join(out)
+
+    def _compute(self, seq: _Seq, request_id: int, num_compute: int, out: list[bytes]) -> None:
+        seq.num_computed += num_compute
+        if seq.num_computed >= seq.num_known:
+            self._sample(seq, request_id, out)
+
+    def _fork(self, forks: Sequence[pb.Fork], parent: _Seq, out: list[bytes]) -> None:
+        for fork in forks:
+            child = _Seq(parent.num_computed, parent.num_computed, b"\x08" + varint(fork.request_id))
+            self.seqs[fork.request_id] = child
+            self._sample(child, fork.request_id, out)
+
+    @staticmethod
+    def _sample(seq: _Seq, request_id: int, out: list[bytes]) -> None:
+        body = seq.id_field + TOKEN_FIELDS[(request_id * 7 + seq.num_known) % NUM_TOKENS]
+        seq.num_known += 1
+        out.append(b"\x0a" + varint(len(body)) + body)  # StepResult.outputs (1)
+
+    def info(self) -> pb.ModelInfo:
+        return pb.ModelInfo(architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3,
+                            head_dim=64, hidden_size=576, vocab_size=VOCAB_SIZE,
+                            max_position_embeddings=MAX_POSITIONS, dtype="bfloat16", weights_hash="zero-cost",
+                            device="cpu", block_size=self.block_size, rank=self.rank, world_size=self.world_size,
+                            quantization="none", cpu_kernels="")
+
+
+def handler(shard: ZeroCostShard) -> grpc.GenericRpcHandler:
+    def unary(fn, request_type):  # noqa: ANN001, ANN202 (gRPC's handler plumbing)
+        async def call(request, context):  # noqa: ANN001, ANN202
+            return fn(request)
+        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
+                                                   response_serializer=lambda m: m.SerializeToString())
+
+    async def step(data: bytes, context: object) -> bytes:
+        return shard.step(data)
+
+    def release(request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        for request_id in request.request_ids:
+            shard.seqs.pop(request_id, None)
+        return pb.ReleaseResponse()
+
+    methods = {
+        "Info": unary(lambda _: shard.info(), pb.InfoRequest),
+        "Health": unary(lambda _: pb.HealthResponse(ok=True), pb.HealthRequest),
+        "Warmup": unary(lambda _: pb.WarmupResult(num_blocks=NUM_BLOCKS, num_host_blocks=0,
+                                                  block_size=shard.block_size), pb.WarmupRequest),
+        "Release": unary(release, pb.ReleaseRequest),
+        "ClearCache": unary(lambda _: pb.ClearCacheResponse(), pb.ClearCacheRequest),
+        "Step": grpc.unary_unary_rpc_method_handler(step),  # bytes in, bytes out
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+async def serve(config: ShardConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler(ZeroCostShard(config.block_size, config.rank, config.world_size)),))
+    server.add_insecure_port(f"unix://{config.uds_path}")
+    await server.start()
+    print(f"loom-shard ready rank={config.rank} uds={config.uds_path} (zero-cost)", flush=True)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(ShardConfig, argv, "zero-cost-shard", __doc__ or "")
+    run_event_loop(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

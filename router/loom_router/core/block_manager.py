@@ -1,0 +1,514 @@
+"""KV block bookkeeping for the router: ref-counted device blocks, the prefix cache, the host swap pool.
+
+The shard holds the bytes; this module only decides which block ids hold which tokens, so
+every tensor-parallel shard receives identical block tables.
+
+Layout (block_size 4). Two sequences share a cached system prompt; the full blocks are
+hashed as a chain, h(i) = hash(h(i-1), tokens of block i), and verified against the
+stored token ids on a hit, so a hash collision is a miss, never wrong KV:
+
+    seq A tokens:  [ s0 s1 s2 s3 | s4 s5 s6 s7 | a0 a1 . . ]
+    seq A table:   [     0       |     1       |     2      ]
+    seq B tokens:  [ s0 s1 s2 s3 | s4 s5 s6 s7 | b0 . . .   ]
+    seq B table:   [     0       |     1       |     3      ]
+    ref counts:    block 0: 2, block 1: 2, block 2: 1, block 3: 1
+
+A block whose ref count falls to 0 keeps its hash and sits in the cached LRU (still a hit
+for the next prompt that starts the same way) until the space is needed: never-hashed free
+blocks are handed out first, then the least recently freed cached block is evicted.
+
+A hit is capped at (num_tokens - 1) // block_size blocks, so a sequence always computes at
+least its last token (the shard samples only after computing): a prompt of 8 tokens cached
+in 2 full blocks reuses block 0 and recomputes block 1's tokens into a fresh block.
+
+Only blocks whose KV has been computed are hashed (`cache_full_blocks`, after each step),
+so a hit never points at a block still being filled. The chain hashes of full prompt blocks
+allocated but not yet computed are "pending" (`is_prefix_pending`): a scheduler can hold back
+a prompt that starts the same way until they are computed, and then it hits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from loom_router.core.request import Sequence
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The hash of a full block given its parent's; Python's tuple-of-int hash is stable."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set only while registered in the prefix cache
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class _SeqTokens:
+    """A sequence's tokens as a read-only list for slicing, without building prompt + output."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self._seq = seq
+
+    def __len__(self) -> int:
+        return self._seq.num_tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        assert isinstance(index, slice) and index.step is None
+        return self._seq.token_slice(index.start or 0, len(self) if index.stop is None else index.stop)
+
+
+@dataclass(slots=True)
+class CachedFill:
+    """Blocks reserved by `allocate_cached`: the caller has the shard fill them, then commits.
+
+    block_ids[i] must receive the KV of token_ids[block_indices[i] * block_size:][:block_size].
+    """
+
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    block_indices: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chain hash of every full block of token_ids
+
+
+class BlockManager:
+    """Device blocks with ref counts and a prefix cache, plus a host pool for swapping.
+
+    Every mutating call has a `can_*` twin; when the check fails the state is unchanged.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash) -> None:
+        assert block_size > 0 and num_blocks > 0 and num_host_blocks >= 0
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_ids: deque[int] = deque(range(num_blocks))  # never hashed: used first
+        self._cached_ids: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, LRU first
+        self._hash_to_id: dict[int, int] = {}
+        self._pending: dict[int, int] = {}  # chain hash -> device sequences still computing it
+        self.host_ref_counts = [0] * num_host_blocks
+        self._free_host_ids: deque[int] = deque(range(num_host_blocks))
+
+    # ---- counts ------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: never-used ones plus evictable cached ones."""
+        return len(self._free_ids) + len(self._cached_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host_ids)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ------------------------------------------------------------------
+
+    def _block_tokens(self, token_ids: Seq[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+
+    def _lookup(self, parent_hash: int | None, tokens: tuple[int, ...],
+                block_hash: int | None = None) -> tuple[int, int | None]:
+        """(hash, id of the cached block holding exactly these tokens after this parent);
+        block_hash: the hash, when the caller knows it already."""
+        if block_hash is None:
+            block_hash = self._hash_fn(parent_hash, tokens)
+        block_id = self._hash_to_id.get(block_hash)
+        if block_id is not None:
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_hash != parent_hash:
+                block_id = None  # a hash collision: treat as a miss
+        return block_hash, block_id
+
+    def _find_prefix(self, token_ids: Seq[int], max_blocks: int,
+                     known_hashes: Seq[int] = ()) -> tuple[list[int], list[int]]:
+        """The longest run of cached blocks at the start of token_ids: (block ids, hashes).
+        known_hashes: the chain hashes of token_ids' first blocks, if computed already."""
+        hit_ids: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return hit_ids, hashes
+        parent_hash = None
+        for index in range(max_blocks):
+            known = known_hashes[index] if index < len(known_hashes) else None
+            block_hash, block_id = self._lookup(parent_hash, self._block_tokens(token_ids, index), known)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+            hashes.append(block_hash)
+            parent_hash = block_hash
+        return hit_ids, hashes
+
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        return (num_tokens - 1) // self.block_size  # always compute the last token
+
+    def _register(self, block: Block, block_hash: int, parent_hash: int | None,
+                  tokens: tuple[int, ...]) -> None:
+        """Make a computed full block a cache entry, unless an identical one is already there."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return
+        if block_hash in self._hash_to_id:
+            return  # a duplicate (or a colliding) block: the first one stays the entry
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
+        self._hash_to_id[block_hash] = block.block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks of seq that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        num_hashed = len(seq.block_hashes)
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        for index in range(num_hashed, num_full):
+            start = index * self.block_size
+            tokens = tuple(seq.token_slice(start, start + self.block_size))
+            block_hash = self._hash_fn(parent_hash, tokens)
+            self._register(self.blocks[seq.block_table[index]], block_hash, parent_hash, tokens)
+            seq.block_hashes.append(block_hash)
+            parent_hash = block_hash
+        # pending_hashes[0] is the hash of block num_hashed: the computed ones are done.
+        num_done = max(0, num_full - num_hashed)
+        self._unmark_pending(seq.pending_hashes[:num_done])
+        del seq.pending_hashes[:num_done]
+
+    # ---- pending prefixes (allocated, not yet computed) -------------------------------
+
+    def is_prefix_pending(self, token_ids: Seq[int] | Sequence) -> bool:
+        """Is the first full block of token_ids (or a sequence's tokens) that the cache lacks
+        being computed now?
+
+        Then admitting token_ids after that block is computed turns its prefill into a hit.
+        O(1) while nothing is pending, else O(blocks of token_ids).
+        """
+        if not self._pending:
+            return False
+        token_ids, known = self._tokens_and_hashes(token_ids)
+        max_blocks = self._max_hit_blocks(len(token_ids))
+        hit_ids, hashes = self._find_prefix(token_ids, max_blocks, known)
+        index = len(hit_ids)
+        if index >= max_blocks:
+            return False
+        if index < len(known):
+            return known[index] in self._pending
+        parent_hash = hashes[-1] if hashes else None
+        return self._hash_fn(parent_hash, self._block_tokens(token_ids, index)) in self._pending
+
+    def _tokens_and_hashes(self, tokens: Seq[int] | Sequence) -> tuple[Seq[int], Seq[int]]:
+        """A sequence's tokens (as a view) with its cached block hashes; plain ids as they are."""
+        if isinstance(tokens, Sequence):
+            return _SeqTokens(tokens), self.token_block_hashes(tokens)
+        return tokens, ()
+
+    def token_block_hashes(self, seq: Sequence) -> list[int]:
+        """The chain hashes of seq's full blocks, computing only those not cached on seq yet."""
+        cache = seq.token_block_hashes
+        num_full = seq.num_tokens // self.block_size
+        if len(cache) < num_full and self.enable_prefix_caching:
+            tokens = _SeqTokens(seq)
+            parent_hash = cache[-1] if cache else None
+            for index in range(len(cache), num_full):
+                parent_hash = self._hash_fn(parent_hash, self._block_tokens(tokens, index))
+                cache.append(parent_hash)
+        return cache
+
+    @property
+    def num_pending_hashes(self) -> int:
+        return len(self._pending)
+
+    def _mark_pending(self, seq: Sequence) -> None:
+        """Record the hashes of seq's full prompt blocks after its computed (hashed) ones."""
+        assert not seq.pending_hashes, f"seq {seq.seq_id} already has pending blocks"
+        if not self.enable_prefix_caching:
+            return
+        known = self.token_block_hashes(seq)
+        for index in range(len(seq.block_hashes), seq.num_prompt_tokens // self.block_size):
+            block_hash = known[index]
+            seq.pending_hashes.append(block_hash)
+            self._pending[block_hash] = self._pending.get(block_hash, 0) + 1
+
+    def _unmark_pending(self, hashes: Iterable[int]) -> None:
+        for block_hash in hashes:
+            count = self._pending[block_hash] - 1
+            if count:
+                self._pending[block_hash] = count
+            else:
+                del self._pending[block_hash]
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        self._unmark_pending(seq.pending_hashes)
+        seq.pending_hashes = []
+
+    # ---- device blocks -----------------------------------------------------------------
+
+    def _take_block(self) -> int:
+        """A block with ref count 1: a never-hashed one, else evict the LRU cached one."""
+        if self._free_ids:
+            block_id = self._free_ids.popleft()
+        else:
+            block_id, _ = self._cached_ids.popitem(last=False)
+            self._unhash(self.blocks[block_id])
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _share_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._cached_ids[block_id]  # a cache hit on a free block revives it
+        block.ref_count += 1
+
+    def _release_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._cached_ids[block_id] = None  # most recently freed: evicted last
+            else:
+                self._free_ids.append(block_id)
+
+    def num_required_blocks(self, token_ids: Seq[int] | Sequence, use_prefix_cache: bool = True) -> int:
+        """Free blocks an allocation of token_ids (or a sequence's tokens) takes (hits on
+        in-use blocks are free)."""
+        token_ids, known = self._tokens_and_hashes(token_ids)
+        hit_ids: list[int] = []
+        if use_prefix_cache:
+            hit_ids, _ = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
+        num_shared = sum(1 for block_id in hit_ids if self.blocks[block_id].ref_count > 0)
+        return self.blocks_for(len(token_ids)) - num_shared
+
+    def can_allocate(self, seq: Sequence, num_extra_blocks: int = 0,
+                     use_prefix_cache: bool = True) -> bool:
+        needed = self.num_required_blocks(seq, use_prefix_cache)
+        return needed + num_extra_blocks <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> int:
+        """Give seq blocks for all its tokens, reusing the longest cached prefix.
+
+        Returns the number of tokens whose KV is already there (set as seq.num_computed).
+        """
+        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+        token_ids, known = self._tokens_and_hashes(seq)
+        hit_ids: list[int] = []
+        hashes: list[int] = []
+        if use_prefix_cache:
+            hit_ids, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
+        for block_id in hit_ids:
+            self._share_block(block_id)
+        new_ids = [self._take_block() for _ in range(self.blocks_for(len(token_ids)) - len(hit_ids))]
+        seq.block_table = hit_ids + new_ids
+        seq.block_hashes = hashes
+        seq.num_computed = len(hit_ids) * self.block_size
+        self._mark_pending(seq)
+        return seq.num_computed
+
+    def num_slot_blocks(self, seq: Sequence, ahead: int = 0) -> int:
+        """Blocks seq needs so its table covers every known token (the next step's writes),
+        plus `ahead` tokens sampled by a step whose output the router has not seen yet."""
+        return max(0, self.blocks_for(seq.num_tokens + ahead) - len(seq.block_table))
+
+    def can_append_slot(self, seq: Sequence) -> bool:
+        return self.num_slot_blocks(seq) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence, ahead: int = 0) -> list[int]:
+        """Grow seq's table to cover all its tokens (+ `ahead`); returns the new block ids (usually 0 or 1)."""
+        num_new = -(-(len(seq.prompt_ids) + len(seq.output_ids) + ahead) // self.block_size) - len(seq.block_table)
+        if num_new <= 0:  # the common case, every step of every decoding sequence: inlined num_slot_blocks
+            return []
+        new_ids = [self._take_block() for _ in range(num_new)]
+        seq.block_table.extend(new_ids)
+        return new_ids
+
+    def trim(self, seq: Sequence, num_keep: int) -> None:
+        """Give back seq's blocks past its first num_keep: those only rejected drafts reached
+        (past every computed token, so never hashed; the shard drops the same ones)."""
+        for block_id in reversed(seq.block_table[num_keep:]):
+            self._release_block(block_id)
+        del seq.block_table[num_keep:]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child the parent's prompt: shared full blocks, its own block for a partial last one.
+
+        The partial block's KV is copied by the shard when it creates the `Fork` (the one
+        place a fork copy happens: only after the forward is the parent's last block filled).
+        """
+        assert not child.block_table
+        num_prompt = parent.num_prompt_tokens
+        num_full = num_prompt // self.block_size
+        shared = parent.block_table[:num_full]
+        for block_id in shared:
+            self._share_block(block_id)
+        child.block_table = list(shared)
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        if num_prompt % self.block_size:
+            child.block_table.append(self._take_block())
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's device and host blocks; hashed ones stay cached, the tail evicted first."""
+        for block_id in reversed(seq.block_table):
+            self._release_block(block_id)
+        for host_id in seq.host_block_table:
+            self._release_host_block(host_id)
+        self._drop_pending(seq)
+        seq.block_table, seq.block_hashes, seq.host_block_table = [], [], []
+
+    # ---- host swap pool ----------------------------------------------------------------
+
+    def _release_host_block(self, host_id: int) -> None:
+        assert self.host_ref_counts[host_id] > 0
+        self.host_ref_counts[host_id] -= 1
+        if self.host_ref_counts[host_id] == 0:
+            self._free_host_ids.append(host_id)
+
+    def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
+        unique = {block_id for seq in seqs for block_id in seq.block_table}
+        return len(unique) <= self.num_free_host_blocks
+
+    def swap_out(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
+        """Move the seqs' blocks to host blocks (blocks they share stay shared there).
+
+        Returns (device block, host block) copies. The seqs keep num_computed; their device
+        blocks are released (hashed ones stay cached on the device).
+        """
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            for block_id in seq.block_table:
+                if block_id not in mapping:
+                    mapping[block_id] = self._free_host_ids.popleft()
+                self.host_ref_counts[mapping[block_id]] += 1
+            seq.host_block_table = [mapping[block_id] for block_id in seq.block_table]
+            for block_id in reversed(seq.block_table):
+                self._release_block(block_id)
+            seq.block_table = []
+            self._drop_pending(seq)  # off the device: nobody should wait for it
+        return list(mapping.items())
+
+    def can_swap_in(self, seqs: Iterable[Sequence]) -> bool:
+        """Room for the seqs' host blocks plus the blocks to cover their next step."""
+        seqs = list(seqs)
+        unique = {host_id for seq in seqs for host_id in seq.host_block_table}
+        growth = sum(max(0, self.blocks_for(seq.num_tokens) - len(seq.host_block_table))
+                     for seq in seqs)
+        return len(unique) + growth <= self.num_free_blocks
+
+    def swap_in(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
+        """Bring swapped seqs back into fresh device blocks; returns (host, device) copies.
+
+        Their hashed blocks become cache entries again where the cache lost them meanwhile
+        (the shard copies them in before the step's forward, so a hit in the same step is safe).
+        """
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            for host_id in seq.host_block_table:
+                if host_id not in mapping:
+                    mapping[host_id] = self._take_block()
+                else:
+                    self.blocks[mapping[host_id]].ref_count += 1
+            seq.block_table = [mapping[host_id] for host_id in seq.host_block_table]
+            for host_id in seq.host_block_table:
+                self._release_host_block(host_id)
+            seq.host_block_table = []
+            self._reregister(seq)  # (a swapped seq mid-prompt marks nothing pending: rare)
+        return list(mapping.items())
+
+    def _reregister(self, seq: Sequence) -> None:
+        """Register seq's hashed blocks unless the cache still holds equal ones."""
+        parent_hash = None
+        for index, block_hash in enumerate(seq.block_hashes):
+            start = index * self.block_size
+            tokens = tuple(seq.token_slice(start, start + self.block_size))
+            self._register(self.blocks[seq.block_table[index]], block_hash, parent_hash, tokens)
+            parent_hash = block_hash
+
+    # ---- filling the cache from outside (snapshot restore) -----------------------------
+
+    def can_allocate_cached(self, token_ids: Seq[int]) -> bool:
+        fill = self._plan_fill(token_ids)
+        return len(fill.block_indices) <= self.num_free_blocks
+
+    def _plan_fill(self, token_ids: Seq[int]) -> CachedFill:
+        fill = CachedFill(list(token_ids))
+        parent_hash = None
+        for index in range(len(token_ids) // self.block_size):
+            block_hash, block_id = self._lookup(parent_hash, self._block_tokens(token_ids, index))
+            if block_id is None:
+                fill.block_indices.append(index)
+            fill.hashes.append(block_hash)
+            parent_hash = block_hash
+        return fill
+
+    def allocate_cached(self, token_ids: Seq[int]) -> CachedFill:
+        """Reserve blocks for the full blocks of token_ids the cache lacks (a partial tail is
+        ignored). Have the shard fill fill.block_ids, then `commit_cached` or `cancel_cached`.
+        """
+        assert self.enable_prefix_caching
+        fill = self._plan_fill(token_ids)
+        fill.block_ids = [self._take_block() for _ in fill.block_indices]
+        return fill
+
+    def commit_cached(self, fill: CachedFill) -> None:
+        """The shard filled the blocks: make them cache entries (ref 0, most recently used)."""
+        for block_id, index in zip(fill.block_ids, fill.block_indices):
+            parent_hash = fill.hashes[index - 1] if index > 0 else None
+            tokens = self._block_tokens(fill.token_ids, index)
+            self._register(self.blocks[block_id], fill.hashes[index], parent_hash, tokens)
+            self._release_block(block_id)
+        fill.block_ids, fill.block_indices = [], []
+
+    def drop_cached(self, token_ids: Seq[int], keep: Iterable[Seq[int]] = ()) -> int:
+        """Forget the cached blocks holding token_ids' full blocks that no sequence uses
+        (a deleted snapshot); blocks in use stay, and so do those of the sequences in `keep`
+        (the snapshots left). Returns how many were dropped."""
+        hit_ids, _ = self._find_prefix(token_ids, len(token_ids) // self.block_size)
+        kept = {block_id for other in keep for block_id in self._find_prefix(other, len(other) // self.block_size)[0]}
+        dropped = [block_id for block_id in hit_ids if self.blocks[block_id].ref_count == 0 and block_id not in kept]
+        for block_id in dropped:
+            del self._cached_ids[block_id]
+            self._unhash(self.blocks[block_id])
+            self._free_ids.append(block_id)
+        return len(dropped)
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """These blocks' contents are unknown (a failed step may not have written them): they
+        leave the prefix cache, so no later prompt reuses them."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            self._unhash(block)
+            if block.ref_count == 0:
+                del self._cached_ids[block_id]
+                self._free_ids.append(block_id)
+
+    def _unhash(self, block: Block) -> None:
+        del self._hash_to_id[block.block_hash]
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+
+    def cancel_cached(self, fill: CachedFill) -> None:
+        """The fill failed: give the reserved blocks back unhashed."""
+        for block_id in fill.block_ids:
+            self._release_block(block_id)
+        fill.block_ids, fill.block_indices = [], []

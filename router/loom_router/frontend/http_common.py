@@ -1,0 +1,202 @@
+"""Plumbing shared by the TGI and OpenAI routes: the app's state, prompt tokenization,
+running a generation to its end (cancelled when the client goes away), and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from loom_proto.config import RouterConfig
+from loom_router.frontend.validation import Limits
+from loom_router.observability.metrics import FrontendMetrics, RequestTimer
+from loom_router.types import (
+    ChoiceEvent,
+    FinishReason,
+    GeneratedToken,
+    GenerationParams,
+    PromptInfo,
+    ValidationError,
+)
+
+# The default character cap per allowed input token: above any real tokenizer's average
+# (about 4 for English), so only inputs that could never fit are refused untokenized.
+CHARS_PER_INPUT_TOKEN = 32
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+@dataclass(slots=True)
+class AppState:
+    """Everything a route needs, stored on `app.state.loom`."""
+
+    config: RouterConfig
+    engine: Any  # loom_router.frontend.engine_client.EngineClient (typed loosely: tests may pass their own)
+    metrics: FrontendMetrics
+    model_name: str
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_input_chars(self) -> int:
+        """--max-input-chars, by default CHARS_PER_INPUT_TOKEN per allowed input token."""
+        return self.config.max_input_chars or CHARS_PER_INPUT_TOKEN * self.engine.max_input_tokens
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_stop_sequences=self.config.max_stop_sequences,
+            max_top_n_tokens=self.config.max_top_n_tokens,
+            max_n=self.config.max_n,
+            vocab_size=self.engine.model_info.vocab_size,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
+
+
+def served_model_name(config: RouterConfig) -> str:
+    """OpenAI's `model`: the configured name, else the model file or folder name."""
+    if config.served_model_name:
+        return config.served_model_name
+    name = Path(config.model_id).name or "default"
+    return name.removesuffix(".gguf")
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.loom
+
+
+def check_input_chars(state: AppState, num_chars: int, what: str = "inputs") -> None:
+    """Refuses an input longer than --max-input-chars before any tokenizing or templating."""
+    limit = state.max_input_chars
+    if num_chars > limit:
+        raise ValidationError(f"`{what}` must have at most {limit} characters (--max-input-chars). "
+                              f"Given: {num_chars}")
+
+
+async def encode(state: AppState, text: str, add_special_tokens: bool = True,
+                 truncate: int | None = None) -> list[int]:
+    """Tokenizes off the event loop (a long prompt must not stall other requests' streams),
+    after the character cap; `truncate` keeps the last tokens and the model's BOS."""
+    check_input_chars(state, len(text))
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens, truncate)
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """One choice, assembled from its events."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, event: ChoiceEvent) -> None:
+        self.text_parts.append(event.text)
+        self.tokens.append(event.token)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(token.logprob for token in self.tokens)
+
+
+@dataclass(slots=True)
+class Generation:
+    choices: list[ChoiceResult]
+    prompt: PromptInfo
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(choice.tokens) for choice in self.choices)
+
+
+async def submit(state: AppState, prompt_ids: list[int], params: GenerationParams) -> tuple[Any, RequestTimer]:
+    """Submit to the engine core; the stream and its timer (the metrics follow its tokens)."""
+    timer = state.metrics.new_timer(len(prompt_ids))
+    stream = await state.engine.submit(prompt_ids, params, timer.on_tokens)
+    return stream, state.metrics.start_request(timer, stream, state.engine)
+
+
+async def generate(state: AppState, request: Request, prompt_ids: list[int],
+                   params: GenerationParams) -> Generation:
+    """Runs a request to its end; cancels it if the client disconnects first.
+
+    Raises the engine's errors (ValidationError, OverloadedError, GenerationError)
+    and ClientDisconnected.
+    """
+    stream, timer = await submit(state, prompt_ids, params)
+    choices = [ChoiceResult(i) for i in range(params.n)]
+
+    async def consume() -> None:
+        async for event in stream:
+            choices[event.index].add(event)
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not consumer.done():
+            raise ClientDisconnected()
+        consumer.result()  # re-raises a GenerationError
+        return Generation(choices, stream.prompt)
+    finally:
+        timer.finish()
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        stream.cancel()  # a no-op once the request finished
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away. The body was read already, so the next ASGI
+    message is the disconnect (servers hold `receive` until then or the response ends)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def batches(stream: Any, timer: RequestTimer) -> AsyncIterator[list[ChoiceEvent]]:
+    """A stream's events, every waiting one at a time (a client that fell behind gets them
+    together); the timer is finished however the response ends."""
+    try:
+        while events := await stream.take():
+            yield events
+    finally:
+        timer.finish()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generation is cancelled however the response ends:
+    finished, client gone (even before the first byte), or the server shutting down."""
+
+    def __init__(self, content: AsyncIterator[str | bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(payload: Any) -> bytes:
+    """One SSE event carrying a JSON payload (or a bare string like OpenAI's [DONE])."""
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"

@@ -1,0 +1,371 @@
+"""Request models of the TGI and OpenAI APIs, and their conversion into `GenerationParams`.
+
+Pydantic checks types and per-field ranges; the conversion functions check what
+depends on the server (`Limits`) and raise `ValidationError` (HTTP 422).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from loom_proto.step import SamplingParams
+from loom_router.frontend.tools import ToolFields
+from loom_router.structured.fields import ConstraintFields, TGIGrammar
+from loom_router.types import GenerationParams, ValidationError
+
+SEED_LIMIT = 2**63  # seeds are 63-bit so that seed + choice index stays a valid int64
+OPENAI_MAX_TOP_LOGPROBS = 20
+
+# Counts and sizes: the shard protocol carries them as uint32 (a larger value could not be sent,
+# and would fail the step of every request in it); TGI's own bound for them is i32.
+MAX_COUNT = 2**31 - 1
+
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Positive = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Text = Annotated[str, Field(min_length=1)]  # an input: "" is refused, and the schema says so
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(min_length=1)]
+
+
+def _document_nulls(schema: dict[str, Any]) -> None:
+    """The JSON schema of a `_Strict` model: its optional fields take null (`_null_means_default`)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _takes_null(prop):
+            continue
+        kept = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **kept}
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(branch.get("type") == "null" for branch in prop.get("anyOf", ()))
+
+
+class _Strict(BaseModel):
+    # strict: a string where a number belongs is a 422, not silently coerced; no Infinity or NaN
+    # (JSON's 1e999 reads as Infinity): a temperature or penalty of Infinity only makes garbage
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, json_schema_extra=_document_nulls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Clients send `"n": null` or `"stream": null` for "unset": give those the default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """Server-side bounds a request is checked against."""
+
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    max_n: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def random_seed() -> int:
+    return secrets.randbits(63)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice i of a request samples with seed + i (wrapping inside 63 bits)."""
+    return (seed + index) % SEED_LIMIT
+
+
+# ---------------------------------------------------------------- TGI
+
+
+class TGIParameters(_Strict):
+    """TGI's `parameters`, with TGI's names and ranges."""
+
+    do_sample: bool = False
+    max_new_tokens: Positive | None = None  # None: the rest of the context
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    frequency_penalty: Penalty | None = None
+    return_full_text: bool | None = False
+    stop: list[str] = Field(default_factory=list)
+    seed: Seed | None = None
+    temperature: Annotated[float, Field(gt=0.0)] | None = None
+    top_k: Positive | None = None
+    top_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    typical_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    truncate: Positive | None = None
+    best_of: Positive | None = None
+    watermark: bool = False  # accepted and ignored
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: Count | None = None
+    grammar: TGIGrammar | None = None
+
+    @property
+    def sampling(self) -> bool:
+        """TGI samples when asked to or when any warper is set."""
+        warpers = (self.temperature not in (None, 1.0) or self.top_k is not None
+                   or self.top_p is not None or self.typical_p is not None)
+        return self.do_sample or warpers
+
+
+class TGIRequest(_Strict):
+    inputs: Text
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False
+
+
+class TokenizeRequest(_Strict):
+    inputs: Text
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+
+def check_tgi(params: TGIParameters, inputs: str, stream: bool, limits: Limits) -> None:
+    """The TGI checks that depend on the server or span fields. Raises ValidationError."""
+    if not inputs:
+        raise ValidationError("`inputs` cannot be empty")
+    if len(params.stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                              f"Given: {len(params.stop)}")
+    if (params.top_n_tokens or 0) > limits.max_top_n_tokens:
+        raise ValidationError(f"`top_n_tokens` must be <= {limits.max_top_n_tokens}. "
+                              f"Given: {params.top_n_tokens}")
+    best_of = params.best_of or 1
+    if best_of > limits.max_n:
+        raise ValidationError(f"`best_of` must be <= {limits.max_n}. Given: {best_of}")
+    if best_of > 1 and not params.sampling:
+        raise ValidationError("you must use sampling when `best_of` is > 1")
+    if best_of > 1 and stream:
+        raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+    if params.decoder_input_details and stream:
+        raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+
+
+def tgi_generation_params(params: TGIParameters, max_new_tokens: int, limits: Limits) -> GenerationParams:
+    """TGI parameters -> one SamplingParams per `best_of` sequence."""
+    seed = params.seed if params.seed is not None else random_seed()
+    base = SamplingParams(
+        seed=seed,
+        do_sample=params.sampling,
+        temperature=params.temperature if params.temperature is not None else 1.0,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        typical_p=params.typical_p,
+        repetition_penalty=_unless(params.repetition_penalty, 1.0),
+        frequency_penalty=params.frequency_penalty or 0.0,
+        top_n_tokens=params.top_n_tokens or 0,
+        eos_token_ids=limits.eos_token_ids,
+    )
+    n = params.best_of or 1
+    return GenerationParams(
+        choices=[replace(base, seed=choice_seed(seed, i)) for i in range(n)],
+        max_new_tokens=max_new_tokens,
+        stop_sequences=[s for s in params.stop if s],
+        prompt_logprobs=params.decoder_input_details,
+    )
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+class ChoiceOverride(_Strict):
+    """Loom extension: how one choice samples differently from the request's defaults."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class OpenAISampling(ChoiceOverride, ConstraintFields):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: Positive | None = None
+    n: Positive = 1
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: Count = 0
+    choice_params: list[ChoiceOverride] | None = None
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAISampling):
+    # One prompt: text or token ids, alone or in a list of one (batches are not supported).
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """The common mistakes, in words rather than as a union's every branch."""
+        if prompt == "" or prompt == [] or prompt == [""] or prompt == [[]]:
+            raise ValueError("`prompt` cannot be empty")
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"`prompt` must be a single prompt; batches are not supported. Given: {len(prompt)}")
+        return prompt
+
+    @property
+    def top_n_tokens(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as the chat template expects it; `developer` is OpenAI's new `system`."""
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, list):
+            message: dict[str, Any] = {"role": role, "content": "".join(part.text for part in self.content)}
+        else:
+            message = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ChatCompletionRequest(OpenAISampling, ToolFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Positive | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("`top_logprobs` requires `logprobs` to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def top_n_tokens(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_openai(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> None:
+    """The OpenAI checks that depend on the server or span fields. Raises ValidationError."""
+    if req.n > limits.max_n:
+        raise ValidationError(f"`n` must be <= {limits.max_n}. Given: {req.n}")
+    if req.choice_params is not None and len(req.choice_params) > req.n:
+        raise ValidationError(f"`choice_params` has {len(req.choice_params)} entries, more than `n` ({req.n})")
+    if len(req.stop_sequences) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                              f"Given: {len(req.stop_sequences)}")
+    if (req.top_n_tokens or 0) > limits.max_top_n_tokens:
+        raise ValidationError(f"at most {limits.max_top_n_tokens} top logprobs are supported. "
+                              f"Given: {req.top_n_tokens}")
+    max_tokens = req.requested_max_tokens
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise ValidationError(f"`min_tokens` ({req.min_tokens}) must be <= `max_tokens` ({max_tokens})")
+    _logit_bias(req.logit_bias, limits.vocab_size)
+
+
+def openai_generation_params(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: int,
+                             limits: Limits) -> GenerationParams:
+    """OpenAI request -> n SamplingParams: the request's defaults, then each choice's overrides."""
+    seed = req.seed if req.seed is not None else random_seed()
+    overrides = req.choice_params or []
+    choices = []
+    for i in range(req.n):
+        override = overrides[i] if i < len(overrides) else None
+        choices.append(_openai_sampling(req, override, choice_seed(seed, i), limits))
+    echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
+    return GenerationParams(
+        choices=choices,
+        max_new_tokens=max_new_tokens,
+        stop_sequences=req.stop_sequences,
+        ignore_eos=req.ignore_eos,
+        prompt_logprobs=echo_logprobs,
+    )
+
+
+def _openai_sampling(req: OpenAISampling, override: ChoiceOverride | None, seed: int,
+                     limits: Limits) -> SamplingParams:
+    def pick(name: str) -> Any:
+        value = getattr(override, name) if override is not None else None
+        return value if value is not None else getattr(req, name)
+
+    temperature = pick("temperature")
+    temperature = 1.0 if temperature is None else temperature  # OpenAI's default samples
+    top_k = pick("top_k")
+    override_seed = override.seed if override is not None else None
+    return SamplingParams(
+        seed=override_seed if override_seed is not None else seed,
+        do_sample=temperature > 0.0,
+        temperature=temperature if temperature > 0.0 else 1.0,
+        top_k=top_k if top_k is not None and top_k > 0 else None,  # 0 and -1 mean off (vLLM)
+        top_p=_unless(pick("top_p"), 1.0),
+        min_p=_unless(pick("min_p"), 0.0),
+        repetition_penalty=_unless(pick("repetition_penalty"), 1.0),
+        frequency_penalty=pick("frequency_penalty") or 0.0,
+        presence_penalty=pick("presence_penalty") or 0.0,
+        logit_bias=_logit_bias(req.logit_bias, limits.vocab_size),
+        top_n_tokens=req.top_n_tokens or 0,  # type: ignore[attr-defined]
+        min_new_tokens=req.min_tokens,
+        eos_token_ids=limits.eos_token_ids,
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias maps token ids, as strings, to a bias in [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ValidationError(f"`logit_bias` keys must be token ids. Given: {key!r}") from None
+        if not 0 <= token_id < vocab_size:
+            raise ValidationError(f"`logit_bias` token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+        out[token_id] = value
+    return out
+
+
+def _unless(value: float | None, neutral: float) -> float | None:
+    """None when the value is absent or has no effect, so the shard skips the filter."""
+    return None if value is None or value == neutral else value

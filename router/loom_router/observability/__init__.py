@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics (one /metrics for every process), the request log, tracing."""

@@ -1,0 +1,69 @@
+"""The router's logs: one line per finished request, and the log format (plain text, or one
+JSON object per line with `--json-output`, as TGI's `--json-output`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+REQUEST_LOGGER = "loom.requests"
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+request_log = logging.getLogger(REQUEST_LOGGER)
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """What the log line of a finished request says. None: never happened (no token, never ran)."""
+
+    request_id: int | None
+    num_input_tokens: int
+    num_generated_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str
+
+    def fields(self) -> dict[str, object]:
+        out = asdict(self)
+        for key in ("queue_s", "ttft_s", "total_s"):
+            value = out.pop(key)
+            out[key.removesuffix("_s") + "_ms"] = None if value is None else round(value * 1000.0, 3)
+        return out
+
+    def text(self) -> str:
+        return "request finished " + " ".join(f"{k}={'-' if v is None else v}" for k, v in self.fields().items())
+
+
+def log_request(summary: RequestSummary) -> None:
+    if request_log.isEnabledFor(logging.INFO):
+        request_log.info(summary.text(), extra={"fields": summary.fields()})
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: timestamp, level, target, message, and a record's `fields`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {
+            "timestamp": datetime.fromtimestamp(record.created, tz=UTC).isoformat(),
+            "level": record.levelname,
+            "target": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line["fields"] = fields
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str, json_output: bool, process: str | None = None) -> None:
+    """A router process's root handler, once, at startup; `process` names a frontend in its lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    plain = PLAIN_FORMAT if process is None else PLAIN_FORMAT.replace("%(name)s", f"[{process}] %(name)s")
+    handler.setFormatter(JsonFormatter() if json_output else logging.Formatter(plain))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -1,0 +1,61 @@
+"""What a request asks its output to match, before compilation: the frontends reduce the APIs'
+fields to one ConstraintSpec (loom_router.structured.fields) and send it to the engine core, which
+compiles it (loom_router.structured.grammar). No llguidance here: frontends never compile."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+from loom_router.contract import Constraint
+from loom_router.types import ValidationError
+
+# Options of a `choice`: compiling them costs their number squared (10k: 0.2 s, 100k: 13 s and a panic).
+MAX_CHOICES = 10_000
+# JSON as json.dumps writes it: free whitespace lets a small model loop on blank lines until
+# max_tokens; a schema's own "x-guidance" options still override this.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"  # source: the schema as JSON text
+    REGEX = "regex"
+    CHOICE = "choice"  # source: a JSON list of strings; the output is exactly one of them
+    LARK = "lark"  # a Lark or GBNF grammar (llguidance converts GBNF)
+
+
+@dataclass(slots=True, frozen=True)
+class ConstraintSpec:
+    """What a request asks the output to match, before compilation."""
+
+    kind: ConstraintKind
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: object) -> ConstraintSpec:
+        """A schema as a dict (or True for any JSON object); sorted keys make equal schemas one cache entry."""
+        if schema is True or schema is None:
+            schema = {"type": "object"}
+        if not isinstance(schema, dict):
+            raise ValidationError(f"a JSON schema must be an object. Given: {type(schema).__name__}")
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def choice(cls, options: list[str]) -> ConstraintSpec:
+        if not options or not all(isinstance(o, str) for o in options):
+            raise ValidationError("`choice` must be a non-empty list of strings")
+        if len(options) > MAX_CHOICES:
+            raise ValidationError(f"`choice` takes at most {MAX_CHOICES} options. Given: {len(options)}")
+        return cls(ConstraintKind.CHOICE, json.dumps(options))
+
+    def to_contract(self) -> Constraint:
+        return Constraint(self.kind.value, self.source)
+
+    @classmethod
+    def from_contract(cls, constraint: Constraint) -> ConstraintSpec:
+        """Raises ValidationError for a kind this router does not know."""
+        try:
+            return cls(ConstraintKind(constraint.kind), constraint.source)
+        except ValueError:
+            raise ValidationError(f"unknown constraint kind {constraint.kind!r}") from None
