@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loom_shard.attention import SeqSpan, blocked_causal_attention, paged_attention
+from loom_shard.attention import AttentionSpec, SeqSpan, blocked_causal_attention, paged_attention
 from loom_shard.attention_backend import BackendKind, PagedBackend, TorchBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -109,7 +109,8 @@ def bench_paged(rounds: int) -> None:
             k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
             v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
             metas = {name: b.build_metadata(spans, block_size) for name, b in backends.items()}
-            fns = {name: (lambda m=m: paged_attention(q, k, v, kv, m)) for name, m in metas.items()}
+            spec = AttentionSpec.plain(HEAD_DIM)
+            fns = {name: (lambda m=m: paged_attention(q, k, v, kv, m, spec)) for name, m in metas.items()}
             best = {name: float("inf") for name in fns}
             repeats = max(1, 200 // max(1, tokens // 16))
             for _ in range(rounds):

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from loom_shard import kernels
-from loom_shard.attention import AttentionMetadata, PagedKernel, PagedTables, SeqSpan, build_metadata
+from loom_shard.attention import AttentionMetadata, AttentionSpec, PagedKernel, PagedTables, SeqSpan, build_metadata
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,9 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> At
 
 
 def _triton_kernel(fn) -> PagedKernel:  # noqa: ANN001 - the triton launcher
-    def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: PagedTables) -> torch.Tensor:
-        return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len)
+    def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: PagedTables, spec: AttentionSpec) -> torch.Tensor:
+        return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len,
+                  scale=spec.scale, window=spec.window, softcap=spec.softcap, sinks=spec.sinks)
 
     return attend
 

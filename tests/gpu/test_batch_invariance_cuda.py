@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_shard.attention import SeqSpan
+from loom_shard.attention import AttentionSpec, SeqSpan
 from loom_shard.attention_backend import BackendKind, pack_step_tables, paged_metadata, select_backend
 
 BLOCK_SIZE = 16
@@ -32,7 +32,7 @@ def _run(spans: list[SeqSpan], q: torch.Tensor, kv: torch.Tensor) -> torch.Tenso
     assert backend.kind is BackendKind.TRITON
     packed, shape = pack_step_tables(spans, BLOCK_SIZE)
     meta = paged_metadata(packed.cuda(), shape, BLOCK_SIZE, backend.kernel)
-    out = meta.paged.kernel(q, kv, meta.paged)
+    out = meta.paged.kernel(q, kv, meta.paged, AttentionSpec.plain(q.shape[-1]))
     torch.cuda.synchronize()
     return out
 

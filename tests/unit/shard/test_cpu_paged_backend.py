@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from loom_shard.attention import SeqSpan
+from loom_shard.attention import AttentionSpec, SeqSpan
 from loom_shard.attention_backend import BackendKind, PagedBackend, select_backend
 from loom_shard.cpu_attention import paged_attention_cpu
 
@@ -36,7 +36,7 @@ def make_spans(lengths: list[tuple[int, int]], block_size: int, num_blocks: int,
 
 def run(q: torch.Tensor, cache: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
     meta = BACKEND.build_metadata(spans, cache.shape[2])
-    return paged_attention_cpu(q, cache, meta.paged)
+    return paged_attention_cpu(q, cache, meta.paged, AttentionSpec.plain(q.shape[-1]))
 
 
 def reference(q: torch.Tensor, cache: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
