@@ -26,7 +26,7 @@ from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_shard.attention_backend import TorchBackend
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
-from loom_shard.models.llama import LlamaModel
+from loom_shard.models.decoder import DecoderModel
 from loom_shard.runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -69,7 +69,7 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def load_model(random_model: bool, quantize: str = "none") -> tuple[LlamaModel, str]:
+def load_model(random_model: bool, quantize: str = "none") -> tuple[DecoderModel, str]:
     """quantize "auto": the GGUF's Q4_1/Q8_0 projections stay quantized (QuantLinear), as a shard's default."""
     if not random_model:
         try:
@@ -89,7 +89,7 @@ def load_model(random_model: bool, quantize: str = "none") -> tuple[LlamaModel, 
     return build_model(SMOLLM2_SHAPE), "random model of SmolLM2-135M's shape"
 
 
-def make_runner(model: LlamaModel, dtype: str, num_blocks: int, cpu_kernels: str = "auto") -> ModelRunner:
+def make_runner(model: DecoderModel, dtype: str, num_blocks: int, cpu_kernels: str = "auto") -> ModelRunner:
     config = ShardConfig(model_id="bench", uds_path="", dtype=dtype, block_size=BLOCK_SIZE, cpu_kernels=cpu_kernels)
     runner = ModelRunner(config, model=model)
     cache = runner.allocate_kv_cache(num_blocks, num_host_blocks=1)

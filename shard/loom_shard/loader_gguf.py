@@ -24,7 +24,7 @@ from loom_shard.loader_common import (
     check_shape,
     expected_shapes,
 )
-from loom_shard.model_config import ModelConfig, RopeScaling
+from loom_shard.model_config import Llama3Scaling, ModelConfig
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _GLOBAL_NAMES = {
@@ -137,7 +137,7 @@ def _reject_unsupported_rope(path: Path, reader: GGUFFile, arch: str, head_dim: 
 
 def _rope_scaling(
     path: Path, reader: GGUFFile, freqs_tensor: TensorInfo | None, rope_theta: float, head_dim: int
-) -> RopeScaling | None:
+) -> Llama3Scaling | None:
     """Recovers Llama-3 rope scaling from the per-frequency factors llama.cpp stores instead."""
     if freqs_tensor is None:
         return None
@@ -146,7 +146,7 @@ def _rope_scaling(
     for low, high, original in _LLAMA3_CANDIDATES:
         expected = llama3_rope_factors(rope_theta, head_dim, factor, low, high, original)
         if expected.shape == factors.shape and np.allclose(expected, factors, rtol=1e-4):
-            return RopeScaling(factor, low, high, original)
+            return Llama3Scaling(factor, low, high, original)
     raise ModelLoadError(path, f"{ROPE_FREQS_NAME} does not match Llama-3 rope scaling")
 
 

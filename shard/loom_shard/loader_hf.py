@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,6 @@ import torch
 from safetensors import safe_open
 
 from loom_shard.loader_common import (
-    SUPPORTED_ARCHITECTURES,
     LoadProgress,
     ModelLoadError,
     Part,
@@ -21,13 +21,30 @@ from loom_shard.loader_common import (
     check_shape,
     expected_shapes,
 )
-from loom_shard.model_config import ModelConfig, RopeScaling
+from loom_shard.model_config import (
+    DynamicScaling,
+    LayerKind,
+    LinearScaling,
+    Llama3Scaling,
+    LongRopeScaling,
+    ModelConfig,
+    RopeScaling,
+    YarnScaling,
+)
+from loom_shard.models import family, supported_architectures, unsupported_message
 
 INDEX_FILE_NAME = "model.safetensors.index.json"
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -39,24 +56,28 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         head_dim = config.get("head_dim") or hidden_size // num_heads  # null in some configs
+        num_layers = int(config["num_hidden_layers"])
         # transformers >= 5 writes theta and scaling together as "rope_parameters".
         rope = config.get("rope_parameters") or {}
-        return ModelConfig(
+        max_positions = int(config.get("max_position_embeddings", 2048))
+        base = ModelConfig(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(config.get("rope_scaling") or rope, source),
+            rope_scaling=_rope_scaling(config.get("rope_scaling") or rope, config, source),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases
+            sliding_window=_sliding_window(config),
+            layer_kinds=_layer_kinds(config, num_layers),
         )
+        return family(architecture).config_from_hf(config, base)
     except KeyError as error:
         raise ModelLoadError(source, f"config is missing the key {error.args[0]!r}") from None
     except (TypeError, ValueError) as error:
@@ -65,39 +86,91 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
 
 def _architecture(config: dict[str, Any], source: str) -> str:
     architectures = config.get("architectures") or []
+    known = supported_architectures()
     for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in known:
             return name
     if not architectures and config.get("model_type") in _ARCHITECTURE_BY_MODEL_TYPE:
         return _ARCHITECTURE_BY_MODEL_TYPE[config["model_type"]]
     found = ", ".join(architectures) or f"model_type {config.get('model_type')!r}"
-    raise ModelLoadError(
-        source, f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    raise ModelLoadError(source, unsupported_message(found))
+
+
+# Llama-named architectures whose attention_bias means q/k/v biases only (others: o_proj's too).
+_QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 
 
 def _reject_unsupported_features(config: dict[str, Any], architecture: str, source: str) -> None:
     # Llama's attention_bias also adds an o_proj bias, and mlp_bias biases the MLP: the model has neither.
-    if architecture != "Qwen2ForCausalLM" and config.get("attention_bias"):
+    if architecture not in _QKV_BIAS_ONLY and config.get("attention_bias"):
         raise ModelLoadError(source, f"unsupported: attention_bias=true for {architecture}")
     if config.get("mlp_bias"):
         raise ModelLoadError(source, "unsupported: mlp_bias=true")
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError(source, "unsupported: use_bidirectional_attention=true (an encoder, not a decoder)")
 
 
-def _rope_scaling(scaling: dict[str, Any] | None, source: str) -> RopeScaling | None:
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """The window of the sliding layers; None when no layer slides (Qwen's use_sliding_window false)."""
+    if config.get("use_sliding_window") is False:
+        return None
+    window = config.get("sliding_window")
+    return int(window) if window else None
+
+
+def _layer_kinds(config: dict[str, Any], num_layers: int) -> tuple[LayerKind, ...] | None:
+    kinds = config.get("layer_types")
+    if not kinds:
+        return None
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
+    try:
+        return tuple(LayerKind(kind) for kind in kinds)
+    except ValueError:
+        raise ValueError(f"unsupported layer_types {sorted(set(kinds))} (sliding_attention, full_attention)") from None
+
+
+_ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope", "su")
+
+
+def _rope_scaling(scaling: dict[str, Any] | None, config: dict[str, Any], source: str) -> RopeScaling | None:
+    """The config's rope scaling; config gives the context lengths some kinds read."""
     if not scaling:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type in (None, "default"):
         return None
-    if rope_type != "llama3":
-        raise ModelLoadError(source, f"unsupported rope_scaling type {rope_type!r} (only 'llama3')")
-    return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+    if rope_type not in _ROPE_TYPES:
+        raise ModelLoadError(source, f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(_ROPE_TYPES)})")
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    original = int(scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+                   or max_positions)
+    if rope_type == "llama3":
+        return Llama3Scaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                             float(scaling["high_freq_factor"]), original)
+    if rope_type == "linear":
+        return LinearScaling(float(scaling["factor"]))
+    if rope_type == "dynamic":
+        return DynamicScaling(float(scaling["factor"]), max_positions)
+    if rope_type == "yarn":
+        attention = scaling.get("attention_factor")
+        if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            raise ModelLoadError(source, "unsupported: yarn with mscale and mscale_all_dim (DeepSeek's)")
+        return YarnScaling(float(scaling["factor"]), original, float(scaling.get("beta_fast") or 32.0),
+                           float(scaling.get("beta_slow") or 1.0), None if attention is None else float(attention),
+                           bool(scaling.get("truncate", True)))
+    return _longrope(scaling, original, max_positions)
+
+
+def _longrope(scaling: dict[str, Any], original: int, max_positions: int) -> LongRopeScaling:
+    # As transformers: the factor is max / original context when the config has both, and the
+    # attention factor sqrt(1 + ln(factor) / ln(original)) unless given.
+    factor = max_positions / original if original != max_positions else float(scaling.get("factor") or 1.0)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(tuple(float(f) for f in scaling["short_factor"]), tuple(float(f) for f in scaling["long_factor"]),
+                           original, max_positions, float(attention))
 
 
 def load_hf_config(folder: Path) -> ModelConfig:

@@ -14,7 +14,7 @@ from loom_proto.config import ShardConfig
 from loom_shard import kernels
 from loom_shard.layers import row_invariance
 from loom_shard.models import build_model
-from loom_shard.models.llama import LlamaModel
+from loom_shard.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
     return True
 
 
-def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
+def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, str]:
     from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
 
     if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from loom_shard.layers.quant_linear import QuantLinear, QuantSource
-from loom_shard.models.llama import _FUSED
+from loom_shard.models.weights import FUSED
 
 log = logging.getLogger(__name__)
 
-_PART_OF = {f".{part}": f".{fused}" for fused, parts in _FUSED.items() for part in parts if part.endswith("weight")}
+_PART_OF = {f".{part}": f".{fused}" for fused, parts in FUSED.items() for part in parts if part.endswith("weight")}
 
 
 def install_quant_linears(
@@ -51,7 +51,7 @@ def install_quant_linears(
 
 def _expected_parts(target: str) -> list[str]:
     """The Hugging Face names whose rows make up `target` (one name when it is not fused)."""
-    for fused, parts in _FUSED.items():
+    for fused, parts in FUSED.items():
         if target.endswith(fused):
             prefix = "model." + target.removesuffix(fused)
             return [prefix + p for p in parts]

@@ -45,7 +45,7 @@ from loom_shard.model_setup import (
     resolve_device,
     select_cpu_kernels,
 )
-from loom_shard.models.llama import LlamaModel
+from loom_shard.models.decoder import DecoderModel
 from loom_shard.plan_check import PlanCheck
 from loom_shard.quantize import quantized_summary
 from loom_shard.sampler import Sample, SeqSamplingState, sample
@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """One shard's executor. Build with a ShardConfig; pass `model` to skip loading (tests, benches)."""
 
-    def __init__(self, config: ShardConfig, model: LlamaModel | None = None) -> None:
+    def __init__(self, config: ShardConfig, model: DecoderModel | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device, config.rank)
         if self.device.type == "cpu":

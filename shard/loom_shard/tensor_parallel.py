@@ -18,11 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from loom_shard.layers.attention import Attention
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.loader_common import Part
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
-from loom_shard.models.llama import Attention, LlamaModel
+from loom_shard.models.decoder import DecoderModel
 
 _COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})  # output rows split
 _ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # input columns split
@@ -44,7 +45,7 @@ def rank_part(name: str, shape: tuple[int, ...], rank: int, world_size: int) -> 
     return Part(dim, rank * size, (rank + 1) * size)
 
 
-def build_rank_model(config: ModelConfig, rank_weights: dict[str, torch.Tensor], rank: int, world_size: int) -> LlamaModel:
+def build_rank_model(config: ModelConfig, rank_weights: dict[str, torch.Tensor], rank: int, world_size: int) -> DecoderModel:
     """The rank's model from weights already cut by `rank_part`: built and sharded on `meta`
     (no memory, no random init), then the slices are assigned in place."""
     with torch.device("meta"):
@@ -53,7 +54,7 @@ def build_rank_model(config: ModelConfig, rank_weights: dict[str, torch.Tensor],
     return model
 
 
-def apply_tensor_parallel(model: LlamaModel, rank: int, world_size: int) -> LlamaModel:
+def apply_tensor_parallel(model: DecoderModel, rank: int, world_size: int) -> DecoderModel:
     """Keep this rank's share of every layer in place; needs an initialised process group."""
     if world_size == 1:
         return model
@@ -97,7 +98,7 @@ class _VocabParallelHead(nn.Linear):
         return torch.cat(parts, dim=-1)
 
 
-def _shard_vocab(model: LlamaModel, rank: int, world_size: int) -> None:
+def _shard_vocab(model: DecoderModel, rank: int, world_size: int) -> None:
     embed, head = model.embed_tokens, model.lm_head
     tied = head.weight is embed.weight
     rows = embed.num_embeddings // world_size

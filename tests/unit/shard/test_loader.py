@@ -119,13 +119,17 @@ def test_config_from_hf_reads_llama3_rope_scaling_and_explicit_head_dim() -> Non
 
 
 def test_config_from_hf_errors_name_the_source() -> None:
-    with pytest.raises(ModelLoadError, match=r"cfg\.json.*unsupported architecture GPT2LMHeadModel"):
+    # One line naming the architecture and every known one.
+    with pytest.raises(ModelLoadError, match=r"cfg\.json.*unsupported architecture GPT2LMHeadModel; supported: "
+                       r"Gemma2ForCausalLM, .*GptOssForCausalLM, .*Qwen3MoeForCausalLM"):
         config_from_hf({"architectures": ["GPT2LMHeadModel"], **TINY}, "cfg.json")
     incomplete = {"architectures": ["LlamaForCausalLM"], **TINY}
     del incomplete["hidden_size"]
     with pytest.raises(ModelLoadError, match="missing the key 'hidden_size'"):
         config_from_hf(incomplete)
-    with pytest.raises(ModelLoadError, match="rope_scaling type 'yarn'"):
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'mrope'"):
+        config_from_hf({"architectures": ["LlamaForCausalLM"], **TINY, "rope_scaling": {"rope_type": "mrope"}})
+    with pytest.raises(ModelLoadError, match="missing the key 'factor'"):
         config_from_hf({"architectures": ["LlamaForCausalLM"], **TINY, "rope_scaling": {"rope_type": "yarn"}})
 
 

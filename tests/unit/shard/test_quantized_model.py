@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from loom_proto.config import ShardConfig
 from loom_shard.attention import SeqSpan
+from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
-from loom_shard.models.llama import DecoderLayer
 from loom_shard.quantize import quantized_summary
 from loom_shard.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks

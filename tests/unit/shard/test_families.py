@@ -1,0 +1,83 @@
+"""Every family Loom serves against transformers on the same random weights, in float32: logits
+within 1e-4 over mixed paged batches (prefill chunks after cached tokens, decodes), and 32 greedy
+tokens equal through the runner, on prompts longer than every sliding window."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from tests.unit.shard import families
+from tests.unit.shard.conftest import SeqChunk, hf_logits, make_cache, make_pair, random_tokens, run_chunks, tiny_runner
+
+BLOCK_SIZE = 4
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4) -> None:
+    # Relative to the logits' scale, so near-zero entries do not demand absolute exactness.
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert err <= rtol * scale, f"max error {err:.3g} exceeds {rtol} x scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("kind", families.KINDS)
+def test_mixed_paged_batch_matches_transformers(kind: str) -> None:
+    pair = make_pair(kind)
+    cache = make_cache(pair.loom, BLOCK_SIZE, num_blocks=40)
+    ids = list(range(40))
+    random.Random(1).shuffle(ids)  # block tables in no particular order
+    # Every sequence is longer than the windows (8) and Phi-3's trained context (32).
+    a, b, c = random_tokens(50, 1), random_tokens(37, 2), random_tokens(40, 3)
+    ta, tb, tc = ids[:13], ids[13:23], ids[23:33]
+    # Step 1: a prefills a first chunk, b its whole prompt, c all but its last token.
+    first = run_chunks(pair.loom, cache, [SeqChunk(a, 0, 20, ta), SeqChunk(b, 0, 36, tb), SeqChunk(c, 0, 39, tc)])
+    # Step 2: a's chunk starts after cached tokens (past every window); b and c decode.
+    second = run_chunks(pair.loom, cache, [SeqChunk(a, 20, 30, ta), SeqChunk(b, 36, 1, tb), SeqChunk(c, 39, 1, tc)])
+    ref_a, ref_b, ref_c = hf_logits(pair.hf, a), hf_logits(pair.hf, b), hf_logits(pair.hf, c)
+    assert_close(first[0], ref_a[:20])
+    assert_close(second[0], ref_a[20:50])
+    assert_close(first[1], ref_b[:36])
+    assert_close(second[1], ref_b[36:37])
+    assert_close(first[2], ref_c[:39])
+    assert_close(second[2], ref_c[39:40])
+
+
+@torch.no_grad()
+def greedy_reference(hf, tokens: list[int], num_new: int) -> list[int]:  # noqa: ANN001
+    """transformers' greedy tokens (generate with its own KV cache, no stop token)."""
+    out = hf.generate(torch.tensor([tokens]), max_new_tokens=num_new, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, generation_config=transformers.GenerationConfig())
+    return out[0, len(tokens) :].tolist()
+
+
+def runner_greedy(pair, prompt: list[int], num_new: int, chunk: int) -> list[int]:  # noqa: ANN001
+    """Greedy tokens through the ModelRunner: the prompt prefilled in chunks, then decodes."""
+    runner = tiny_runner(pair, BLOCK_SIZE, num_blocks=64)
+    blocks = list(range(63, 63 - -(-(len(prompt) + num_new) // BLOCK_SIZE), -1))  # scattered, descending
+    new = NewRequest(1, prompt, len(prompt), 0, min(chunk, len(prompt)), blocks, SamplingParams(seed=0))
+    out = runner.step(StepPlan(new_requests=[new])).outputs[0]
+    computed = min(chunk, len(prompt))
+    while computed < len(prompt):
+        n = min(chunk, len(prompt) - computed)
+        out = runner.step(StepPlan(running_requests=[RunningRequest(1, n)])).outputs[0]
+        computed += n
+    tokens = [out.token_id]
+    while len(tokens) < num_new:
+        tokens.append(runner.step(StepPlan(running_requests=[RunningRequest(1, 1)])).outputs[0].token_id)
+    return tokens
+
+
+# One model per family and rope scaling (the logits test above covers every tiny model).
+GREEDY_KINDS = ["llama3", "llama_yarn", "mistral", "qwen3_window", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
+                "gpt_oss"]
+
+
+@pytest.mark.parametrize("kind", GREEDY_KINDS)
+def test_greedy_32_tokens_match_transformers(kind: str) -> None:
+    pair = make_pair(kind)
+    prompt = random_tokens(41, 7)
+    assert runner_greedy(pair, prompt, 32, chunk=17) == greedy_reference(pair.hf, prompt, 32)
