@@ -108,12 +108,14 @@ def keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
 
 
 def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, str]:
-    from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
+    from loom_shard.loader import load_model_config, load_model_weights, weights_hash  # file formats stay out
 
     if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
         from loom_shard.tensor_parallel import build_rank_model, rank_part
 
-        part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size)
+        moe = load_model_config(config.model_id).moe
+        part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size,
+                                 num_experts=moe.num_experts if moe else 0)
         model_config, weights = load_model_weights(config.model_id, dtype, part=part)
         model = build_rank_model(model_config, weights, config.rank, config.world_size)
     else:

@@ -113,12 +113,18 @@ class DecoderModel(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor], assign: bool = False) -> None:
         """Load Hugging Face named tensors, fusing q/k/v and gate/up. Raises on missing or unknown names.
+        A parameter with a `weight_loader` (a tensor-parallel layer's) takes its share of the tensor.
 
         assign: take the tensors themselves as parameters (a model built on `meta`); the tied
         head and the rotary tables are then rebuilt on the weights' device.
         """
         self._fused = None  # rebuilt from the new tensors at the next forward
         own = self.own_weights(dict(weights))
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for name, tensor in own.items():  # a tensor-parallel layer cuts its share (tensor_parallel)
+            loader = getattr(params.get(name), "weight_loader", None)
+            if loader is not None:
+                own[name] = loader(tensor)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
         missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)]
         if missing or unexpected:
