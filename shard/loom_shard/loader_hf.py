@@ -32,6 +32,7 @@ from loom_shard.model_config import (
     YarnScaling,
 )
 from loom_shard.models import family, supported_architectures, unsupported_message
+from loom_shard.mxfp4 import dequantize_experts
 
 INDEX_FILE_NAME = "model.safetensors.index.json"
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -106,6 +107,10 @@ def _reject_unsupported_features(config: dict[str, Any], architecture: str, sour
         raise ModelLoadError(source, f"unsupported: attention_bias=true for {architecture}")
     if config.get("mlp_bias"):
         raise ModelLoadError(source, "unsupported: mlp_bias=true")
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise ModelLoadError(source, f"unsupported quantization_config quant_method {method!r} (Loom reads "
+                             "unquantized safetensors, gpt-oss's MXFP4 experts, and GGUF files)")
     if config.get("use_bidirectional_attention"):
         raise ModelLoadError(source, "unsupported: use_bidirectional_attention=true (an encoder, not a decoder)")
 
@@ -192,11 +197,13 @@ def load_hf_weights(
     """The tensors the config needs, read file by file and converted to `dtype` one at a time;
     where `part` names a part of a tensor, only that part's bytes are read."""
     names_by_file = _tensor_files(folder)
+    packed = _mxfp4_names(names_by_file)
     shapes = expected_shapes(config)
-    check_names(folder, config, names_by_file)
+    check_names(folder, config, {**names_by_file, **packed})
     files: dict[Path, list[str]] = {}
     for name in shapes:
-        files.setdefault(names_by_file[name], []).append(name)
+        if name not in packed:
+            files.setdefault(names_by_file[name], []).append(name)
     report = LoadProgress(folder, len(shapes), progress)
     tensors: dict[str, torch.Tensor] = {}
     for file, names in files.items():
@@ -204,8 +211,37 @@ def load_hf_weights(
             for name in names:
                 tensors[name] = _read_tensor(handle, file, name, shapes[name], part).to(dtype)
                 report.tensor_done(len(tensors))
+    for name in [n for n in shapes if n in packed]:
+        tensors[name] = _read_mxfp4(names_by_file, name, shapes[name], part).to(dtype)
+        report.tensor_done(len(tensors))
     report.finish(tensors)
     return {name: tensors[name] for name in shapes}
+
+
+def _mxfp4_names(names_by_file: dict[str, Path]) -> dict[str, Path]:
+    """Tensors stored as MXFP4 `<name>_blocks` and `<name>_scales` (gpt-oss's experts): name -> file."""
+    return {name.removesuffix("_blocks"): file for name, file in names_by_file.items()
+            if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in names_by_file}
+
+
+def _read_mxfp4(names_by_file: dict[str, Path], name: str, expected: tuple[int, ...], part: PartFn | None) -> torch.Tensor:
+    """An MXFP4 tensor dequantized; a part along its first dim (experts) is read alone."""
+    blocks_file, scales_file = names_by_file[name + "_blocks"], names_by_file[name + "_scales"]
+    with _open_safetensors(blocks_file) as blocks, _open_safetensors(scales_file) as scales:
+        try:
+            lazy_blocks, lazy_scales = blocks.get_slice(name + "_blocks"), scales.get_slice(name + "_scales")
+            experts = lazy_blocks.get_shape()[0]
+            shape = (experts, lazy_blocks.get_shape()[2] * 32, lazy_blocks.get_shape()[1])
+            check_shape(blocks_file, name, shape, expected)
+            cut = part(name, shape) if part else None
+            if cut is not None and cut.dim != 0:
+                raise ModelLoadError(blocks_file, f"MXFP4 tensor {name} can only be split by experts")
+            rows = slice(cut.start, cut.stop) if cut else slice(None)
+            return dequantize_experts(lazy_blocks[rows], lazy_scales[rows])
+        except ModelLoadError:
+            raise
+        except Exception as error:
+            raise ModelLoadError(blocks_file, f"cannot read MXFP4 tensor {name}: {error}") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:

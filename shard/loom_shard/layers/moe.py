@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom_shard.layers.packed_linear import PACKED_DTYPES, PackedLinear
+from loom_shard.layers.quant_linear import QuantLinear
 from loom_shard.model_config import ExpertActivation, MoEConfig, Routing
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU
@@ -108,6 +109,34 @@ def _linear_view(weight: torch.Tensor, bias: torch.Tensor | None, expert: int) -
     if bias is not None:
         linear.bias = nn.Parameter(bias[expert].detach(), requires_grad=False)
     return PackedLinear(linear)
+
+
+class QuantExperts(nn.Module):
+    """Experts whose weights stay quantized (a GGUF's Q4_1 / Q8_0 experts): one QuantLinear pair
+    per expert on Loom's kernels, its rows batch-invariant as every QuantLinear's."""
+
+    def __init__(self, up: list[QuantLinear], down: list[QuantLinear], activation: ExpertActivation) -> None:
+        super().__init__()
+        self.up = nn.ModuleList(up)  # gate rows, then up rows: [2 * intermediate, hidden] each
+        self.down = nn.ModuleList(down)
+        self.intermediate_size = down[0].in_features
+        self.activation = activation
+        self.expert_start = 0
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.up)
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out = torch.empty_like(x_sorted)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                h = expert_activation(self.up[e](x_sorted[rows]), self.intermediate_size, self.activation)
+                out[rows] = self.down[e](h)
+                start += count
+        return out
 
 
 class MoE(nn.Module):

@@ -53,6 +53,11 @@ class DecoderModel(nn.Module):
         """KV heads this process holds (fewer than the config's under tensor parallelism)."""
         return self.layers[0].self_attn.num_kv_heads
 
+    def expert_names(self, layer: int, expert: int) -> tuple[str, str, str] | None:
+        """The checkpoint's names of one expert's gate, up and down projections, where its
+        checkpoint stores experts one by one (Mixtral, Qwen3-MoE); None otherwise."""
+        return None
+
     def held_experts(self) -> range:
         """The global ids of the experts this process holds (a tensor-parallel rank holds a range)."""
         for layer in self.layers:

@@ -14,13 +14,16 @@ from loom_shard.models.weights import Shapes, fuse_hf_weights, hf_shapes, stack_
 
 
 class MixtralModel(DecoderModel):
+    def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"  # gate, up, down
+
     def own_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """block_sparse_moe.gate -> mlp.gate; experts.<e>.w1 (gate), w3 (up), w2 (down) stacked."""
         moe = self.config.moe
         assert moe is not None
         experts = stack_experts(weights, self.config.num_layers, moe.num_experts, self.held_experts(),
-                                lambda i, e: tuple(f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
-                                                   for w in ("w1", "w3", "w2")))
+                                self.expert_names)
         renamed = {n.replace(".block_sparse_moe.gate.", ".mlp.gate."): t for n, t in weights.items()}
         return {**fuse_hf_weights(renamed), **experts}
 

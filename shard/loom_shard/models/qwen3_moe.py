@@ -14,13 +14,16 @@ from loom_shard.models.weights import Shapes, dense_mlp_shapes, fuse_hf_weights,
 
 
 class Qwen3MoeModel(DecoderModel):
+    def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        p = f"model.layers.{layer}.mlp.experts.{expert}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
     def own_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """mlp.gate stays; experts.<e>.gate_proj, up_proj, down_proj stacked; dense layers as Llama's."""
         moe = self.config.moe
         assert moe is not None
         experts = stack_experts(weights, self.config.num_layers, moe.num_experts, self.held_experts(),
-                                lambda i, e: tuple(f"model.layers.{i}.mlp.experts.{e}.{w}_proj.weight"
-                                                   for w in ("gate", "up", "down")))
+                                self.expert_names)
         return {**fuse_hf_weights(weights), **experts}
 
 

@@ -92,11 +92,14 @@ ARCHITECTURE = {
 KINDS = list(ARCHITECTURE)
 
 
-def hf_model(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
+def hf_model(kind: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
     """The tiny model with random weights (norms, biases and sinks too), eager attention (the
-    reference: transformers' SDPA path ignores Gemma 2's softcap), in float32."""
+    reference: transformers' SDPA path ignores Gemma 2's softcap), in float32; `overrides` set
+    config attributes."""
     torch.manual_seed(seed)
     config = hf_config(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config.architectures = [ARCHITECTURE[kind]]
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
