@@ -25,6 +25,9 @@ class SchedulerConfig:
     max_batch_total_tokens: int | None = None  # KV tokens held by all sequences; None: all blocks
     max_num_seqs: int = 256  # running sequences (n choices count n)
     enable_prefix_caching: bool = True
+    # KV groups (models with sliding-window layers): each group's window, None for full attention.
+    # A logical block of block_size tokens then takes one block per group.
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.num_host_blocks < 0:
@@ -36,10 +39,11 @@ class SchedulerConfig:
 
     @property
     def num_usable_blocks(self) -> int:
-        """The global KV pool: all blocks, capped by max_batch_total_tokens (TGI's meaning)."""
+        """The global KV pool: all blocks, capped by max_batch_total_tokens (TGI's meaning: tokens
+        of every layer, so one block per KV group for each block of tokens)."""
         if self.max_batch_total_tokens is None:
             return self.num_blocks
-        return min(self.num_blocks, self.max_batch_total_tokens // self.block_size)
+        return min(self.num_blocks, self.max_batch_total_tokens // self.block_size * len(self.kv_group_windows))
 
 
 @dataclass(slots=True)
@@ -79,7 +83,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.block_size, config.num_usable_blocks,
-                                          config.num_host_blocks, config.enable_prefix_caching)
+                                          config.num_host_blocks, config.enable_prefix_caching,
+                                          group_windows=config.kv_group_windows)
         self._waiting: deque[SequenceGroup] = deque()
         self._running: dict[int, SequenceGroup] = {}  # arrival order: the last is the newest
         self._groups: dict[int, SequenceGroup] = {}
@@ -140,7 +145,7 @@ class Scheduler:
 
         Conservative: it ignores that the n choices share their prompt blocks.
         """
-        blocks = n * self.block_manager.blocks_for(num_tokens)
+        blocks = n * self.block_manager.entries_for(num_tokens)  # a prompt holds every group's blocks
         return n <= self.config.max_num_seqs and blocks <= self.config.num_usable_blocks
 
     def schedule(self) -> StepPlan | None:
@@ -320,7 +325,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached=seq.num_computed,
             num_compute=num_compute,
-            block_table=list(seq.block_table),
+            block_table=self.block_manager.wire_table(seq.block_table),
             sampling=seq.sampling,
             prompt_logprobs=group.prompt_logprobs and seq.index == 0 and seq.num_generated == 0,
             forks=forks,
@@ -334,7 +339,7 @@ class Scheduler:
         group.forked = True
         forks = []
         for child in group.seqs[1:]:
-            forks.append(Fork(child.seq_id, child.sampling, list(child.block_table)))
+            forks.append(Fork(child.seq_id, child.sampling, self.block_manager.wire_table(child.block_table)))
             child.on_shard = True
         return forks
 
@@ -410,6 +415,7 @@ class Scheduler:
                 self._dedupe_prompt_logprobs(seq, start, out)
             self._append(seq, out, returned)
         self.block_manager.cache_full_blocks(seq)
+        self.block_manager.drop_out_of_window(seq)
 
     def _verify(self, seq: Sequence, request: RunningRequest, out: SeqOutput,
                 returned: list[tuple[Sequence, SeqOutput]]) -> None:
@@ -419,6 +425,7 @@ class Scheduler:
             self.stats.prompt_tokens_computed += 1
         returned.extend((seq, kept) for kept in self.speculator.verified(seq, request, out, self.block_manager))
         self.block_manager.cache_full_blocks(seq)
+        self.block_manager.drop_out_of_window(seq)
 
     def _start_child(self, parent: Sequence, fork: Fork, outputs: dict[int, SeqOutput],
                      returned: list[tuple[Sequence, SeqOutput]]) -> None:

@@ -324,6 +324,9 @@ def _service(request: Request) -> Snapshots:
     state = get_state(request)
     if not state.config.snapshot_dir:
         raise SnapshotHTTPError(501, DISABLED_MESSAGE, "disabled")
+    if state.engine.model_info.num_kv_groups > 1:  # their sliding layers' early KV is not kept
+        raise SnapshotHTTPError(501, "KV snapshots are not supported for models with sliding-window layers",
+                                "disabled")
     service = getattr(request.app.state, "loom_snapshots", None)
     if service is None:
         service = request.app.state.loom_snapshots = Snapshots(state)

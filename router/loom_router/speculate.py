@@ -120,7 +120,7 @@ class Speculator:
         seq.num_computed += 1 + accepted
         kept = samples[: accepted + 1]
         seq.output_ids.extend(s.token_id for s in kept)  # type: ignore[misc]
-        blocks.trim(seq, blocks_after_verify(seq.num_tokens, len(seq.block_table), blocks.block_size))
+        blocks.trim(seq, blocks_after_verify(seq.num_tokens, len(seq.block_table), blocks.block_size, blocks.num_groups))
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
         return kept

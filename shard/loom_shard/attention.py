@@ -95,6 +95,39 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    def layer(self, index: int) -> tuple[int, AttentionMetadata]:
+        """Layer `index`'s slot in the KV cache and its metadata: every layer its own slot."""
+        return index, self
+
+
+@dataclass(slots=True)
+class GroupedMetadata:
+    """A step's metadata when layers keep their KV in groups (`loom_shard.kv_groups`): one
+    AttentionMetadata per group (its block tables, its slots), the same tokens and positions."""
+
+    groups: list[AttentionMetadata]
+    layer_groups: tuple[int, ...]
+    layer_slots: tuple[int, ...]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.groups[0].positions
+
+    @property
+    def max_position(self) -> int:
+        return self.groups[0].max_position
+
+    @property
+    def num_tokens(self) -> int:
+        return self.groups[0].num_tokens
+
+    @property
+    def paged(self) -> None:
+        return None  # no single set of tables: the fused layers path does not apply
+
+    def layer(self, index: int) -> tuple[int, AttentionMetadata]:
+        return self.layer_slots[index], self.groups[self.layer_groups[index]]
+
 
 def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttentionMetadata:
     """Build the step's metadata. Spans with num_compute > 1 must come before decodes (== 1)."""

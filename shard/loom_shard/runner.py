@@ -24,7 +24,7 @@ from loom_proto.step import (
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention import SeqSpan
+from loom_shard.attention import AttentionMetadata, GroupedMetadata, SeqSpan
 from loom_shard.attention_backend import BackendKind, select_backend
 from loom_shard.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
 from loom_shard.kv_cache import (
@@ -36,6 +36,7 @@ from loom_shard.kv_cache import (
     blocks_for_bytes,
     blocks_for_tokens,
 )
+from loom_shard.kv_groups import KVGroups
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.model_setup import (
     announce,
@@ -61,7 +62,7 @@ class RequestState:
     token_ids: list[int]  # prompt, then every sampled token
     num_prompt_tokens: int
     num_computed: int  # tokens whose KV is in the blocks
-    block_table: list[int]
+    block_table: list[int]  # one block per KV group for each logical block (KVGroups.table)
     sampling: SamplingParams
     prompt_logprobs: bool = False
     pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
@@ -105,7 +106,9 @@ class ModelRunner:
                 log.info("dense linears: %s", linears)
             keep_freed_memory_mapped()
         mc = self.model.config
-        self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
+        self.kv_groups = KVGroups.of(mc.layer_windows)
+        self.kv_spec = KVCacheSpec(self.kv_groups.num_slots, self.model.num_kv_heads, mc.head_dim, config.block_size,
+                                   self.dtype)
         self.attention = select_backend(self.device, self.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs: DecodeGraphs | None = None  # captured with the KV cache (CUDA)
@@ -134,11 +137,13 @@ class ModelRunner:
             world_size=self.config.world_size,
             quantization=quantized_summary(self.model),
             cpu_kernels=self.kernels.describe() if self.device.type == "cpu" else "",
+            kv_group_windows=self.kv_groups.windows,
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
         self.kv_cache = self.decode_graphs = None  # free the old pool (and graphs reading it) first
-        graphs = self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
+        graphs = (self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
+                  and self.kv_groups.num_groups == 1)  # graphs replay one set of tables
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device, num_scratch_blocks=int(graphs))
         if graphs:
             self.decode_graphs = capture_decode_graphs(
@@ -160,15 +165,15 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         peak_bytes = self._dry_run(max_prefill_tokens)
         total_tokens = max_batch_total_tokens or self.config.max_batch_total_tokens
-        if total_tokens is not None:
-            num_blocks = blocks_for_tokens(total_tokens, self.block_size)
+        if total_tokens is not None:  # tokens of every layer: a block per KV group for each block of tokens
+            num_blocks = blocks_for_tokens(total_tokens, self.block_size) * self.kv_groups.num_groups
         else:
             num_blocks = blocks_for_bytes(self._device_pool_bytes(peak_bytes), self.kv_spec)
         host_bytes = self.config.host_kv_cache_bytes
         if host_bytes is None:
             host_bytes = int(available_ram_bytes() * HOST_POOL_SHARE)
         num_host_blocks = blocks_for_bytes(host_bytes, self.kv_spec)
-        if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size):
+        if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size) * self.kv_groups.num_groups:
             raise ValueError(f"{num_blocks} KV blocks cannot hold a prefill of {max_prefill_tokens} tokens")
         self.allocate_kv_cache(num_blocks, num_host_blocks)
         return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
@@ -178,12 +183,13 @@ class ModelRunner:
         sequence, as wide as the largest CUDA graph) into a throwaway cache, each with its logits
         and log-softmax; returns the peak activation bytes (CUDA)."""
         prefill_blocks = blocks_for_tokens(num_tokens, self.block_size)
-        steps = [[SeqSpan(0, num_tokens, list(range(prefill_blocks)))]]
+        groups = self.kv_groups.num_groups  # every group's table the same scratch blocks
+        steps = [[SeqSpan(0, num_tokens, [b for b in range(prefill_blocks) for _ in range(groups)])]]
         if self.device.type == "cuda":
-            steps.append([SeqSpan(0, 1, [i]) for i in range(MAX_GRAPH_BATCH)])
+            steps.append([SeqSpan(0, 1, [i] * groups) for i in range(MAX_GRAPH_BATCH)])
         scratch = PagedKVCache(self.kv_spec, max(prefill_blocks, len(steps[-1])), 0, self.device)
         for spans in steps:
-            meta = self.attention.build_metadata(spans, self.block_size)
+            meta = self._metadata(spans)
             ids = torch.zeros(meta.num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(ids, scratch.device_blocks, meta)
             self.model.compute_logits(hidden[-len(spans) :]).log_softmax(dim=-1)
@@ -217,7 +223,7 @@ class ModelRunner:
         `phases` (tracing on) receives the instants of the step's phases."""
         start = time.perf_counter()
         kv = self._require_cache()
-        PlanCheck(self.requests, kv, self.model.config.vocab_size).validate(plan)
+        PlanCheck(self.requests, kv, self.model.config.vocab_size, self.kv_groups.num_groups).validate(plan)
         self.release(plan.released_ids)
         kv.swap_out(plan.swap_out)
         kv.swap_in(plan.swap_in)
@@ -278,7 +284,7 @@ class ModelRunner:
             s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
         fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)
         for (i, s), smps in zip(finishing, samples):
-            commit(s.state, s.num_drafts, smps, self.block_size)
+            commit(s.state, s.num_drafts, smps, self.block_size, self.kv_groups.num_groups)
         return outputs + fork_outputs
 
     def _mark_sampling(self, phases: StepPhases) -> None:
@@ -292,10 +298,21 @@ class ModelRunner:
         """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(spans):
             return self.decode_graphs.run(input_ids, spans)
-        meta = self.attention.build_metadata(spans, self.block_size)
+        meta = self._metadata(spans)
         if self.decode_graphs is not None and meta.max_position > self.decode_graphs.spec.max_position:
             self.decode_graphs = None  # the rotary table grows past what the graphs captured
         return self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
+
+    def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
+        """The step's attention metadata: one per KV group when layers keep their KV in groups,
+        each from the group's blocks of the spans' (interleaved) block tables."""
+        groups = self.kv_groups
+        if groups.num_groups == 1:
+            return self.attention.build_metadata(spans, self.block_size)
+        metas = [self.attention.build_metadata([SeqSpan(s.num_cached, s.num_compute, groups.table(s.block_table, g))
+                                                for s in spans], self.block_size)
+                 for g in range(groups.num_groups)]
+        return GroupedMetadata(metas, groups.layer_groups, groups.layer_slots)
 
     def _cache(self) -> torch.Tensor:
         return self._require_cache().device_blocks
@@ -328,10 +345,13 @@ class ModelRunner:
         return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]
 
     def _create_fork(self, parent: RequestState, fork: Fork) -> RequestState:
-        num_tokens = len(parent.token_ids)
+        num_tokens, groups = len(parent.token_ids), self.kv_groups.num_groups
         last = (num_tokens - 1) // self.block_size
-        if num_tokens % self.block_size and parent.block_table[last] != fork.block_table[last]:
-            self._require_cache().copy([(parent.block_table[last], fork.block_table[last])])
+        if num_tokens % self.block_size:  # the partly filled last block, each group's
+            entries = range(last * groups, (last + 1) * groups)
+            pairs = [(parent.block_table[i], fork.block_table[i]) for i in entries
+                     if parent.block_table[i] != fork.block_table[i]]
+            self._require_cache().copy(pairs)
         state = RequestState(
             request_id=fork.request_id,
             token_ids=list(parent.token_ids),
@@ -349,6 +369,7 @@ class ModelRunner:
     def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]:
         """A host copy of the first num_tokens tokens' KV in block_ids, as raw bytes."""
         kv = self._require_cache()
+        self._check_one_group()
         _check_block_ids(block_ids, kv.num_blocks)
         if not 0 < num_tokens <= len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
@@ -362,6 +383,7 @@ class ModelRunner:
         """Write full blocks of a sequence's KV (laid out as `read_kv` returns it) into
         block_ids: block_ids[i] gets tokens [b * block_size, (b + 1) * block_size), b = block_indices[i]."""
         cache = self._require_cache()
+        self._check_one_group()
         _check_block_ids(block_ids, cache.num_blocks)
         spec, bs = self.kv_spec, self.block_size
         if (layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim) != (
@@ -373,6 +395,11 @@ class ModelRunner:
         tokens = torch.frombuffer(kv, dtype=self.dtype).view(layout.shape)
         positions = (torch.tensor(block_indices, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
         cache.write_blocks(block_ids, tokens[:, :, positions])
+
+
+    def _check_one_group(self) -> None:
+        if self.kv_groups.num_groups > 1:  # sliding layers' early KV is gone once out of their window
+            raise ValueError("KV snapshots are not supported for models with sliding-window layers")
 
 
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -42,7 +42,7 @@ def draft_samples(samples: list[Sample]) -> list[TokenSample]:
     return [TokenSample(s.token_id, s.logprob, list(s.top_tokens)) for s in samples[1:]]
 
 
-def commit(state: RequestState, num_drafts: int, samples: list[Sample], block_size: int) -> None:
+def commit(state: RequestState, num_drafts: int, samples: list[Sample], block_size: int, num_groups: int = 1) -> None:
     """Keep the sampled tokens plain decoding would have produced.
 
     Before: state.num_computed counts the last sampled token (computed by this step) and
@@ -60,4 +60,4 @@ def commit(state: RequestState, num_drafts: int, samples: list[Sample], block_si
     del state.token_ids[base:]
     state.token_ids.extend(sampled[: accepted + 1])
     state.num_computed += accepted
-    del state.block_table[blocks_after_verify(len(state.token_ids), len(state.block_table), block_size):]
+    del state.block_table[blocks_after_verify(len(state.token_ids), len(state.block_table), block_size, num_groups):]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from loom_shard import kernels
-from loom_shard.attention import AttentionMetadata
+from loom_shard.attention import AttentionMetadata, GroupedMetadata
 from loom_shard.cpu_attention import paged_attention_cpu
 from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.mlp import GatedMLP
@@ -66,10 +66,12 @@ class DecoderModel(nn.Module):
                 return range(experts.expert_start, experts.expert_start + experts.num_experts)
         return range(0)
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata | GroupedMetadata) -> torch.Tensor:
         """input_ids [num_tokens] -> final hidden states [num_tokens, hidden] (before the norm).
 
-        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        kv_cache: [num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]; `meta.layer(i)`
+        names layer i's slot and metadata (one slot per layer unless KV groups share blocks).
         """
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.config.embedding_multiplier is not None:
@@ -87,8 +89,9 @@ class DecoderModel(nn.Module):
         local_rope = rope
         if self.local_rotary is not None:
             local_rope = self.local_rotary.lookup(meta.positions, meta.max_position, x.dtype)
-        for layer, kv_layer in zip(self.layers, kv_cache):
-            x = layer(x, local_rope if layer.uses_local_rope else rope, kv_layer, meta)
+        for index, layer in enumerate(self.layers):
+            slot, layer_meta = meta.layer(index)
+            x = layer(x, local_rope if layer.uses_local_rope else rope, kv_cache[slot], layer_meta)
         return x
 
     def _fused_layer_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
