@@ -31,6 +31,9 @@ one block per group for each logical block (entry i * groups + g). A sliding gro
 no query can read any more (all before the next query's window) go back to the pool after each
 step (`drop_out_of_window`) and read `None` in the table, hashed ones still cached; a prefix hit
 then needs every full group's blocks and each sliding group's blocks of the last window only.
+Such a table grows with the tokens each step computes (`compute_limit`, `num_compute`) rather
+than covering a whole prompt at admission, so a long prefill never holds a whole prompt's
+sliding blocks (vLLM's per-step allocation); without sliding groups nothing changes.
 
     window 8, block_size 4, 2 groups (full, sliding), 14 tokens computed:
     table: [ f0 --  f1 --  f2 s2  f3 s3 ]     the next query (position 14) reads keys 7..14
@@ -113,6 +116,7 @@ class BlockManager:
         self._cached_ids: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, LRU first
         self._hash_maps: list[dict[int, int]] = [{} for _ in self.group_windows]  # per group: hash -> block
         self._hash_to_id = self._hash_maps[0]
+        self.per_step = any(w is not None for w in self.group_windows)  # tables grow with each step's tokens
         self._pending: dict[int, int] = {}  # chain hash -> device sequences still computing it
         self.host_ref_counts = [0] * num_host_blocks
         self._free_host_ids: deque[int] = deque(range(num_host_blocks))
@@ -152,6 +156,13 @@ class BlockManager:
         holding the next query's first visible key (0 for full attention)."""
         window = self.group_windows[group]
         return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
+    def _covered(self, num_tokens: int, num_computed: int, num_compute: int | None) -> int:
+        """The tokens a table must cover: all known ones, or with sliding groups those the next
+        step computes (num_compute of them after num_computed)."""
+        if not self.per_step or num_compute is None:
+            return num_tokens
+        return min(num_tokens, num_computed + num_compute)
 
     @staticmethod
     def wire_table(table: Seq[int | None]) -> list[int]:
@@ -376,9 +387,10 @@ class BlockManager:
             else:
                 self._free_ids.append(block_id)
 
-    def num_required_blocks(self, token_ids: Seq[int] | Sequence, use_prefix_cache: bool = True) -> int:
+    def num_required_blocks(self, token_ids: Seq[int] | Sequence, use_prefix_cache: bool = True,
+                            compute_limit: int | None = None) -> int:
         """Free blocks an allocation of token_ids (or a sequence's tokens) takes (hits on
-        in-use blocks are free)."""
+        in-use blocks are free); compute_limit: tokens its first step computes at most."""
         token_ids, known = self._tokens_and_hashes(token_ids)
         entries: list[int | None] = []
         hashes: list[int] = []
@@ -386,15 +398,17 @@ class BlockManager:
             entries, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
         num_shared = sum(1 for block_id in entries if block_id is not None and self.blocks[block_id].ref_count > 0)
         num_dropped = entries.count(None)
-        return self.entries_for(len(token_ids)) - num_dropped - num_shared
+        covered = self._covered(len(token_ids), len(hashes) * self.block_size, compute_limit)
+        return self.entries_for(covered) - num_dropped - num_shared
 
     def can_allocate(self, seq: Sequence, num_extra_blocks: int = 0,
-                     use_prefix_cache: bool = True) -> bool:
-        needed = self.num_required_blocks(seq, use_prefix_cache)
+                     use_prefix_cache: bool = True, compute_limit: int | None = None) -> bool:
+        needed = self.num_required_blocks(seq, use_prefix_cache, compute_limit)
         return needed + num_extra_blocks <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> int:
-        """Give seq blocks for all its tokens, reusing the longest cached prefix.
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, compute_limit: int | None = None) -> int:
+        """Give seq blocks for all its tokens (with sliding groups: for those its first step,
+        computing at most compute_limit of them, reaches), reusing the longest cached prefix.
 
         Returns the number of tokens whose KV is already there (set as seq.num_computed).
         """
@@ -407,25 +421,28 @@ class BlockManager:
         for block_id in entries:
             if block_id is not None:
                 self._share_block(block_id)
-        new_ids = [self._take_block() for _ in range(self.entries_for(len(token_ids)) - len(entries))]
+        covered = self._covered(len(token_ids), len(hashes) * self.block_size, compute_limit)
+        new_ids = [self._take_block() for _ in range(self.entries_for(covered) - len(entries))]
         seq.block_table = entries + new_ids
         seq.block_hashes = hashes
         seq.num_computed = len(hashes) * self.block_size
         self._mark_pending(seq)
         return seq.num_computed
 
-    def num_slot_blocks(self, seq: Sequence, ahead: int = 0) -> int:
-        """Blocks seq needs so its table covers every known token (the next step's writes),
-        plus `ahead` tokens sampled by a step whose output the router has not seen yet."""
-        return max(0, self.entries_for(seq.num_tokens + ahead) - len(seq.block_table))
+    def num_slot_blocks(self, seq: Sequence, ahead: int = 0, num_compute: int | None = None) -> int:
+        """Blocks seq needs so its table covers every known token (the next step's writes; with
+        sliding groups, the num_compute tokens the next step computes), plus `ahead` tokens
+        sampled by a step whose output the router has not seen yet."""
+        covered = self._covered(seq.num_tokens, seq.num_computed, num_compute) + ahead
+        return max(0, self.entries_for(covered) - len(seq.block_table))
 
     def can_append_slot(self, seq: Sequence) -> bool:
         return self.num_slot_blocks(seq) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence, ahead: int = 0) -> list[int]:
-        """Grow seq's table to cover all its tokens (+ `ahead`); returns the new block ids (usually
-        none, or one per KV group)."""
-        new_ids = [self._take_block() for _ in range(self.num_slot_blocks(seq, ahead))]
+    def append_slot(self, seq: Sequence, ahead: int = 0, num_compute: int | None = None) -> list[int]:
+        """Grow seq's table as `num_slot_blocks` says; returns the new block ids (usually none, or
+        one per KV group)."""
+        new_ids = [self._take_block() for _ in range(self.num_slot_blocks(seq, ahead, num_compute))]
         seq.block_table.extend(new_ids)
         return new_ids
 

@@ -210,7 +210,7 @@ class Scheduler:
         """Make room for the group's next tokens, preempting the newest groups; False when
         the group itself had to go."""
         bm = self.block_manager
-        needed = sum(bm.num_slot_blocks(seq) for seq in group.active_seqs())
+        needed = sum(bm.num_slot_blocks(seq, num_compute=_chunk(seq, step.budget)) for seq in group.active_seqs())
         while needed > bm.num_free_blocks:
             victim = self._running[next(reversed(self._running))]  # the newest arrival
             self._preempt(victim, step)
@@ -262,20 +262,21 @@ class Scheduler:
         fresh = group.seqs[0].status is SeqStatus.WAITING
         if group.forked and not fresh:  # resuming independent choices
             seqs = group.unfinished_seqs()
-            needed = sum(bm.num_required_blocks(seq, use_cache) for seq in seqs)
+            needed = sum(bm.num_required_blocks(seq, use_cache, step.budget) for seq in seqs)
             if needed > bm.num_free_blocks:
                 return False
             for seq in seqs:
-                bm.allocate(seq, use_cache)
+                bm.allocate(seq, use_cache, step.budget)
         else:  # a prompt to prefill, then fork
             parent = group.seqs[0]
             # Each child takes one block (its copy of the last partial block, or the block
             # of its first decode); the parent's first decode needs one when the prompt
             # fills its blocks exactly.
-            extra = group.n - 1 + (parent.num_tokens % bm.block_size == 0)
-            if not bm.can_allocate(parent, extra, use_cache):
+            extra = (group.n - 1 + (parent.num_tokens % bm.block_size == 0)) * bm.num_groups
+            limit = step.budget if group.n == 1 else None  # siblings share the whole prompt's blocks
+            if not bm.can_allocate(parent, extra, use_cache, limit):
                 return False
-            bm.allocate(parent, use_cache)
+            bm.allocate(parent, use_cache, limit)
             for child in group.seqs[1:]:
                 bm.fork(parent, child)  # the partial block's copy is the shard's, on the Fork
         if fresh:
@@ -308,7 +309,7 @@ class Scheduler:
             step.budget -= num_compute
         if num_compute == 0:
             return  # no budget left this step; it stays where it is
-        new_block_ids = self.block_manager.append_slot(seq)
+        new_block_ids = self.block_manager.append_slot(seq, num_compute=num_compute)
         forks = self._forks(seq, num_compute)
         if seq.on_shard:
             step.plan.running_requests.append(
@@ -483,6 +484,11 @@ class Scheduler:
         self.stats.num_waiting = len(self._waiting)
         self.stats.blocks_used = bm.num_used_blocks
         self.stats.blocks_cached = bm.num_cached_blocks
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """What `_run_seq` computes of seq with `budget` tokens left: a decode, or a prompt chunk."""
+    return 1 if seq.num_to_compute == 1 else max(0, min(seq.num_to_compute, budget))
 
 
 def _arrival(group: SequenceGroup) -> tuple[float, int]:

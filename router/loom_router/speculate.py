@@ -90,7 +90,7 @@ class Speculator:
         # Decodes (the last sampled token, or a prompt's last one), not 1-token prefill chunks.
         decodes = [r for r in requests if r.num_compute == 1 and not r.forks
                    and seqs[r.request_id].num_to_compute == 1]
-        spare_blocks = blocks.num_free_blocks - len(decodes)  # each may need a fresh block next step
+        spare_blocks = blocks.num_free_blocks - len(decodes) * blocks.num_groups  # each may need fresh blocks next step
         used = 0
         for request in decodes:
             seq = seqs[request.request_id]
