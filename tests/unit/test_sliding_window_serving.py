@@ -30,8 +30,10 @@ def test_sliding_blocks_are_dropped_reused_and_the_answers_stay_exact() -> None:
                                           max_batch_prefill_tokens=24, kv_group_windows=windows))
     prompts = [random_tokens(41, 50 + i) for i in range(5)]
     for i, prompt in enumerate(prompts):
-        scheduler.add(SequenceGroup.create(i, prompt, [SamplingParams(seed=i)], first_seq_id=i))
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        scheduler.add(SequenceGroup.create(i, prompt, [SamplingParams(seed=i)], first_seq_id=10 * i))
+    # n = 2: a sibling forked from the prompt's last block, each group's
+    scheduler.add(SequenceGroup.create(5, prompts[0], [SamplingParams(seed=0)] * 2, first_seq_id=50))
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in (0, 10, 20, 30, 40, 50, 51)}
     most_running, steps = 0, 0
     while scheduler.has_work():
         plan = scheduler.schedule()
@@ -49,4 +51,5 @@ def test_sliding_blocks_are_dropped_reused_and_the_answers_stay_exact() -> None:
     assert most_running >= 3  # full-length KV would have run them one at a time
     assert scheduler.block_manager.num_used_blocks == 0
     for i, prompt in enumerate(prompts):
-        assert outputs[i] == greedy_reference(pair.hf, prompt, NUM_NEW), i
+        assert outputs[10 * i] == greedy_reference(pair.hf, prompt, NUM_NEW), i
+    assert outputs[50] == outputs[51] == outputs[0]

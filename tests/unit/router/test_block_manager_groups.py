@@ -80,3 +80,19 @@ def test_fork_and_swap_keep_dropped_entries_dropped() -> None:
     bm.fork(parent, child)
     assert child.block_table[:14] == parent.block_table[:14]  # the 7 full blocks, dropped ones too
     assert len(child.block_table) == 16 and None not in child.block_table[14:]  # its own last block, per group
+
+
+def test_with_sliding_groups_a_table_covers_the_tokens_each_step_computes() -> None:
+    bm = BlockManager(block_size=4, num_blocks=64, group_windows=WINDOWS)
+    seq = make_seq(list(range(40)))
+    assert bm.num_required_blocks(seq, compute_limit=8) == 4  # the first chunk: 2 logical blocks
+    bm.allocate(seq, compute_limit=8)
+    assert seq.block_table == [0, 1, 2, 3]
+    seq.num_computed = 8
+    bm.drop_out_of_window(seq)  # the next query (8) reads keys 1..8: nothing to drop yet
+    assert bm.num_slot_blocks(seq, num_compute=8) == 4 and bm.append_slot(seq, num_compute=8) == [4, 5, 6, 7]
+    seq.num_computed = 16
+    assert bm.drop_out_of_window(seq) == 2  # keys 9..16: blocks 0 and 1 of the sliding group go
+    assert bm.num_used_blocks == 6
+    assert bm.num_slot_blocks(seq) == 12  # all known tokens (a decode-sized step would say so)
+    assert BlockManager(block_size=4, num_blocks=64).num_required_blocks(seq.token_ids, compute_limit=8) == 10
