@@ -73,7 +73,8 @@ class RequestBook:
     _late: list[Sequence]
 
     def _new_text(self, prompt_ids: list[int], params: GenerationParams) -> _SeqText:
-        return _SeqText(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        return _SeqText(detokenizer, StopMatcher(params.stop_sequences))
 
     def _fail(self, group_id: int, error: GenerationError) -> None:
         active = self._active.pop(group_id, None)
@@ -126,7 +127,11 @@ class RequestBook:
         token_id = out.token_id
         self._counters.generated_tokens += 1
         text = active.texts[seq.seq_id]
-        delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
+        params = active.params
+        if not params.skip_special_tokens and not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            delta = ""  # specials are kept (a tool-call marker), but the EOS that ends the answer is no text
+        else:
+            delta = text.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
         emitted, stopped = text.stop.feed(delta)
         reason = self._finish_reason(num_generated, active.params, token_id, stopped)
         if self._grammar_ended(active, seq, token_id) and reason is None:

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from loom_router import reasoning, tool_parsers
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -28,7 +29,7 @@ from loom_router.http_common import (
 from loom_router.structured import compile_constraint
 from loom_router.text import token_texts
 from loom_router.tool_stream import tool_chunks
-from loom_router.tools import ToolMode, ToolPlan, chat_constraint_spec, chat_message, plan_tools, template_inputs
+from loom_router.tools import AnswerFormat, ToolMode, chat_constraint_spec, chat_message, plan_tools, template_inputs
 from loom_router.types import (
     ChoiceEvent,
     GeneratedToken,
@@ -117,22 +118,27 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
     limits = state.limits()
     check_openai(body, limits)
-    tool_plan = plan_tools(body)
+    template = state.tokenizer.chat_template
+    tool_plan = plan_tools(body, tool_parsers.tool_format(template))
     spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
     check_input_chars(state, sum(len(str(m.get("content") or "")) for m in messages), "messages")
+    extra = {**(body.chat_template_kwargs or {}), **extra}  # vLLM's: e.g. Qwen3's enable_thinking
     prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True, **extra)
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     params.grammar = await compile_constraint(state.engine, spec)
+    # Mistral's [TOOL_CALLS] is a control token: kept in the text while its calls are parsed
+    params.skip_special_tokens = tool_plan.mode is ToolMode.NONE or tool_plan.format is not tool_parsers.ToolFormat.MISTRAL
+    answer = AnswerFormat(tool_plan, reasoning.applies(template), reasoning.starts_in_reasoning(prompt))
     reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
     if body.stream:
-        return _stream(state, reply, ids, params, tool_plan)
+        return _stream(state, reply, ids, params, answer)
     generation = await generate(state, request, ids, params)
     choices = []
     for c in generation.choices:
-        message, finish = chat_message(tool_plan, c.text, c.finish_reason)
+        message, finish = chat_message(answer, c.text, c.finish_reason)
         choices.append({
             "index": c.index,
             "message": message,
@@ -164,11 +170,11 @@ async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> li
 
 
 def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams,
-            tool_plan: ToolPlan | None = None) -> Response:
+            answer: AnswerFormat | None = None) -> Response:
     stream = state.engine.submit(ids, params)
     timer = state.metrics.start_request(len(ids), stream, state.engine)
-    if tool_plan is not None and tool_plan.mode is not ToolMode.NONE:
-        chunks = tool_chunks(reply, tool_plan, params.n, stream, tracked(stream, timer), _usage_counts)
+    if answer is not None and (answer.tools.mode is not ToolMode.NONE or answer.reasoning):
+        chunks = tool_chunks(reply, answer, params.n, stream, tracked(stream, timer), _usage_counts)
         return EventStreamResponse(chunks, stream.cancel)
     return EventStreamResponse(_chunks(state, reply, params.n, stream, tracked(stream, timer)), stream.cancel)
 

@@ -1,9 +1,10 @@
-"""Streaming a chat completion that may call tools, in OpenAI's chunk shapes.
+"""Streaming a chat completion that may call tools or reason, in OpenAI's chunk shapes.
 
-Content streams as it comes, except text that is (or could still grow into) a
-`<tool_call>`: that is held until the choice finishes, then sent as tool-call deltas
-(the first with id, type and name, the next with the JSON arguments) and a final chunk
-with `finish_reason: "tool_calls"`, the way the official client reassembles them.
+Thinking streams as `reasoning_content` deltas (the tags never sent). Content streams as it comes,
+except text that is (or could still grow into) the start of a tool call in the model's format:
+that is held until the choice finishes, then sent as tool-call deltas (the first with id, type and
+name, the next with the JSON arguments) and a final chunk with `finish_reason: "tool_calls"`, the
+way the official client reassembles them.
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from loom_router import tool_parsers
 from loom_router.http_common import sse
-from loom_router.tools import CALL_OPEN, ToolMode, ToolPlan, finish_reason, open_prefix_length, parse_output
-from loom_router.types import ChoiceEvent, GenerationError, PromptInfo
+from loom_router.reasoning import Part, ReasoningStream
+from loom_router.tools import AnswerFormat, ToolMode, ToolPlan, finish_reason, parse_output
+from loom_router.types import ChoiceEvent, FinishReason, GenerationError, PromptInfo
 
 UsageFn = Callable[[PromptInfo, int], dict[str, Any]]
+Chunk = Callable[..., str]
 
 
 @dataclass(slots=True)
 class _ChoiceText:
-    text: str = ""
+    reasoning: ReasoningStream | None
+    text: str = ""  # the content so far
     num_sent: int = 0  # characters of text already sent as content
-    in_calls: bool = False  # a <tool_call> started: hold everything from here
+    in_calls: bool = False  # a tool call started: hold everything from here
 
 
-async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: AsyncIterator[ChoiceEvent],
-                      usage: UsageFn) -> AsyncIterator[str]:
-    """SSE events of a tool-enabled chat stream; `reply` is openai_api's _Reply."""
+async def tool_chunks(reply: Any, answer: AnswerFormat | ToolPlan, n: int, stream: Any,
+                      events: AsyncIterator[ChoiceEvent], usage: UsageFn) -> AsyncIterator[str]:
+    """SSE events of a chat stream with tools or reasoning; `reply` is openai_api's _Reply."""
+    if isinstance(answer, ToolPlan):
+        answer = AnswerFormat(answer)
     extra = {"usage": None} if reply.include_usage else {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
@@ -37,19 +44,13 @@ async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: A
 
     for index in range(n):
         yield chunk(index, {"role": "assistant", "content": ""})
-    texts = [_ChoiceText() for _ in range(n)]
+    texts = [_ChoiceText(ReasoningStream(answer.starts_in_reasoning) if answer.reasoning else None) for _ in range(n)]
     num_generated = 0
     try:
         async for event in events:
             num_generated += 1
-            state = texts[event.index]
-            state.text += event.text
-            content = _releasable(state) if plan.mode is ToolMode.AUTO else ""
-            if content:
-                yield chunk(event.index, {"content": content})
-            if event.finish_reason is not None:
-                for piece in _final_chunks(state, plan, event, chunk):
-                    yield piece
+            for piece in _event_chunks(texts[event.index], answer.tools, event, chunk):
+                yield piece
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         return
@@ -58,31 +59,54 @@ async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: A
     yield sse("[DONE]")
 
 
-def _releasable(state: _ChoiceText) -> str:
+def _event_chunks(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent, chunk: Chunk) -> list[str]:
+    pieces = [(Part.CONTENT, event.text)] if state.reasoning is None else state.reasoning.feed(event.text)
+    if event.finish_reason is not None and state.reasoning is not None:
+        pieces += state.reasoning.finish()
+    out = []
+    for part, text in pieces:
+        if part is Part.REASONING:
+            out.append(chunk(event.index, {"reasoning_content": text}))
+            continue
+        state.text += text
+        content = _releasable(state, plan) if plan.mode is not ToolMode.FORCED else ""
+        if content:
+            out.append(chunk(event.index, {"content": content}))
+    if event.finish_reason is not None:
+        out += _final_chunks(state, plan, event.index, event.finish_reason, chunk)
+    return out
+
+
+def _releasable(state: _ChoiceText, plan: ToolPlan) -> str:
     """Content that can no longer be part of a tool call; marks it sent."""
     if state.in_calls:
         return ""
-    start = state.text.find(CALL_OPEN, state.num_sent)
-    if start >= 0:
-        state.in_calls = True
-        end = start
+    if plan.mode is ToolMode.NONE:
+        end = len(state.text)
     else:
-        end = len(state.text) - open_prefix_length(state.text)
-    content, state.num_sent = state.text[state.num_sent:end], max(end, state.num_sent)
+        start = tool_parsers.call_start(plan.format, state.text[state.num_sent :])
+        if start is not None:
+            state.in_calls = True
+            end = state.num_sent + start
+        else:
+            end = len(state.text) - tool_parsers.held_tail(plan.format, state.text)
+    content, state.num_sent = state.text[state.num_sent : end], max(end, state.num_sent)
     return content
 
 
-def _final_chunks(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent,
-                  chunk: Callable[..., str]) -> list[str]:
-    rest = state.text[state.num_sent:]
-    parsed = parse_output(rest, plan.tools)
+def _final_chunks(state: _ChoiceText, plan: ToolPlan, index: int, reason: FinishReason, chunk: Chunk) -> list[str]:
+    rest = state.text[state.num_sent :]
+    if plan.mode is ToolMode.NONE:
+        pieces = [chunk(index, {"content": rest})] if rest else []
+        return pieces + [chunk(index, {}, reason.openai)]
+    parsed = parse_output(rest, plan.tools, plan.format)
     pieces = []
     if parsed.content:
-        pieces.append(chunk(event.index, {"content": parsed.content}))
+        pieces.append(chunk(index, {"content": parsed.content}))
     for i, call in enumerate(parsed.tool_calls):
         function = call["function"]
-        pieces.append(chunk(event.index, {"tool_calls": [
+        pieces.append(chunk(index, {"tool_calls": [
             {"index": i, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}]}))
-        pieces.append(chunk(event.index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
-    pieces.append(chunk(event.index, {}, finish_reason(parsed, event.finish_reason)))
+        pieces.append(chunk(index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
+    pieces.append(chunk(index, {}, finish_reason(parsed, reason)))
     return pieces

@@ -37,6 +37,7 @@ class GenerationParams:
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
     grammar: Grammar | None = None  # constrained decoding: every choice gets its own matcher
+    skip_special_tokens: bool = True  # False: control tokens stay in the text (a tool-call marker)
 
     @property
     def n(self) -> int:
