@@ -1,12 +1,14 @@
 """A mixture-of-experts decode step against a dense model with the same active parameters.
 
 Run: python bench/bench_moe.py [--threads 2] [--batches 1 32] [--rounds 3] [--dtype bfloat16]
-     [--experts 8 --top-k 2 --expert-intermediate 3584 --hidden 1024 --layers 4]
+     [--experts 8 --top-k 2 --expert-intermediate 3584 --hidden 1024 --layers 4] [--quantize none q4_1 q8_0]
 
 Both models are random, of one shape but for the feed-forward: the MoE model's layers hold
 `experts` experts of `expert-intermediate` each and route each token to `top-k` of them; the
 dense model's MLP has top-k x expert-intermediate (the active parameters per token). Steps are
-timed interleaved (the min over rounds), through the shard runner as in bench_engine.
+timed interleaved (the min over rounds), through the shard runner as in bench_engine. With
+--quantize, every projection (experts and the LM head too) runs quantized on Loom's kernels, as a
+GGUF's do (--quantize auto): QuantLinear, QuantExperts.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.bench_engine import BLOCK_SIZE, DecodeResult, bench_decode, make_runner  # noqa: E402
+from loom_shard.layers.moe import FusedExperts, QuantExperts  # noqa: E402
+from loom_shard.layers.quant_linear import QuantKind, QuantLinear, QuantSource  # noqa: E402
 from loom_shard.model_config import ModelConfig, MoEConfig  # noqa: E402
 from loom_shard.models import build_model  # noqa: E402
 from loom_shard.runner import ModelRunner  # noqa: E402
@@ -47,6 +55,25 @@ def random_model(config: ModelConfig) -> torch.nn.Module:
     return model
 
 
+def _source(weight: torch.Tensor, kind: QuantKind) -> QuantSource:
+    raw = quantize(weight.float().numpy(), GGMLQuantizationType[kind.name])
+    return QuantSource(kind, torch.from_numpy(np.ascontiguousarray(raw)), weight.shape[1])
+
+
+def quantized(model: nn.Module, kind: QuantKind, dtype: torch.dtype) -> nn.Module:
+    """Every nn.Linear (the router gate excepted) and every expert as Loom's quantized kernels run them."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if (type(child) is nn.Linear and name != "gate") or isinstance(child, FusedExperts)]
+    for parent, name, child in swaps:
+        if isinstance(child, FusedExperts):
+            up = [QuantLinear(_source(child.w13[e].detach(), kind), None, dtype) for e in range(child.num_experts)]
+            down = [QuantLinear(_source(child.w2[e].detach(), kind), None, dtype) for e in range(child.num_experts)]
+            setattr(parent, name, QuantExperts(up, down, child.activation))
+        else:
+            setattr(parent, name, QuantLinear(_source(child.weight.detach(), kind), None, dtype))
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2)
@@ -58,6 +85,7 @@ def main() -> None:
     parser.add_argument("--expert-intermediate", type=int, default=3584)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--quantize", default="none", choices=["none", "q4_1", "q8_0"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; {args}")
@@ -67,6 +95,8 @@ def main() -> None:
         model = random_model(config)
         total = sum(p.numel() for p in model.parameters())
         print(f"{name}: {total / 1e6:.0f}M parameters")
+        if args.quantize != "none":
+            model = quantized(model, QuantKind[args.quantize.upper()], getattr(torch, args.dtype))
         runners[name] = make_runner(model, args.dtype, num_blocks)
     best: dict[tuple[str, int], DecodeResult] = {}
     for _ in range(args.rounds):

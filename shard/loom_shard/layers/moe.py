@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom_shard import kernels
 from loom_shard.layers.packed_linear import PACKED_DTYPES, PackedLinear
 from loom_shard.layers.quant_linear import QuantLinear
 from loom_shard.model_config import ExpertActivation, MoEConfig, Routing
@@ -122,6 +123,22 @@ class QuantExperts(nn.Module):
         self.intermediate_size = down[0].in_features
         self.activation = activation
         self.expert_start = 0
+        self.use_fused = True  # False: the modules below even where loom::moe_experts can run
+
+    @property
+    def fused(self) -> bool:
+        """Whether loom::moe_experts (kernels/csrc/moe.cpp) runs the layer's experts in one C++ call,
+        bit-identical to MoE.forward's modules."""
+        return self.use_fused and all(linear.uses_kernels for linear in self.up)
+
+    def run_picks(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden], ids and weights [tokens, k] -> [tokens, hidden]: loom::moe_experts."""
+        args = [(lin.packed, lin.scales.view(torch.float16)) for lin in (*self.up, *self.down)]
+        n = self.num_experts
+        activation = 0 if self.activation is ExpertActivation.SILU else 1
+        return kernels.ops().moe_experts(x, ids, weights, [a[0] for a in args[:n]], [a[1] for a in args[:n]],
+                                         [a[0] for a in args[n:]], [a[1] for a in args[n:]], self.expert_start,
+                                         self.intermediate_size, activation)
 
     @property
     def num_experts(self) -> int:
@@ -151,6 +168,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.config)  # [num_tokens, k] each
+        if isinstance(self.experts, QuantExperts) and self.experts.fused:
+            return self.experts.run_picks(x, ids, weights)
         num_tokens, k = ids.shape
         local = ids.flatten() - self.experts.expert_start  # [num_tokens * k]
         held = (local >= 0) & (local < self.experts.num_experts)

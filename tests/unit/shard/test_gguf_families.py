@@ -71,3 +71,19 @@ def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, ki
     # or a misplaced gate/up gives errors of the logits' own size on every token.
     row_errors = (got - expected).abs().max(-1).values / expected.abs().max()
     assert (row_errors < 3e-2).float().mean() >= 0.9, row_errors
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_quantized_experts_match_the_modules_bit_for_bit(tmp_path: Path, dtype: str) -> None:
+    """loom::moe_experts runs QuantExperts in one C++ call; it must change no bit."""
+    path = tmp_path / "mixtral.gguf"
+    write_family_gguf(path, "mixtral", families.hf_model("mixtral"), experts_as=gguf.GGMLQuantizationType.Q8_0)
+    config = ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize="auto", block_size=16)
+    model = ModelRunner(config).model
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(e.fused for e in experts)
+    tokens = random_tokens(41, 11)
+    fused = _logits(model, tokens)
+    for e in experts:
+        e.use_fused = False
+    assert torch.equal(_logits(model, tokens), fused)
