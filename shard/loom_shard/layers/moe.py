@@ -6,11 +6,16 @@ expert, and each expert runs one GEMM over all of its tokens (its weights read o
     depend on the batch, since each expert's GEMM is row-invariant, `PackedLinear`).
 
 Experts' weights are stacked ([experts, rows, cols]), as checkpoints increasingly store them and
-as a grouped GEMM reads them. Under tensor parallelism each rank holds a contiguous range of the
+as a grouped GEMM reads them: on CUDA one Triton grouped GEMM per projection runs every expert
+(`loom_shard.layers.moe_triton`), with nothing read back to the host. Under tensor parallelism each rank holds a contiguous range of the
 experts (`expert_start`) and the ranks' partial sums are added (`loom_shard.tensor_parallel`).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +25,8 @@ from loom_shard import kernels
 from loom_shard.layers.packed_linear import PACKED_DTYPES, PackedLinear
 from loom_shard.layers.quant_linear import QuantLinear
 from loom_shard.model_config import ExpertActivation, MoEConfig, Routing
+
+log = logging.getLogger(__name__)
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU
 
@@ -168,20 +175,66 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.config)  # [num_tokens, k] each
-        if isinstance(self.experts, QuantExperts) and self.experts.fused:
-            return self.experts.run_picks(x, ids, weights)
-        num_tokens, k = ids.shape
+        experts = self.experts
+        if isinstance(experts, QuantExperts) and experts.fused:
+            return experts.run_picks(x, ids, weights)
+        if isinstance(experts, FusedExperts) and _grouped_on(experts.w13):
+            y = _grouped_picks(experts, x, ids)
+        else:
+            y = self._sorted_picks(x, ids)
+        return _combine(y.view(*ids.shape, -1), weights.to(x.dtype))
+
+    def _sorted_picks(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each pick through its expert, one call per expert over its rows -> [num_tokens * k, hidden]
+        in pick order (zeros for another rank's experts)."""
+        k = ids.shape[1]
         local = ids.flatten() - self.experts.expert_start  # [num_tokens * k]
         held = (local >= 0) & (local < self.experts.num_experts)
         picks = torch.nonzero(held).squeeze(1) if not bool(held.all()) else torch.arange(local.shape[0])
         order = picks[torch.argsort(local[picks], stable=True)]  # picks grouped by expert, in token order
         counts = torch.bincount(local[order], minlength=self.experts.num_experts).tolist()
         y_sorted = self.experts(x[order // k], counts)  # [picks, hidden]
-        y = x.new_zeros(num_tokens * k, x.shape[1])
+        y = x.new_zeros(local.shape[0], x.shape[1])
         y[order] = y_sorted
-        y = y.view(num_tokens, k, -1)
-        weights = weights.to(x.dtype)
-        out = y[:, 0] * weights[:, :1]
-        for j in range(1, k):  # a fixed order over the k picks
-            out = out.add_(y[:, j] * weights[:, j : j + 1])
-        return out
+        return y
+
+
+def _combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [num_tokens, k, hidden], weights [num_tokens, k] -> [num_tokens, hidden], summed over the
+    k picks in a fixed order."""
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, y.shape[1]):
+        out = out.add_(y[:, j] * weights[:, j : j + 1])
+    return out
+
+
+@functools.cache
+def _triton_grouped() -> ModuleType | None:
+    """loom_shard.layers.moe_triton where triton imports, else None (one log line)."""
+    try:
+        from loom_shard.layers import moe_triton
+    except ImportError as error:
+        log.warning("triton unavailable (%s): CUDA experts run one GEMM call per expert", error)
+        return None
+    return moe_triton
+
+
+def _grouped_on(weight: torch.Tensor) -> bool:
+    """Whether the Triton grouped GEMM runs these experts: CUDA, with triton."""
+    return weight.device.type == "cuda" and _triton_grouped() is not None
+
+
+def _grouped_picks(experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The picks through their experts in two grouped GEMMs, nothing read back to the host
+    -> [num_tokens * k, hidden] in pick order (zeros for another rank's experts)."""
+    grouped = _triton_grouped()
+    k = ids.shape[1]
+    local = ids.flatten() - experts.expert_start  # [picks]
+    n = experts.num_experts
+    local = torch.where((local >= 0) & (local < n), local, n)  # another rank's: sorted last, in no tile
+    sorted_local, order = torch.sort(local, stable=True)  # [picks] each
+    tiles = grouped.expert_tiles(sorted_local, n)
+    gate_up = grouped.grouped_gemm(x, experts.w13, experts.b13, tiles, order.shape[0], source_rows=order // k)
+    h = expert_activation(gate_up, experts.intermediate_size, experts.activation)  # [picks, intermediate]
+    y_sorted = grouped.grouped_gemm(h, experts.w2, experts.b2, tiles, order.shape[0])  # [picks, hidden]
+    return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
