@@ -39,7 +39,7 @@ def split(text: str, in_reasoning: bool) -> Split:
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind is Part.REASONING)
     content = "".join(t for kind, t in pieces if kind is Part.CONTENT)
-    return Split(reasoning.strip() or None, content or None)
+    return Split(reasoning or None, content or None)
 
 
 class Part(enum.Enum):
@@ -51,11 +51,13 @@ class Part(enum.Enum):
 class ReasoningStream:
     """Streamed text in, (part, text) pieces out: what lies between the tags is reasoning, the rest
     content. Text that could still grow into a tag is held back until it cannot; the tags
-    themselves and the blank lines right after `</think>` are dropped."""
+    themselves, the whitespace around the reasoning and the blank lines right after `</think>`
+    are dropped, so the pieces join to what `split` returns for the whole text."""
 
     in_reasoning: bool
     _held: str = ""
     _answer_started: bool = field(default=False)  # content after </think> began (newlines kept from then on)
+    _reasoning_started: bool = field(default=False)  # reasoning text began (leading whitespace dropped till then)
     _seen_tag: bool = False
 
     def feed(self, text: str) -> list[tuple[Part, str]]:
@@ -66,25 +68,31 @@ class ReasoningStream:
             at = self._held.find(tag)
             if at < 0:
                 break
-            self._emit(pieces, self._held[:at])
+            before = self._held[:at]
+            self._emit(pieces, before.rstrip() if self.in_reasoning else before)
             self._held = self._held[at + len(tag) :]
             self.in_reasoning, self._seen_tag = not self.in_reasoning, True
-            if not self.in_reasoning:
-                self._answer_started = False
+            self._answer_started = self._reasoning_started = False
         keep = _partial_tag_length(self._held, THINK_CLOSE if self.in_reasoning else THINK_OPEN)
-        self._emit(pieces, self._held[: len(self._held) - keep])
-        self._held = self._held[len(self._held) - keep :]
+        ready = self._held[: len(self._held) - keep]
+        if self.in_reasoning:
+            ready = ready.rstrip()  # trailing whitespace waits: it is dropped if </think> follows
+        self._emit(pieces, ready)
+        self._held = self._held[len(ready) :]
         return pieces
 
     def finish(self) -> list[tuple[Part, str]]:
         pieces: list[tuple[Part, str]] = []
-        self._emit(pieces, self._held)
+        self._emit(pieces, self._held.rstrip() if self.in_reasoning else self._held)
         self._held = ""
         return pieces
 
     def _emit(self, pieces: list[tuple[Part, str]], text: str) -> None:
         if self.in_reasoning:
+            if not self._reasoning_started:
+                text = text.lstrip()
             if text:
+                self._reasoning_started = True
                 pieces.append((Part.REASONING, text))
             return
         if self._seen_tag and not self._answer_started:

@@ -16,8 +16,6 @@ from tests.unit.shard.test_families import greedy_reference
 BLOCK_SIZE, NUM_NEW = 4, 12
 
 
-
-
 def test_sliding_blocks_are_dropped_reused_and_the_answers_stay_exact() -> None:
     pair = make_pair("gemma3")
     runner = ModelRunner(ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE),

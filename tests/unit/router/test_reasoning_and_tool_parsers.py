@@ -25,9 +25,12 @@ def test_thinking_splits_the_same_whole_or_in_any_pieces(cut: int) -> None:
     text = "<think>\nIt rains in Oslo.\n</think>\n\nTake an umbrella."
     whole = reasoning.split(text, in_reasoning=False)
     assert (whole.reasoning, whole.content) == ("It rains in Oslo.", "Take an umbrella.")
-    assert _streamed(text, False, cut) == ("\nIt rains in Oslo.\n", "Take an umbrella.")
+    assert _streamed(text, False, cut) == ("It rains in Oslo.", "Take an umbrella.")
     # A prompt that opened <think>: the answer starts inside it.
-    assert _streamed("Hm.\n</think>\n\nYes.", True, cut) == ("Hm.\n", "Yes.")
+    assert _streamed("Hm.\n</think>\n\nYes.", True, cut) == ("Hm.", "Yes.")
+    # Whitespace inside the reasoning stays; around it, it goes, as in the whole split.
+    assert _streamed(" a  b \n c \n", True, cut) == ("a  b \n c", "")
+    assert reasoning.split(" a  b \n c \n", True) == reasoning.Split("a  b \n c", None)
     # No tags at all: all content; thinking cut short (length): all reasoning.
     assert _streamed("Just an answer <b>.", False, cut) == ("", "Just an answer <b>.")
     assert reasoning.split("<think>\nstill thinking", False) == reasoning.Split("still thinking", None)
