@@ -31,10 +31,13 @@ from loom_shard.model_config import (
     RopeScaling,
     YarnScaling,
 )
-from loom_shard.models import family, supported_architectures, unsupported_message
+from loom_shard.models import TEXT_PARTS, family, supported_architectures, unsupported_message
 from loom_shard.mxfp4 import dequantize_experts
 
 INDEX_FILE_NAME = "model.safetensors.index.json"
+# A multimodal checkpoint's text model tensors, under either of transformers' layouts -> Loom's names.
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -51,6 +54,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 
 def config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """A ModelConfig from a parsed config.json; raises ModelLoadError naming `source`."""
+    config = _text_part(config)
     architecture = _architecture(config, source)
     _reject_unsupported_features(config, architecture, source)
     try:
@@ -83,6 +87,15 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
         raise ModelLoadError(source, f"config is missing the key {error.args[0]!r}") from None
     except (TypeError, ValueError) as error:
         raise ModelLoadError(source, f"invalid config: {error}") from None
+
+
+def _text_part(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config -> its text model's (TEXT_PARTS); any other unchanged."""
+    for name in config.get("architectures") or []:
+        part = TEXT_PARTS.get(name)
+        if part is not None:
+            return {**part.defaults, **(config.get("text_config") or {}), "architectures": [part.architecture]}
+    return config
 
 
 def _architecture(config: dict[str, Any], source: str) -> str:
@@ -196,7 +209,8 @@ def load_hf_weights(
 ) -> dict[str, torch.Tensor]:
     """The tensors the config needs, read file by file and converted to `dtype` one at a time;
     where `part` names a part of a tensor, only that part's bytes are read."""
-    names_by_file = _tensor_files(folder)
+    stored = _loom_names(_tensor_files(folder))  # Loom's name -> (file, the name stored there)
+    names_by_file = {name: file for name, (file, _) in stored.items()}
     packed = _mxfp4_names(names_by_file)
     shapes = expected_shapes(config)
     check_names(folder, config, {**names_by_file, **packed})
@@ -209,13 +223,23 @@ def load_hf_weights(
     for file, names in files.items():
         with _open_safetensors(file) as handle:
             for name in names:
-                tensors[name] = _read_tensor(handle, file, name, shapes[name], part).to(dtype)
+                tensors[name] = _read_tensor(handle, file, name, stored[name][1], shapes[name], part).to(dtype)
                 report.tensor_done(len(tensors))
     for name in [n for n in shapes if n in packed]:
         tensors[name] = _read_mxfp4(names_by_file, name, shapes[name], part).to(dtype)
         report.tensor_done(len(tensors))
     report.finish(tensors)
     return {name: tensors[name] for name in shapes}
+
+
+def _loom_names(names_by_file: dict[str, Path]) -> dict[str, tuple[Path, str]]:
+    """Each stored tensor under the name Loom reads it by: a multimodal checkpoint's text model
+    tensors lose their prefix; the rest (other tensors, and a vision tower no name asks for) keep it."""
+    out: dict[str, tuple[Path, str]] = {}
+    for name, file in names_by_file.items():
+        loom = next((new + name.removeprefix(old) for old, new in _TEXT_MODEL_PREFIXES if name.startswith(old)), name)
+        out[loom] = (file, name)
+    return out
 
 
 def _mxfp4_names(names_by_file: dict[str, Path]) -> dict[str, Path]:
@@ -285,10 +309,10 @@ def _open_safetensors(file: Path) -> Any:
 
 
 def _read_tensor(
-    handle: Any, file: Path, name: str, expected: tuple[int, ...], part: PartFn | None
+    handle: Any, file: Path, name: str, stored_name: str, expected: tuple[int, ...], part: PartFn | None
 ) -> torch.Tensor:
     try:
-        lazy = handle.get_slice(name)  # reads nothing until indexed
+        lazy = handle.get_slice(stored_name)  # reads nothing until indexed
         shape = tuple(lazy.get_shape())
         check_shape(file, name, shape, expected)
         cut: Part | None = part(name, shape) if part else None

@@ -16,6 +16,13 @@ from loom_shard.models.decoder import DecoderModel
 from loom_shard.models.weights import Shapes, dense_mlp_shapes, fuse_hf_weights, hf_shapes
 
 GEMMA2_PATTERN, GEMMA3_PATTERN = 2, 6  # every n-th layer is global when config.json gives no layer_types
+# transformers' Gemma3TextConfig defaults: a multimodal Gemma 3's text_config leaves them out.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_local_base_freq": 10000.0, "tie_word_embeddings": True,
+}
 
 
 class GemmaModel(DecoderModel):

@@ -1,7 +1,9 @@
 """Maps a checkpoint's architecture name to its family: the model class that runs it, how its
 config.json turns into a ModelConfig, and the tensors its checkpoint holds.
 
-An architecture not listed here is refused at start in one line naming it and the known ones.
+A multimodal checkpoint whose text model is listed here is served as that text model alone
+(`TEXT_PARTS`: Gemma 3's 4B-27B releases); images are not supported. An architecture not listed
+is refused at start in one line naming it and the known ones.
 """
 
 from __future__ import annotations
@@ -44,8 +46,24 @@ _REGISTRY: dict[str, Family] = {
 }
 
 
+
+
+@dataclass(slots=True, frozen=True)
+class TextPart:
+    """The text model of a multimodal checkpoint: its architecture, and the defaults of its
+    text_config (config.json lists only what differs from them)."""
+
+    architecture: str
+    defaults: dict[str, Any]
+
+
+TEXT_PARTS: dict[str, TextPart] = {
+    "Gemma3ForConditionalGeneration": TextPart("Gemma3ForCausalLM", gemma.GEMMA3_TEXT_DEFAULTS),
+}
+
+
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted([*_REGISTRY, *TEXT_PARTS])
 
 
 def unsupported_message(architecture: str) -> str:

@@ -103,11 +103,11 @@ def hf_model(kind: str, seed: int = 0, **overrides: object) -> transformers.PreT
     config.architectures = [ARCHITECTURE[kind]]
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    _randomize(model)
+    randomize(model)
     return model
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module) -> None:
     # Norm weights start at 1.0 (Gemma's at 0), biases and sinks at 0: random ones catch a norm
     # applied to the wrong tensor, a dropped bias or sink.
     with torch.no_grad():

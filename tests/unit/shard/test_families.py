@@ -1,15 +1,22 @@
 """Every family Loom serves against transformers on the same random weights, in float32: logits
 within 1e-4 over mixed paged batches (prefill chunks after cached tokens, decodes), and 32 greedy
-tokens equal through the runner, on prompts longer than every sliding window."""
+tokens equal through the runner, on prompts longer than every sliding window; a multimodal Gemma 3
+checkpoint serves its text model."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.loader import load_model_weights
+from loom_shard.models import build_model
 from tests.unit.shard import families
 from tests.unit.shard.conftest import SeqChunk, hf_logits, make_cache, make_pair, random_tokens, run_chunks, tiny_runner
 
@@ -83,3 +90,47 @@ def test_greedy_32_tokens_match_transformers(kind: str) -> None:
     pair = make_pair(kind)
     prompt = random_tokens(41, 7)
     assert runner_greedy(pair, prompt, 32, chunk=17) == greedy_reference(pair.hf, prompt, 32)
+
+
+def _save_multimodal_gemma3(folder: Path, layout: str) -> transformers.PreTrainedModel:
+    """A tiny Gemma3ForConditionalGeneration (the text model of `families`' gemma3, a one-layer
+    vision tower), its text_config listing only what differs from the defaults, as the released
+    files do; tensors named as transformers 4 saves them (language_model.model.*) or as 5 does
+    (model.language_model.*)."""
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=families.hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    families.randomize(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    raw = json.loads((folder / "config.json").read_text())
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    raw["text_config"] = {k: v for k, v in raw["text_config"].items() if k == "model_type" or defaults.get(k) != v}
+    assert "rope_local_base_freq" not in raw["text_config"]  # read from Loom's defaults
+    (folder / "config.json").write_text(json.dumps(raw))
+    (file,) = folder.glob("*.safetensors")
+    names = list(load_file(file))
+    assert any(n.startswith("language_model.model.") for n in names)
+    if layout == "model.language_model":
+        renamed = {("lm_head." + n.removeprefix("language_model.lm_head.")) if n.startswith("language_model.lm_head.")
+                   else "model." + n.replace("language_model.model.", "language_model."): t
+                   for n, t in load_file(file).items()}
+        save_file(renamed, file, metadata={"format": "pt"})
+    return hf
+
+
+@pytest.mark.parametrize("layout", ["language_model.model", "model.language_model"])
+def test_multimodal_gemma3_serves_its_text_model(tmp_path: Path, layout: str) -> None:
+    hf = _save_multimodal_gemma3(tmp_path, layout)
+    config, weights = load_model_weights(str(tmp_path), torch.float32, progress=None)
+    assert config.architecture == "Gemma3ForCausalLM" and config.num_layers == 6
+    loom = build_model(config)
+    loom.load_weights(weights)
+    loom.eval()
+    prompt = random_tokens(41, 5)
+    cache = make_cache(loom, BLOCK_SIZE, num_blocks=20)
+    (logits,) = run_chunks(loom, cache, [SeqChunk(prompt, 0, len(prompt), list(range(11)))])
+    with torch.no_grad():
+        assert_close(logits, hf(torch.tensor([prompt])).logits[0].float())
