@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from loom_router import reasoning, tool_parsers
 from loom_router.http_common import (
     AppState,
     ChoiceResult,
@@ -29,7 +28,16 @@ from loom_router.http_common import (
 from loom_router.structured import compile_constraint
 from loom_router.text import token_texts
 from loom_router.tool_stream import tool_chunks
-from loom_router.tools import AnswerFormat, ToolMode, chat_constraint_spec, chat_message, plan_tools, template_inputs
+from loom_router.tools import (
+    AnswerFormat,
+    ToolMode,
+    answer_format,
+    chat_constraint_spec,
+    chat_message,
+    plan_tools,
+    template_inputs,
+    tool_format_of,
+)
 from loom_router.types import (
     ChoiceEvent,
     GeneratedToken,
@@ -119,7 +127,7 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     limits = state.limits()
     check_openai(body, limits)
     template = state.tokenizer.chat_template
-    tool_plan = plan_tools(body, tool_parsers.tool_format(template))
+    tool_plan = plan_tools(body, tool_format_of(template))
     spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
     check_input_chars(state, sum(len(str(m.get("content") or "")) for m in messages), "messages")
@@ -129,9 +137,8 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     params.grammar = await compile_constraint(state.engine, spec)
-    # Mistral's [TOOL_CALLS] is a control token: kept in the text while its calls are parsed
-    params.skip_special_tokens = tool_plan.mode is ToolMode.NONE or tool_plan.format is not tool_parsers.ToolFormat.MISTRAL
-    answer = AnswerFormat(tool_plan, reasoning.applies(template), reasoning.starts_in_reasoning(prompt))
+    answer = answer_format(tool_plan, template, prompt)
+    params.skip_special_tokens = not answer.keeps_special_tokens
     reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
     if body.stream:
         return _stream(state, reply, ids, params, answer)
@@ -173,7 +180,7 @@ def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationPa
             answer: AnswerFormat | None = None) -> Response:
     stream = state.engine.submit(ids, params)
     timer = state.metrics.start_request(len(ids), stream, state.engine)
-    if answer is not None and (answer.tools.mode is not ToolMode.NONE or answer.reasoning):
+    if answer is not None and (answer.tools.mode is not ToolMode.NONE or answer.reasoning is not None):
         chunks = tool_chunks(reply, answer, params.n, stream, tracked(stream, timer), _usage_counts)
         return EventStreamResponse(chunks, stream.cancel)
     return EventStreamResponse(_chunks(state, reply, params.n, stream, tracked(stream, timer)), stream.cancel)

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class Style(enum.Enum):
+    """How a model's answer marks its reasoning."""
+
+    THINK_TAGS = "think_tags"  # <think> ... </think> (this module)
+    HARMONY = "harmony"  # gpt-oss's analysis channel (`loom_router.harmony`)
 
 
 def applies(chat_template: str | None) -> bool:
@@ -35,11 +43,23 @@ class Split:
 
 def split(text: str, in_reasoning: bool) -> Split:
     """A whole output's reasoning and content; `in_reasoning`: the prompt left a `<think>` open."""
-    stream = ReasoningStream(in_reasoning)
+    return split_with(ReasoningStream(in_reasoning), text)
+
+
+def split_with(stream: PartStream, text: str) -> Split:
+    """A whole output's reasoning and content, read by a fresh stream of any style."""
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind is Part.REASONING)
     content = "".join(t for kind, t in pieces if kind is Part.CONTENT)
     return Split(reasoning or None, content or None)
+
+
+class PartStream(Protocol):
+    """Text in, (part, text) pieces out: ReasoningStream, harmony.HarmonyStream."""
+
+    def feed(self, text: str) -> list[tuple[Part, str]]: ...
+
+    def finish(self) -> list[tuple[Part, str]]: ...
 
 
 class Part(enum.Enum):

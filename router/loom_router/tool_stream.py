@@ -15,7 +15,7 @@ from typing import Any
 
 from loom_router import tool_parsers
 from loom_router.http_common import sse
-from loom_router.reasoning import Part, ReasoningStream
+from loom_router.reasoning import Part, PartStream
 from loom_router.tools import AnswerFormat, ToolMode, ToolPlan, finish_reason, parse_output
 from loom_router.types import ChoiceEvent, FinishReason, GenerationError, PromptInfo
 
@@ -25,7 +25,7 @@ Chunk = Callable[..., str]
 
 @dataclass(slots=True)
 class _ChoiceText:
-    reasoning: ReasoningStream | None
+    reasoning: PartStream | None
     text: str = ""  # the content so far
     num_sent: int = 0  # characters of text already sent as content
     in_calls: bool = False  # a tool call started: hold everything from here
@@ -44,7 +44,7 @@ async def tool_chunks(reply: Any, answer: AnswerFormat | ToolPlan, n: int, strea
 
     for index in range(n):
         yield chunk(index, {"role": "assistant", "content": ""})
-    texts = [_ChoiceText(ReasoningStream(answer.starts_in_reasoning) if answer.reasoning else None) for _ in range(n)]
+    texts = [_ChoiceText(answer.reasoning_stream()) for _ in range(n)]
     num_generated = 0
     try:
         async for event in events:

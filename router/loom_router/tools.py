@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from loom_router import reasoning, tool_parsers
+from loom_router import harmony, reasoning, tool_parsers
 from loom_router.grammar import ConstraintSpec
 from loom_router.tool_parsers import HERMES_CLOSE, HERMES_OPEN, ParsedOutput, ToolFormat
 from loom_router.types import FinishReason, ValidationError
@@ -183,8 +183,37 @@ class AnswerFormat:
     """How a chat answer is read: tool calls (in the plan's format) and reasoning."""
 
     tools: ToolPlan
-    reasoning: bool = False  # the template writes <think> tags
+    reasoning: reasoning.Style | None = None  # how the model's template marks reasoning
     starts_in_reasoning: bool = False  # the prompt left a <think> open
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer's text must keep special tokens: harmony's markers, Mistral's
+        [TOOL_CALLS] (control tokens, read by the parsers)."""
+        return self.reasoning is reasoning.Style.HARMONY or (
+            self.tools.mode is not ToolMode.NONE and self.tools.format is ToolFormat.MISTRAL)
+
+    def reasoning_stream(self) -> reasoning.ReasoningStream | harmony.HarmonyStream | None:
+        if self.reasoning is reasoning.Style.HARMONY:
+            return harmony.HarmonyStream()
+        if self.reasoning is reasoning.Style.THINK_TAGS:
+            return reasoning.ReasoningStream(self.starts_in_reasoning)
+        return None
+
+
+def tool_format_of(chat_template: str | None) -> ToolFormat:
+    """The tool-call format a template teaches; harmony's calls are read as Hermes (`harmony`)."""
+    return ToolFormat.HERMES if harmony.applies(chat_template) else tool_parsers.tool_format(chat_template)
+
+
+def answer_format(plan: ToolPlan, chat_template: str | None, prompt: str) -> AnswerFormat:
+    """How to read the answer to `prompt`, rendered by `chat_template`. A forced call's grammar
+    writes no harmony messages, so its answer is read as plain text."""
+    if harmony.applies(chat_template):
+        return AnswerFormat(plan, None if plan.mode is ToolMode.FORCED else reasoning.Style.HARMONY)
+    if reasoning.applies(chat_template):
+        return AnswerFormat(plan, reasoning.Style.THINK_TAGS, reasoning.starts_in_reasoning(prompt))
+    return AnswerFormat(plan)
 
 
 def chat_message(answer: AnswerFormat | ToolPlan, text: str,
@@ -193,8 +222,9 @@ def chat_message(answer: AnswerFormat | ToolPlan, text: str,
     if isinstance(answer, ToolPlan):
         answer = AnswerFormat(answer)
     reasoning_text: str | None = None
-    if answer.reasoning:
-        split = reasoning.split(text, answer.starts_in_reasoning)
+    stream = answer.reasoning_stream()
+    if stream is not None:
+        split = reasoning.split_with(stream, text)
         reasoning_text, text = split.reasoning, split.content or ""
     plan = answer.tools
     message: dict[str, Any] = {"role": "assistant"}

@@ -1,6 +1,7 @@
 """Reasoning and tool formats through the OpenAI chat route (real Engine, fake shard): the model's
 own template decides. `<think>` text comes back as `reasoning_content` (whole and streamed), and
-tool calls are parsed in the family's format (Hermes, Llama 3 JSON, Mistral), or forced in it."""
+tool calls are parsed in the family's format (Hermes, Llama 3 JSON, Mistral), or forced in it;
+gpt-oss's harmony channels become reasoning_content, content and tool calls."""
 
 from __future__ import annotations
 
@@ -113,3 +114,29 @@ async def test_forced_calls_follow_the_family_format(tokenizer: Tokenizer, templ
             assert choice["finish_reason"] == "tool_calls", choice
             (call,) = choice["message"]["tool_calls"]
             jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS["get_weather"])
+
+
+HARMONY = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+           "{% if tools %}<|start|>developer<|message|>namespace functions {{ tools | tojson }}<|end|>{% endif %}"
+           "<|start|>assistant{# <|channel|>final #}")
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"unit": "c", "city": "Oslo"}<|call|>')
+
+
+async def test_gpt_oss_harmony_channels_become_reasoning_content_and_tool_calls(tokenizer: Tokenizer) -> None:
+    async for h in _harness(_with_template(tokenizer, HARMONY), HARMONY_CALL):
+        choice = (await _chat(h, tools=[WEATHER], max_tokens=200)).json()["choices"][0]
+        assert choice["message"]["reasoning_content"] == "Need the weather tool."
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"unit": "c", "city": "Oslo"}'}
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        deltas = _deltas(await _chat(h, stream=True, tools=[WEATHER], max_tokens=200))
+        reasoning = "".join(d["delta"].get("reasoning_content") or "" for d in deltas)
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        assert reasoning == "Need the weather tool." and content == ""
+        arguments = "".join(t["function"].get("arguments", "") for d in deltas for t in d["delta"].get("tool_calls", []))
+        assert arguments == '{"unit": "c", "city": "Oslo"}' and deltas[-1]["finish_reason"] == "tool_calls"
+    answer = "<|channel|>analysis<|message|>Simple.<|end|><|start|>assistant<|channel|>final<|message|>It is 12C."
+    async for h in _harness(_with_template(tokenizer, HARMONY), answer):
+        message = (await _chat(h, max_tokens=200)).json()["choices"][0]["message"]
+        assert message == {"role": "assistant", "reasoning_content": "Simple.", "content": "It is 12C."}

@@ -1,4 +1,5 @@
-"""Reasoning split (`<think>`) and the tool-call formats of each family, whole and streamed."""
+"""Reasoning split (`<think>`, gpt-oss's harmony channels) and the tool-call formats of each family,
+whole and streamed."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 
 import pytest
 
-from loom_router import reasoning, tool_parsers
+from loom_router import harmony, reasoning, tool_parsers
+from loom_router.harmony import HarmonyStream
 from loom_router.reasoning import Part, ReasoningStream
 from loom_router.tool_parsers import ToolFormat
 
@@ -96,3 +98,38 @@ def test_each_format_writes_back_earlier_calls() -> None:
     assert tool_parsers.calls_as_text(ToolFormat.LLAMA3_JSON, calls) == '{"name": "get_time", "parameters": {"zone": "utc"}}'
     assert tool_parsers.calls_as_text(ToolFormat.MISTRAL, calls) == '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}]'
     assert '"zone": "utc"' in tool_parsers.calls_as_text(ToolFormat.HERMES, calls)
+
+
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+                  "<|start|>assistant<|channel|>commentary<|message|>Checking Oslo.<|end|>"
+                  "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                  '{"city": "Oslo"}<|call|>')
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 13, 1000])
+def test_harmony_channels_split_the_same_whole_or_in_any_pieces(cut: int) -> None:
+    def streamed(text: str) -> tuple[str, str]:
+        stream = HarmonyStream()
+        pieces = [p for i in range(0, len(text), cut) for p in stream.feed(text[i : i + cut])] + stream.finish()
+        return ("".join(t for k, t in pieces if k is Part.REASONING), "".join(t for k, t in pieces if k is Part.CONTENT))
+
+    reasoning_text, content = streamed(HARMONY_ANSWER)
+    assert reasoning_text == "Need the weather tool."
+    # The preamble is content; the call reaches the Hermes reader as a Hermes call.
+    parsed = tool_parsers.parse(ToolFormat.HERMES, content, NAMES)
+    assert parsed.content == "Checking Oslo."
+    assert [c["function"] for c in parsed.tool_calls] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    final = "<|channel|>analysis<|message|>2 + 2.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    assert streamed(final) == ("2 + 2.", "It is 4.")
+    # The recipient in the role part of the header; a built-in tool's call stays reasoning.
+    assert "get_time" in streamed('<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>')[1]
+    assert streamed("<|channel|>analysis to=python<|message|>print(1)<|call|>") == ("print(1)", "")
+    # Not harmony at all (a grammar's JSON, a model ignoring the format): content, as written.
+    assert streamed('{"a": 1}') == ("", '{"a": 1}')
+    assert streamed("x" * 100) == ("", "x" * 100)
+
+
+def test_harmony_templates_are_recognised() -> None:
+    template = "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}<|start|>assistant"
+    assert not harmony.applies(template)
+    assert harmony.applies(template + "{# <|channel|>final #}")
