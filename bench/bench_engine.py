@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.attention_backend import TorchBackend
+from loom_shard.attention.backend import TorchBackend
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.decoder import DecoderModel
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 
 BLOCK_SIZE = 16
 SMOLLM2_SHAPE = ModelConfig(
@@ -73,8 +73,8 @@ def load_model(random_model: bool, quantize: str = "none") -> tuple[DecoderModel
     """quantize "auto": the GGUF's Q4_1/Q8_0 projections stay quantized (QuantLinear), as a shard's default."""
     if not random_model:
         try:
-            from loom_shard.loader import load_model_weights
-            from loom_shard.quantize import install_quant_linears, quantized_summary
+            from loom_shard.loading.loader import load_model_weights
+            from loom_shard.loading.quantize import install_quant_linears, quantized_summary
 
             quantized: dict | None = {} if quantize == "auto" else None
             config, weights = load_model_weights("", torch.float32, progress=None, quantized=quantized)

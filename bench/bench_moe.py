@@ -31,7 +31,7 @@ from loom_shard.layers.moe import FusedExperts, QuantExperts  # noqa: E402
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear, QuantSource  # noqa: E402
 from loom_shard.model_config import ModelConfig, MoEConfig  # noqa: E402
 from loom_shard.models import build_model  # noqa: E402
-from loom_shard.runner import ModelRunner  # noqa: E402
+from loom_shard.runtime.runner import ModelRunner  # noqa: E402
 
 
 def shapes(args: argparse.Namespace) -> dict[str, ModelConfig]:

@@ -5,7 +5,7 @@ block manager (the shard's forward is not run: only the blocks are counted).
 Run: python bench/bench_sliding_window.py [--kv-gib 4] [--prompt 8192] [--new 256] [--requests 64]
 
 The models' shapes are the released ones' (layers, windows, KV heads, head dims); the pool holds
-as many blocks as `--kv-gib` of bfloat16 K/V buy in each layout (`loom_shard.kv_groups`).
+as many blocks as `--kv-gib` of bfloat16 K/V buy in each layout (`loom_shard.runtime.kv_groups`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from loom_proto.step import SamplingParams, SeqOutput, StepResult  # noqa: E402
 from loom_router.request import SequenceGroup  # noqa: E402
 from loom_router.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from loom_shard.kv_groups import KVGroups  # noqa: E402
+from loom_shard.runtime.kv_groups import KVGroups  # noqa: E402
 
 BLOCK_SIZE = 16
 BYTES = 2  # bfloat16

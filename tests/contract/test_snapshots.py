@@ -19,7 +19,7 @@ from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, Snapshot
 from loom_router.api import create_app
 from loom_router.engine import Engine
 from loom_router.tokenizer import Tokenizer
-from loom_shard.snapshot import PartStore
+from loom_shard.runtime.snapshot import PartStore
 
 BLOCK_SIZE = 4
 
@@ -281,7 +281,7 @@ async def grpc_shard(tmp_path: Path):
 
     from loom_proto.config import ShardConfig
     from loom_router.shard_client import ShardClient
-    from loom_shard.runner import ModelRunner
+    from loom_shard.runtime.runner import ModelRunner
     from loom_shard.server import start_server
     from tests.unit.shard.conftest import make_pair
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_shard.attention import AttentionSpec
-from loom_shard.attention_backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.metadata import AttentionSpec
 from tests.gpu.kernel_cases import make_case, reference, relative_error
 
 CASES = [

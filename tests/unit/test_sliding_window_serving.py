@@ -9,7 +9,7 @@ from loom_proto.config import ShardConfig
 from loom_proto.step import SamplingParams
 from loom_router.request import SequenceGroup
 from loom_router.scheduler import Scheduler, SchedulerConfig
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import make_pair, random_tokens
 from tests.unit.shard.test_families import greedy_reference
 

@@ -1,6 +1,6 @@
 """Typed entry to the C++ paged-attention kernel (`csrc/attention.cpp`).
 
-Same contract as `loom_shard.triton_attention.paged_attention_triton`: prefill chunks and
+Same contract as `loom_shard.attention.triton_paged.paged_attention_triton`: prefill chunks and
 decodes of one step in a single call, K/V read in place through block tables. A row's output
 is bit-identical whatever else is in the batch and however its prompt was chunked.
 """

@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-from loom_shard.attention import AttentionMetadata, AttentionSpec, paged_attention
+from loom_shard.attention.metadata import AttentionMetadata, AttentionSpec
+from loom_shard.attention.torch_paged import paged_attention
 from loom_shard.layers.norm import RMSNorm
 from loom_shard.layers.rotary import Rope
 from loom_shard.model_config import ModelConfig

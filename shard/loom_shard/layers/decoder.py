@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom_shard.attention import AttentionMetadata
+from loom_shard.attention.metadata import AttentionMetadata
 from loom_shard.layers.attention import Attention
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.moe import MoE

@@ -8,7 +8,7 @@ expert, and each expert runs one GEMM over all of its tokens (its weights read o
 Experts' weights are stacked ([experts, rows, cols]), as checkpoints increasingly store them and
 as a grouped GEMM reads them: on CUDA one Triton grouped GEMM per projection runs every expert
 (`loom_shard.layers.moe_triton`), with nothing read back to the host. Under tensor parallelism each rank holds a contiguous range of the
-experts (`expert_start`) and the ranks' partial sums are added (`loom_shard.tensor_parallel`).
+experts (`expert_start`) and the ranks' partial sums are added (`loom_shard.loading.tensor_parallel`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 final norm and LM head. A family's file (llama.py, gemma.py, ...) says how its checkpoint names
 map to these modules (`own_weights`) and which switches of `ModelConfig` it turns on.
 
-It knows nothing of tensor parallelism or quantization: `loom_shard.tensor_parallel` and
-`loom_shard.quantize` swap modules afterwards, and the attention reads its head counts from them.
+It knows nothing of tensor parallelism or quantization: `loom_shard.loading.tensor_parallel` and
+`loom_shard.loading.quantize` swap modules afterwards, and the attention reads its head counts from them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from loom_shard import kernels
-from loom_shard.attention import AttentionMetadata, GroupedMetadata
-from loom_shard.cpu_attention import paged_attention_cpu
+from loom_shard.attention.cpu import paged_attention_cpu
+from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata
 from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.moe import MoE

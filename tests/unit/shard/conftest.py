@@ -12,13 +12,13 @@ import transformers
 
 from loom_proto.config import ShardConfig
 from loom_shard import kernels
-from loom_shard.attention import SeqSpan, build_metadata
-from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
-from loom_shard.loader import config_from_hf
+from loom_shard.attention.metadata import SeqSpan, build_metadata
+from loom_shard.loading.loader import config_from_hf
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.decoder import DecoderModel
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard import families
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_shard.attention import AttentionSpec, SeqSpan, build_metadata, paged_attention
-from loom_shard.attention_backend import pack_step_tables
+from loom_shard.attention.backend import pack_step_tables
+from loom_shard.attention.metadata import AttentionSpec, SeqSpan, build_metadata
+from loom_shard.attention.torch_paged import paged_attention
 from loom_shard.kernels.attention import paged_attention as kernel_attention
 from tests.unit.shard.test_cpu_paged_attention import Cache, make_cache
 

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.loader import load_model_weights
+from loom_shard.loading.loader import load_model_weights
 from loom_shard.models import build_model
 from tests.unit.shard import families
 from tests.unit.shard.conftest import SeqChunk, hf_logits, make_cache, make_pair, random_tokens, run_chunks, tiny_runner

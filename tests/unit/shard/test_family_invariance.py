@@ -10,7 +10,7 @@ import pytest
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import make_pair, random_tokens
 
 BLOCK_SIZE = 4

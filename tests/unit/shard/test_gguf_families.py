@@ -12,10 +12,10 @@ import torch
 
 from loom_proto.config import ShardConfig
 from loom_shard.layers.moe import QuantExperts
-from loom_shard.loader import load_model_weights
+from loom_shard.loading.loader import load_model_weights
+from loom_shard.loading.quantize import quantized_summary
 from loom_shard.models import build_model
-from loom_shard.quantize import quantized_summary
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard import families
 from tests.unit.shard.conftest import SeqChunk, hf_logits, make_cache, random_tokens, run_chunks
 from tests.unit.shard.gguf_files import write_family_gguf

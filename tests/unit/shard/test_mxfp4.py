@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loom_shard.loader import load_model_weights
+from loom_shard.loading.loader import load_model_weights
+from loom_shard.loading.mxfp4 import FP4_VALUES
 from loom_shard.models import build_model
-from loom_shard.mxfp4 import FP4_VALUES
 from tests.unit.shard import families
 from tests.unit.shard.conftest import hf_logits, random_tokens
 from tests.unit.shard.test_families import assert_close

@@ -12,11 +12,11 @@ from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from loom_proto.config import ShardConfig
-from loom_shard.attention import SeqSpan
+from loom_shard.attention.metadata import SeqSpan
 from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
-from loom_shard.quantize import quantized_summary
-from loom_shard.runner import ModelRunner
+from loom_shard.loading.quantize import quantized_summary
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
 from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
@@ -168,7 +168,7 @@ def teacher_forced_logprobs(dtype: str, quantize: str, sequence: list[int]) -> t
 
 
 def test_quantized_weights_stay_only_on_one_cpu_rank(caplog: pytest.LogCaptureFixture) -> None:
-    from loom_shard.model_setup import keeps_quantized
+    from loom_shard.runtime.model_setup import keeps_quantized
 
     cpu = torch.device("cpu")
     assert keeps_quantized(ShardConfig(uds_path=""), cpu)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loom_shard.loader import load_model_config, load_model_weights
-from loom_shard.tensor_parallel import apply_tensor_parallel, build_rank_model, rank_part
+from loom_shard.loading.loader import load_model_config, load_model_weights
+from loom_shard.loading.tensor_parallel import apply_tensor_parallel, build_rank_model, rank_part
 from tests.net import free_port
 from tests.unit.shard.conftest import SeqChunk, make_cache, make_pair, random_tokens, run_chunks
 

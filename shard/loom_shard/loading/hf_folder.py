@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loom_shard.loader_common import (
+from loom_shard.loading.common import (
     LoadProgress,
     ModelLoadError,
     Part,
@@ -21,6 +21,7 @@ from loom_shard.loader_common import (
     check_shape,
     expected_shapes,
 )
+from loom_shard.loading.mxfp4 import dequantize_experts
 from loom_shard.model_config import (
     DynamicScaling,
     LayerKind,
@@ -32,7 +33,6 @@ from loom_shard.model_config import (
     YarnScaling,
 )
 from loom_shard.models import TEXT_PARTS, family, supported_architectures, unsupported_message
-from loom_shard.mxfp4 import dequantize_experts
 
 INDEX_FILE_NAME = "model.safetensors.index.json"
 # A multimodal checkpoint's text model tensors, under either of transformers' layouts -> Loom's names.

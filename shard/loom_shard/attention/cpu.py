@@ -1,5 +1,5 @@
 """Loom's C++ paged-attention kernel on CPU (`kernels/csrc/attention.cpp`), the contract of
-`loom_shard.triton_attention`: prefill chunks and decodes of one step in one call, reading K/V
+`loom_shard.attention.triton_paged`: prefill chunks and decodes of one step in one call, reading K/V
 blocks in place through block tables. Every query row reduces over its visible keys (0..p, or its
 sliding window) in 16-key chunks on a grid fixed from key 0, with a float32 online softmax, so its output is bit-identical whatever else
 is in the batch and however its prompt was chunked.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loom_shard.attention import AttentionSpec, PagedTables
+from loom_shard.attention.metadata import AttentionSpec, PagedTables
 from loom_shard.kernels.attention import paged_attention
 
 

@@ -24,10 +24,13 @@ from loom_proto.step import (
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention import AttentionMetadata, GroupedMetadata, SeqSpan
-from loom_shard.attention_backend import BackendKind, select_backend
-from loom_shard.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
-from loom_shard.kv_cache import (
+from loom_shard.attention.backend import BackendKind, select_backend
+from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
+from loom_shard.layers.packed_linear import pack_linears
+from loom_shard.loading.quantize import quantized_summary
+from loom_shard.models.decoder import DecoderModel
+from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
+from loom_shard.runtime.kv_cache import (
     CPU_POOL_SHARE,
     HOST_POOL_SHARE,
     KVCacheSpec,
@@ -36,9 +39,8 @@ from loom_shard.kv_cache import (
     blocks_for_bytes,
     blocks_for_tokens,
 )
-from loom_shard.kv_groups import KVGroups
-from loom_shard.layers.packed_linear import pack_linears
-from loom_shard.model_setup import (
+from loom_shard.runtime.kv_groups import KVGroups
+from loom_shard.runtime.model_setup import (
     announce,
     choose_dtype,
     keep_freed_memory_mapped,
@@ -46,11 +48,9 @@ from loom_shard.model_setup import (
     resolve_device,
     select_cpu_kernels,
 )
-from loom_shard.models.decoder import DecoderModel
-from loom_shard.plan_check import PlanCheck
-from loom_shard.quantize import quantized_summary
-from loom_shard.sampler import Sample, SeqSamplingState, sample
-from loom_shard.speculative import commit, draft_samples, regroup, sampling_states
+from loom_shard.runtime.plan_check import PlanCheck
+from loom_shard.runtime.sampler import Sample, SeqSamplingState, sample
+from loom_shard.runtime.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures

@@ -12,11 +12,9 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from loom_shard import gguf_arch
-from loom_shard.gguf_arch import Combine, Metadata, Recipe
-from loom_shard.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
+from loom_shard.loading import gguf_arch
 from loom_shard.layers.quant_linear import QuantKind, QuantSource, raw_source
-from loom_shard.loader_common import (
+from loom_shard.loading.common import (
     LoadProgress,
     ModelLoadError,
     Part,
@@ -25,6 +23,8 @@ from loom_shard.loader_common import (
     check_shape,
     expected_shapes,
 )
+from loom_shard.loading.gguf_arch import Combine, Metadata, Recipe
+from loom_shard.loading.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 from loom_shard.model_config import Llama3Scaling, LongRopeScaling, ModelConfig
 
 ROPE_FREQS_NAME = "rope_freqs.weight"  # llama.cpp's form of Llama-3 rope scaling

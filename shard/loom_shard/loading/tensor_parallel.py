@@ -28,7 +28,7 @@ from torch import nn
 from loom_shard.layers.attention import Attention
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.moe import MoE
-from loom_shard.loader_common import Part
+from loom_shard.loading.common import Part
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
 from loom_shard.models.decoder import DecoderModel

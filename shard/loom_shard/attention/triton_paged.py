@@ -13,7 +13,7 @@ Online softmax in float32 (FlashAttention-2); a query at position p sees keys 0.
 p - window + 1..p in a sliding-window layer (keys before the tile's first window are never
 loaded: their blocks may already be another sequence's). Per layer too: the scale, a logit
 softcap (Gemma 2) and attention sinks (gpt-oss, one logit per head joining the softmax).
-Importing this module needs triton; `loom_shard.attention_backend` decides whether to.
+Importing this module needs triton; `loom_shard.attention.backend` decides whether to.
 """
 
 from __future__ import annotations

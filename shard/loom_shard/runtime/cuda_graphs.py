@@ -6,7 +6,7 @@ A graph replays them with one launch. Each graph owns static inputs that a step 
     input_ids [batch] int64 | packed tables [batch + 1 | batch | batch * max_blocks] int32
 
 Positions and slots are derived on the device from the packed tables inside the graph
-(`attention_backend.paged_metadata`). A step smaller than its bucket is padded with one-token
+(`attention.backend.paged_metadata`). A step smaller than its bucket is padded with one-token
 sequences that write into the cache's scratch block and read nothing else. Mixed steps
 (prefill chunks) and steps wider than the largest graph run eagerly.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loom_shard.attention import PagedKernel, SeqSpan
-from loom_shard.attention_backend import StepShape, pack_step_tables, paged_metadata
+from loom_shard.attention.backend import StepShape, pack_step_tables, paged_metadata
+from loom_shard.attention.metadata import PagedKernel, SeqSpan
 from loom_shard.models.decoder import DecoderModel
 
 # Batch sizes captured: dense where small batches are common, coarser above.

@@ -108,10 +108,10 @@ def keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
 
 
 def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, str]:
-    from loom_shard.loader import load_model_config, load_model_weights, weights_hash  # file formats stay out
+    from loom_shard.loading.loader import load_model_config, load_model_weights, weights_hash  # file formats stay out
 
     if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
-        from loom_shard.tensor_parallel import build_rank_model, rank_part
+        from loom_shard.loading.tensor_parallel import build_rank_model, rank_part
 
         moe = load_model_config(config.model_id).moe
         part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size,
@@ -122,7 +122,7 @@ def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) ->
         quantized: dict = {} if keeps_quantized(config, device) else None
         model_config, weights = load_model_weights(config.model_id, dtype, quantized=quantized)
         if quantized:  # built on meta: the dense projections it replaces are never allocated
-            from loom_shard.quantize import install_quant_linears
+            from loom_shard.loading.quantize import install_quant_linears
 
             with torch.device("meta"):
                 model = build_model(model_config)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from loom_proto.step import NewRequest, RunningRequest, StepPlan
-from loom_shard.kv_cache import PagedKVCache
-from loom_shard.token_mask import check_mask
+from loom_shard.runtime.kv_cache import PagedKVCache
+from loom_shard.runtime.token_mask import check_mask
 
 if TYPE_CHECKING:
-    from loom_shard.runner import RequestState
+    from loom_shard.runtime.runner import RequestState
 
 
 class PlanCheck:
