@@ -12,8 +12,8 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from loom_shard.loading import gguf_arch
 from loom_shard.layers.quant_linear import QuantKind, QuantSource, raw_source
+from loom_shard.loading import gguf_arch
 from loom_shard.loading.common import (
     LoadProgress,
     ModelLoadError,

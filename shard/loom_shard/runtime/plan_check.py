@@ -3,14 +3,10 @@ so a bad plan is a clear ValueError and leaves every request and block as it was
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from loom_proto.step import NewRequest, RunningRequest, StepPlan
 from loom_shard.runtime.kv_cache import PagedKVCache
+from loom_shard.runtime.requests import RequestState
 from loom_shard.runtime.token_mask import check_mask
-
-if TYPE_CHECKING:
-    from loom_shard.runtime.runner import RequestState
 
 
 class PlanCheck:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +17,6 @@ from loom_proto.step import (
     Fork,
     ModelInfo,
     NewRequest,
-    SamplingParams,
     SeqOutput,
     StepPlan,
     StepResult,
@@ -49,38 +47,20 @@ from loom_shard.runtime.model_setup import (
     select_cpu_kernels,
 )
 from loom_shard.runtime.plan_check import PlanCheck
+from loom_shard.runtime.requests import (
+    RequestState,
+    Scheduled,
+    fork_state,
+    logit_rows,
+    new_request_state,
+    prompt_logprobs,
+)
 from loom_shard.runtime.sampler import Sample, SeqSamplingState, sample
 from loom_shard.runtime.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
 
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: int
-    token_ids: list[int]  # prompt, then every sampled token
-    num_prompt_tokens: int
-    num_computed: int  # tokens whose KV is in the blocks
-    block_table: list[int]  # one block per KV group for each logical block (KVGroups.table)
-    sampling: SamplingParams
-    prompt_logprobs: bool = False
-    pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
-
-
-@dataclass(slots=True)
-class _Scheduled:
-    state: RequestState
-    num_compute: int
-    num_drafts: int = 0  # speculative decoding: the chunk's last num_drafts tokens are guesses
-
-    @property
-    def reaches_end(self) -> bool:
-        return self.state.num_computed + self.num_compute == len(self.state.token_ids)
-
-    @property
-    def span(self) -> SeqSpan:
-        return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
 
 log = logging.getLogger(__name__)
 
@@ -240,45 +220,36 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not allocated: call warmup() or allocate_kv_cache() first")
         return self.kv_cache
 
-    def _admit(self, plan: StepPlan) -> list[_Scheduled]:
-        scheduled = [_Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
+    def _admit(self, plan: StepPlan) -> list[Scheduled]:
+        scheduled = [Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
         for running in plan.running_requests:
             state = self.requests[running.request_id]
             state.block_table.extend(running.new_block_ids)
             state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
             state.token_ids.extend(running.draft_token_ids)  # replaced by the kept samples (commit)
-            scheduled.append(_Scheduled(state, running.num_compute, len(running.draft_token_ids)))
+            scheduled.append(Scheduled(state, running.num_compute, len(running.draft_token_ids)))
         # Prefill chunks first, decodes last: the attention batches all decodes in one call.
         return sorted(scheduled, key=lambda s: s.num_compute == 1)
 
     def _add(self, new: NewRequest) -> RequestState:
-        state = RequestState(
-            request_id=new.request_id,
-            token_ids=list(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
-            num_computed=new.num_cached,
-            block_table=list(new.block_table),
-            sampling=new.sampling,
-            prompt_logprobs=new.prompt_logprobs,
-            pending_forks=list(new.forks),
-        )
+        state = new_request_state(new)
         self.requests[new.request_id] = state
         return state
 
-    def _execute(self, scheduled: list[_Scheduled], masks: dict[int, bytes],
+    def _execute(self, scheduled: list[Scheduled], masks: dict[int, bytes],
                  phases: StepPhases | None = None) -> list[SeqOutput]:
         input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
         hidden = self._forward(input_ids, [s.span for s in scheduled])
-        rows, sample_rows, logprob_rows = _logit_rows(scheduled)
+        rows, sample_rows, logprob_rows = logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         if phases is not None:
             self._mark_sampling(phases)
-        prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
+        logprobs = prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
         samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
-        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
+        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=logprobs[i]) for i, s in enumerate(scheduled)]
         for (i, s), smps in zip(finishing, samples):
-            outputs[i] = _output(s.state.request_id, smps[0], prompt_logprobs[i])
+            outputs[i] = _output(s.state.request_id, smps[0], logprobs[i])
             outputs[i].draft_samples = draft_samples(smps)
         for s in scheduled:
             s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
@@ -331,7 +302,7 @@ class ModelRunner:
         return regroup(sample(_select_rows(logits, rows), states), [num_drafts + 1 for _, _, num_drafts in picks])
 
     def _fork_all(
-        self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None],
+        self, logits: torch.Tensor, finishing: list[tuple[int, Scheduled]], sample_rows: list[int | None],
         masks: dict[int, bytes],
     ) -> list[SeqOutput]:
         """Create the forks of every parent whose prompt completed; sample their first tokens."""
@@ -352,14 +323,7 @@ class ModelRunner:
             pairs = [(parent.block_table[i], fork.block_table[i]) for i in entries
                      if parent.block_table[i] != fork.block_table[i]]
             self._require_cache().copy(pairs)
-        state = RequestState(
-            request_id=fork.request_id,
-            token_ids=list(parent.token_ids),
-            num_prompt_tokens=parent.num_prompt_tokens,
-            num_computed=parent.num_computed,
-            block_table=list(fork.block_table),
-            sampling=fork.sampling,
-        )
+        state = fork_state(parent, fork)
         self.requests[fork.request_id] = state
         return state
 
@@ -396,7 +360,6 @@ class ModelRunner:
         positions = (torch.tensor(block_indices, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
         cache.write_blocks(block_ids, tokens[:, :, positions])
 
-
     def _check_one_group(self) -> None:
         if self.kv_groups.num_groups > 1:  # sliding layers' early KV is gone once out of their window
             raise ValueError("KV snapshots are not supported for models with sliding-window layers")
@@ -422,43 +385,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _output(request_id: int, smp: Sample, prompt_logprobs: list[float]) -> SeqOutput:
     return SeqOutput(request_id, smp.token_id, smp.logprob, list(smp.top_tokens), prompt_logprobs)
-
-
-def _logit_rows(scheduled: list[_Scheduled]) -> tuple[list[int], list[int | None], list[list[int]]]:
-    """Which flat-batch tokens need logits.
-
-    Returns the token indices to compute, and per sequence the logits row it samples
-    from (None when its chunk stops early; with drafts, that row and the next num_drafts)
-    and the rows of its prompt logprobs.
-    """
-    rows: list[int] = []
-    sample_rows: list[int | None] = []
-    logprob_rows: list[list[int]] = []
-    offset = 0
-    for s in scheduled:
-        first = s.state.num_computed
-        # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
-        last_scored = min(first + s.num_compute, s.state.num_prompt_tokens - 1) if s.state.prompt_logprobs else first
-        scored = range(first, last_scored)
-        logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
-        rows.extend(offset + q - first for q in scored)
-        sample_row = None
-        if s.reaches_end:  # its last token's logits, after each of its drafts' before them
-            sample_row = len(rows)
-            rows.extend(offset + s.num_compute - 1 - d for d in range(s.num_drafts, -1, -1))
-        sample_rows.append(sample_row)
-        offset += s.num_compute
-    return rows, sample_rows, logprob_rows
-
-
-def _prompt_logprobs(logits: torch.Tensor, scheduled: list[_Scheduled], logprob_rows: list[list[int]]) -> list[list[float]]:
-    result: list[list[float]] = []
-    for s, rows in zip(scheduled, logprob_rows):
-        if not rows:
-            result.append([])
-            continue
-        first = s.state.num_computed
-        targets = torch.tensor(s.state.token_ids[first + 1 : first + 1 + len(rows)], device=logits.device)
-        logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
-        result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
-    return result

@@ -10,13 +10,9 @@ invariance of the forward makes the logits at those positions equal to a one-tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from loom_proto.step import TokenSample, accepted_drafts, blocks_after_verify
+from loom_shard.runtime.requests import RequestState
 from loom_shard.runtime.sampler import Sample, SeqSamplingState
-
-if TYPE_CHECKING:
-    from loom_shard.runtime.runner import RequestState
 
 
 def sampling_states(state: RequestState, num_drafts: int, mask: bytes | None) -> list[SeqSamplingState]:
