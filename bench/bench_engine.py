@@ -171,7 +171,7 @@ def main() -> None:
             for _ in range(args.rounds):  # interleaved A/B, min over rounds
                 for name, backend in backends.items():
                     runner.attention = backend
-                    model.use_fused_layers = name[1] == "fused"
+                    model.fused_layers.enabled = name[1] == "fused"
                     p = bench_prefill(runner, 512, repeats=2)
                     prefill[name] = min(prefill.get(name, p), p)
                     for batch in args.batches:

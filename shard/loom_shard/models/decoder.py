@@ -11,16 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom_shard import kernels
-from loom_shard.attention.cpu import paged_attention_cpu
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata
 from loom_shard.layers.decoder import DecoderLayer
-from loom_shard.layers.mlp import GatedMLP
+from loom_shard.layers.fused_layers import FusedLayers
 from loom_shard.layers.moe import MoE
 from loom_shard.layers.norm import RMSNorm
-from loom_shard.layers.quant_linear import QuantLinear
-from loom_shard.layers.rotary import KernelRope, RotaryEmbedding
-from loom_shard.model_config import Activation, ModelConfig
+from loom_shard.layers.rotary import RotaryEmbedding
+from loom_shard.model_config import ModelConfig
 from loom_shard.models.weights import fuse_hf_weights
 
 
@@ -37,8 +34,7 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary, self.local_rotary = self._rotary_embeddings()
-        self.use_fused_layers = True  # False: the modules below even where loom::decoder_layers can run
-        self._fused: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None  # _fused_layer_args
+        self.fused_layers = FusedLayers()  # every layer in one C++ call where the layers allow it
 
     def _rotary_embeddings(self) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
         c = self.config
@@ -77,15 +73,10 @@ class DecoderModel(nn.Module):
         if self.config.embedding_multiplier is not None:
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)  # rounded as transformers does
         rope = self.rotary.lookup(meta.positions, meta.max_position, x.dtype)
-        paged = meta.paged
-        if isinstance(rope, KernelRope) and paged is not None and paged.kernel is paged_attention_cpu:
-            weights, qkv_biases = self._fused_layer_args()
-            if weights:
-                attn = self.layers[0].self_attn
-                return kernels.ops().decoder_layers(
-                    x, weights, qkv_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
-                    paged.block_tables, paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
-                    self.layers[0].mlp.intermediate_size, self.layers[0].input_layernorm.eps)
+        plain = self.local_rotary is None and self.config.embedding_multiplier is None
+        fused = self.fused_layers.run(x, self.layers, plain, kv_cache, meta, rope)
+        if fused is not None:
+            return fused
         local_rope = rope
         if self.local_rotary is not None:
             local_rope = self.local_rotary.lookup(meta.positions, meta.max_position, x.dtype)
@@ -93,21 +84,6 @@ class DecoderModel(nn.Module):
             slot, layer_meta = meta.layer(index)
             x = layer(x, local_rope if layer.uses_local_rope else rope, kv_cache[slot], layer_meta)
         return x
-
-    def _fused_layer_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """loom::decoder_layers' weights and qkv biases (kernels/csrc/decoder.cpp): the layers'
-        arithmetic in one C++ call, bit-identical to the modules. Empty unless every layer is a plain
-        Llama layer whose projections are QuantLinears on Loom's kernels, bias-free but for qkv's
-        (Qwen2); not under tensor parallelism, whose projections are nn.Linear."""
-        if not self.use_fused_layers:
-            return [], []
-        if self._fused is None:
-            layers = list(self.layers) if all(_fusable(layer) for layer in self.layers) else []
-            if self.local_rotary is not None or self.config.embedding_multiplier is not None:
-                layers = []
-            self._fused = ([t for layer in layers for t in _layer_tensors(layer)],
-                           [layer.self_attn.qkv_proj.bias for layer in layers])
-        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
@@ -126,7 +102,7 @@ class DecoderModel(nn.Module):
         assign: take the tensors themselves as parameters (a model built on `meta`); the tied
         head and the rotary tables are then rebuilt on the weights' device.
         """
-        self._fused = None  # rebuilt from the new tensors at the next forward
+        self.fused_layers.reset()  # gathered from the new tensors at the next forward
         own = self.own_weights(dict(weights))
         params = dict(self.named_parameters(remove_duplicate=False))
         for name, tensor in own.items():  # a tensor-parallel layer cuts its share (tensor_parallel)
@@ -141,27 +117,4 @@ class DecoderModel(nn.Module):
             if self.config.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
             self.rotary, self.local_rotary = self._rotary_embeddings()
-
-
-def _projections(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-
-def _fusable(layer: DecoderLayer) -> bool:
-    if not layer.is_plain or not isinstance(layer.mlp, GatedMLP) or layer.mlp.activation is not Activation.SILU:
-        return False
-    projections = _projections(layer)
-    on_kernels = all(type(p) is QuantLinear and p.uses_kernels for p in projections)
-    return on_kernels and all(p.bias is None for p in projections[1:])  # only qkv may have a bias (Qwen2)
-
-
-def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
-    """One layer's tensors in loom::decoder_layers' order."""
-    qkv, o, gate_up, down = (_qtensors(p) for p in _projections(layer))
-    return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
-
-
-def _qtensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    assert isinstance(linear, QuantLinear)
-    return linear.packed, linear.scales.view(torch.float16)
 

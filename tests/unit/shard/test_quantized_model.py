@@ -85,7 +85,7 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert quantized.lm_head.kind is QuantKind.Q8_0 and quantized.layers[0].mlp.down_proj.kind is QuantKind.Q4_1
     assert not any(isinstance(m, QuantLinear) for m in reference.modules())
     assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
-    weights, qkv_biases = quantized._fused_layer_args()  # one C++ call (qwen2: with its qkv biases)
+    weights, qkv_biases = quantized.fused_layers.args(quantized.layers, plain_model=True)  # one C++ call (qwen2: with its qkv biases)
     assert len(weights) == 10 * TINY["num_hidden_layers"] and len(qkv_biases) == TINY["num_hidden_layers"]
     assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
@@ -120,9 +120,9 @@ def test_fused_decoder_layers_match_the_modules_bit_for_bit(
     fused_cache.normal_(generator=torch.Generator().manual_seed(0))
     module_cache = fused_cache.clone()
     with torch.no_grad():
-        model.use_fused_layers = False
+        model.fused_layers.enabled = False
         expected = model(ids, module_cache, meta)
-        model.use_fused_layers = True
+        model.fused_layers.enabled = True
         monkeypatch.setattr(DecoderLayer, "forward", lambda *args: pytest.fail("the modules ran"))
         got = model(ids, fused_cache, meta)
     assert torch.equal(got, expected)
