@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_engine import BLOCK_SIZE, load_model, make_runner  # noqa: E402
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan  # noqa: E402
-from loom_shard.attention_backend import TorchBackend  # noqa: E402
+from loom_shard.attention.backend import TorchBackend  # noqa: E402
 
 
 def generate(runner, prompts: dict[int, list[int]], new_tokens: int, blocks_per_seq: int) -> dict[int, list[int]]:  # noqa: ANN001

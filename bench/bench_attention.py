@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from loom_shard.attention import SeqSpan, blocked_causal_attention, paged_attention
-from loom_shard.attention_backend import BackendKind, PagedBackend, TorchBackend
+from loom_shard.attention.backend import BackendKind, PagedBackend, TorchBackend
+from loom_shard.attention.metadata import AttentionSpec, SeqSpan
+from loom_shard.attention.torch_paged import blocked_causal_attention, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 SHAPES = [(512, 0), (2000, 0), (512, 1500), (16, 2000)]  # (chunk_len, num_cached)
@@ -87,7 +88,7 @@ PAGED_CASES = {"decode b=1": [1], "decode b=8": [1] * 8, "decode b=32": [1] * 32
 def bench_paged(rounds: int) -> None:
     """One layer's `paged_attention` (cache write + attention) with each backend's metadata."""
     from loom_shard import kernels
-    from loom_shard.cpu_attention import paged_attention_cpu
+    from loom_shard.attention.cpu import paged_attention_cpu
 
     if not kernels.available():
         raise SystemExit("Loom's CPU kernels could not be built here")
@@ -109,7 +110,8 @@ def bench_paged(rounds: int) -> None:
             k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
             v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
             metas = {name: b.build_metadata(spans, block_size) for name, b in backends.items()}
-            fns = {name: (lambda m=m: paged_attention(q, k, v, kv, m)) for name, m in metas.items()}
+            spec = AttentionSpec.plain(HEAD_DIM)
+            fns = {name: (lambda m=m: paged_attention(q, k, v, kv, m, spec)) for name, m in metas.items()}
             best = {name: float("inf") for name in fns}
             repeats = max(1, 200 // max(1, tokens // 16))
             for _ in range(rounds):

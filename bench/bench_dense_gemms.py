@@ -21,7 +21,7 @@ from bench_engine import BLOCK_SIZE, bench_decode, bench_prefill, load_model, ma
 from loom_shard.layers import row_invariance  # noqa: E402
 from loom_shard.layers.packed_linear import PackedLinear  # noqa: E402
 from loom_shard.layers.row_invariance import Gemm  # noqa: E402
-from loom_shard.model_setup import cpu_summary  # noqa: E402
+from loom_shard.runtime.model_setup import cpu_summary  # noqa: E402
 
 
 def force(runner, gemm: Gemm | None) -> str:  # noqa: ANN001 - a ModelRunner

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.attention_backend import TorchBackend
+from loom_shard.attention.backend import TorchBackend
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
-from loom_shard.models.llama import LlamaModel
-from loom_shard.runner import ModelRunner
+from loom_shard.models.decoder import DecoderModel
+from loom_shard.runtime.runner import ModelRunner
 
 BLOCK_SIZE = 16
 SMOLLM2_SHAPE = ModelConfig(
@@ -69,12 +69,12 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def load_model(random_model: bool, quantize: str = "none") -> tuple[LlamaModel, str]:
+def load_model(random_model: bool, quantize: str = "none") -> tuple[DecoderModel, str]:
     """quantize "auto": the GGUF's Q4_1/Q8_0 projections stay quantized (QuantLinear), as a shard's default."""
     if not random_model:
         try:
-            from loom_shard.loader import load_model_weights
-            from loom_shard.quantize import install_quant_linears, quantized_summary
+            from loom_shard.loading.loader import load_model_weights
+            from loom_shard.loading.quantize import install_quant_linears, quantized_summary
 
             quantized: dict | None = {} if quantize == "auto" else None
             config, weights = load_model_weights("", torch.float32, progress=None, quantized=quantized)
@@ -89,7 +89,7 @@ def load_model(random_model: bool, quantize: str = "none") -> tuple[LlamaModel, 
     return build_model(SMOLLM2_SHAPE), "random model of SmolLM2-135M's shape"
 
 
-def make_runner(model: LlamaModel, dtype: str, num_blocks: int, cpu_kernels: str = "auto") -> ModelRunner:
+def make_runner(model: DecoderModel, dtype: str, num_blocks: int, cpu_kernels: str = "auto") -> ModelRunner:
     config = ShardConfig(model_id="bench", uds_path="", dtype=dtype, block_size=BLOCK_SIZE, cpu_kernels=cpu_kernels)
     runner = ModelRunner(config, model=model)
     cache = runner.allocate_kv_cache(num_blocks, num_host_blocks=1)
@@ -171,7 +171,7 @@ def main() -> None:
             for _ in range(args.rounds):  # interleaved A/B, min over rounds
                 for name, backend in backends.items():
                     runner.attention = backend
-                    model.use_fused_layers = name[1] == "fused"
+                    model.fused_layers.enabled = name[1] == "fused"
                     p = bench_prefill(runner, 512, repeats=2)
                     prefill[name] = min(prefill.get(name, p), p)
                     for batch in args.batches:

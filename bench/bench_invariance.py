@@ -16,12 +16,13 @@ from torch import nn
 
 from loom_proto.step import SamplingParams
 from loom_shard import kernels
-from loom_shard.attention import SeqSpan, paged_attention
-from loom_shard.attention_backend import TorchBackend, select_backend
+from loom_shard.attention.backend import TorchBackend, select_backend
+from loom_shard.attention.metadata import AttentionSpec, SeqSpan
+from loom_shard.attention.torch_paged import paged_attention
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.rotary import RotaryEmbedding
 from loom_shard.layers.row_invariance import Gemm
-from loom_shard.sampler import SeqSamplingState, sample
+from loom_shard.runtime.sampler import SeqSamplingState, sample
 
 BATCHES = (1, 2, 4, 7, 8, 16, 32, 64)
 HIDDEN, INTER, VOCAB = 576, 1536, 49152
@@ -68,7 +69,7 @@ def attention_rows(backend, spans: list[SeqSpan], q: torch.Tensor, kv: torch.Ten
     meta = backend.build_metadata(spans, 16)
     flat = kv.view(2, -1, kv.shape[3], kv.shape[4])
     k, v = flat[0][meta.slot_mapping].clone(), flat[1][meta.slot_mapping].clone()
-    return paged_attention(q, k, v, kv, meta)
+    return paged_attention(q, k, v, kv, meta, AttentionSpec.plain(q.shape[-1]))
 
 
 def attention_cases() -> list[str]:

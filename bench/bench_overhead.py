@@ -35,7 +35,7 @@ from loom_router.core.engine import Engine
 from loom_router.core.shard_client import ShardClient
 from loom_router.tokenizer import load_tokenizer
 from loom_router.types import GenerationParams
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 
 PROMPT_TOKENS = 64
 

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loom_shard import kernels
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.quant_linear import QuantLinear, QuantSource
-from loom_shard.loader import resolve_model_path
-from loom_shard.loader_gguf import open_gguf, quant_source
+from loom_shard.loading.gguf_file import open_gguf, quant_source
+from loom_shard.loading.loader import resolve_model_path
 
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 

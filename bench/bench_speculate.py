@@ -90,7 +90,7 @@ def step_cost(k: int, steps: int) -> None:
 
     from loom_proto.config import ShardConfig
     from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-    from loom_shard.runner import ModelRunner
+    from loom_shard.runtime.runner import ModelRunner
 
     prompt_len = 150
     for batch in (1, 8):

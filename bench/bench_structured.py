@@ -108,8 +108,8 @@ def main() -> None:
 
 def bench_sampler(batch: int, vocab_size: int = 49152, repeats: int = 30) -> None:
     """The shard's share alone: sample() with and without a mask on every row (best CPU ms)."""
-    from loom_shard.sampler import SeqSamplingState, sample
-    from loom_shard.token_mask import apply_allowed_masks
+    from loom_shard.runtime.sampler import SeqSamplingState, sample
+    from loom_shard.runtime.token_mask import apply_allowed_masks
 
     rng = random.Random(0)
     logits = torch.randn(batch, vocab_size)

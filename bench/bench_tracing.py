@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_router.observability.tracing import RequestTracer
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from loom_shard.tracing import ShardTracer
 
 PROMPT_TOKENS = 32

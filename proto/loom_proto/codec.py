@@ -46,7 +46,7 @@ def to_pb(obj: Any) -> Any:
 
 
 # Dataclasses whose message has exactly their scalar fields: copied field by field.
-_FLAT_MESSAGES: dict[type, Any] = {TokenLogprob: pb.TokenLogprob, ModelInfo: pb.ModelInfo, WarmupResult: pb.WarmupResult}
+_FLAT_MESSAGES: dict[type, Any] = {TokenLogprob: pb.TokenLogprob, WarmupResult: pb.WarmupResult}
 
 
 def _flat_to_pb(obj: Any) -> Any:
@@ -59,6 +59,20 @@ def _flat_from_pb(cls: type) -> Callable[[Any], Any]:
 
 for _cls in _FLAT_MESSAGES:
     to_pb.register(_cls, _flat_to_pb)
+
+
+_INFO_SCALARS = tuple(f.name for f in fields(ModelInfo) if f.name != "kv_group_windows")
+
+
+@to_pb.register
+def _model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
+    groups = [pb.KVGroupWindow(window=window) for window in info.kv_group_windows]  # None leaves it unset
+    return pb.ModelInfo(**{name: getattr(info, name) for name in _INFO_SCALARS}, kv_group_windows=groups)
+
+
+def _model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
+    windows = tuple(_optional(g, "window") for g in m.kv_group_windows) or (None,)  # an older shard: one group
+    return ModelInfo(**{name: getattr(m, name) for name in _INFO_SCALARS}, kv_group_windows=windows)
 
 
 @to_pb.register
@@ -264,7 +278,7 @@ _FROM_PB: dict[type, Callable[[Any], Any]] = {
     pb.TokenLogprob: _flat_from_pb(TokenLogprob),
     pb.SeqOutput: _seq_output_from_pb,
     pb.StepResult: _step_result_from_pb,
-    pb.ModelInfo: _flat_from_pb(ModelInfo),
+    pb.ModelInfo: _model_info_from_pb,
     pb.WarmupResult: _flat_from_pb(WarmupResult),
 }
 

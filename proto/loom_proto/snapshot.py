@@ -1,6 +1,6 @@
 """The KV snapshot format, part of the contract: the part file's bytes (magic, version,
 header, KV bytes, checksum), the manifest, the model fingerprint and the status codes.
-Pure data, no file I/O: the shards read and write the files (loom_shard.snapshot), the
+Pure data, no file I/O: the shards read and write the files (loom_shard.runtime.snapshot), the
 router decides what to save and reads manifests through the shards. Torch-free.
 
     <snapshot dir>/<name>/manifest.json   format version, shard count, tokens, fingerprint

@@ -160,10 +160,11 @@ def accepted_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) ->
     return accepted
 
 
-def blocks_after_verify(num_tokens: int, num_blocks: int, block_size: int) -> int:
-    """The blocks a sequence keeps after a verify step that left it with num_tokens known tokens:
-    those covering them (its next step's writes); blocks only rejected drafts reached go back."""
-    return min(num_blocks, -(-num_tokens // block_size))
+def blocks_after_verify(num_tokens: int, num_blocks: int, block_size: int, num_groups: int = 1) -> int:
+    """The block-table entries a sequence keeps after a verify step that left it with num_tokens
+    known tokens: those covering them (its next step's writes), one per KV group for each logical
+    block; blocks only rejected drafts reached go back."""
+    return min(num_blocks, -(-num_tokens // block_size) * num_groups)
 
 
 @dataclass(slots=True)
@@ -193,6 +194,13 @@ class ModelInfo:
     world_size: int
     quantization: str = "none"  # weights kept quantized (--quantize auto), e.g. "Q4_1 x120, Q8_0 x1 (loom kernels)"
     cpu_kernels: str = ""  # CPU: the kernels build in use and why, e.g. "avx512 (...)"; "" on GPUs
+    # One entry per KV group: the window of its layers (None: full attention). One group holds
+    # every layer unless the model has sliding-window layers.
+    kv_group_windows: tuple[int | None, ...] = (None,)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.kv_group_windows)
 
 
 @dataclass(slots=True, frozen=True)

@@ -96,6 +96,7 @@ class Limits(msgspec.Struct, frozen=True, array_like=True):
     block_size: int
     num_usable_blocks: int
     max_num_seqs: int
+    num_kv_groups: int = 1  # a block of tokens takes one block of each group
 
 
 class Status(msgspec.Struct, tag=True, array_like=True):
@@ -195,7 +196,7 @@ def check_lengths(limits: Limits, num_input_tokens: int, max_new_tokens: int | N
             f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
             f"Given: {num_input_tokens} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
     # Conservative: the n choices are counted as if they shared no prompt block.
-    blocks = n * -(-(num_input_tokens + max_new_tokens) // limits.block_size)
+    blocks = n * -(-(num_input_tokens + max_new_tokens) // limits.block_size) * limits.num_kv_groups
     if n > limits.max_num_seqs or blocks > limits.num_usable_blocks:
         raise ValidationError(
             f"Input validation error: {n} sequence(s) of {num_input_tokens} + {max_new_tokens} tokens "

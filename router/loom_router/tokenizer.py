@@ -397,6 +397,18 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     if isinstance(template, list):  # named templates: the default one serves chat
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    if template is None:
+        template = _processor_chat_template(folder)
+    return template if isinstance(template, str) else None
+
+
+def _processor_chat_template(folder: Path) -> str | None:
+    """A multimodal model's processor template (chat_template.json), where its tokenizer has none."""
+    path = folder / "chat_template.json"
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template") if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
     return template if isinstance(template, str) else None
 
 

@@ -38,6 +38,7 @@ class GenerationParams:
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
     constraint: ConstraintSpec | None = None  # constrained decoding: compiled by the engine core
+    skip_special_tokens: bool = True  # False: control tokens stay in the text (a tool-call marker)
 
     @property
     def n(self) -> int:

@@ -24,7 +24,7 @@ from loom_proto.config import ShardConfig
 from loom_proto.event_loop import run_event_loop
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
-from loom_shard.snapshot import PartStore, clean_leftovers
+from loom_shard.runtime.snapshot import PartStore, clean_leftovers
 from loom_shard.tracing import ShardTracer, StepPhases, configure_tracing
 
 log = logging.getLogger("loom_shard.server")
@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 
 class Runner(Protocol):
-    """What the server needs of loom_shard.runner.ModelRunner."""
+    """What the server needs of loom_shard.runtime.runner.ModelRunner."""
 
     def info(self) -> ModelInfo: ...
     def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult: ...
@@ -306,7 +306,7 @@ def init_distributed(config: ShardConfig) -> None:
     import torch  # only here: the server itself does not need torch
     import torch.distributed as dist
 
-    from loom_shard.model_setup import resolve_device
+    from loom_shard.runtime.model_setup import resolve_device
 
     backend = "gloo"
     device = resolve_device(config.device, config.rank)
@@ -330,7 +330,7 @@ def close_distributed(config: ShardConfig) -> None:
 
 
 def build_runner(config: ShardConfig) -> Runner:
-    from loom_shard.runner import ModelRunner  # loads torch and the model code
+    from loom_shard.runtime.runner import ModelRunner  # loads torch and the model code
 
     return ModelRunner(config)
 
@@ -347,8 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Until serve() takes the signals over, SIGTERM stops a long model load like SIGINT does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from loom_shard.loader import ModelLoadError
-    from loom_shard.model_setup import ShardSetupError
+    from loom_shard.loading.loader import ModelLoadError
+    from loom_shard.runtime.model_setup import ShardSetupError
 
     worker = new_worker()
 

@@ -20,8 +20,8 @@ from loom_proto.config import RouterConfig
 from loom_proto.snapshot import KVLayout, Manifest, SnapshotEntry, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_router.core.engine import Engine
 from loom_router.tokenizer import Tokenizer
+from loom_shard.runtime.snapshot import PartStore
 from loom_shard.server import _snapshot_call as shard_snapshot_call
-from loom_shard.snapshot import PartStore
 
 BLOCK_SIZE = 4
 
@@ -356,7 +356,7 @@ async def grpc_shard(tmp_path: Path):
 
     from loom_proto.config import ShardConfig
     from loom_router.core.shard_client import ShardClient
-    from loom_shard.runner import ModelRunner
+    from loom_shard.runtime.runner import ModelRunner
     from loom_shard.server import start_server
     from tests.unit.shard.conftest import make_pair
 

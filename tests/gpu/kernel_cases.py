@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loom_shard.attention import SeqSpan
+from loom_shard.attention.metadata import SeqSpan
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Batch invariance on CUDA: the Triton paged-attention kernel gives a sequence's rows bit-identical
 results whatever else is in the launch and however its prompt is chunked.
 
-Why it holds by design (shard/loom_shard/triton_attention.py): one program owns one query tile
+Why it holds by design (shard/loom_shard/attention/triton_paged.py): one program owns one query tile
 of one sequence and one KV head and walks that sequence's keys from key 0 in fixed BLOCK_N
 tiles; there is no split-KV whose split count follows the batch, no atomics, and the block sizes
 are constants. Keys past a tile's last query are masked to exactly zero weight, so a chunk
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_shard.attention import SeqSpan
-from loom_shard.attention_backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.metadata import AttentionSpec, SeqSpan
 
 BLOCK_SIZE = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -32,7 +32,7 @@ def _run(spans: list[SeqSpan], q: torch.Tensor, kv: torch.Tensor) -> torch.Tenso
     assert backend.kind is BackendKind.TRITON
     packed, shape = pack_step_tables(spans, BLOCK_SIZE)
     meta = paged_metadata(packed.cuda(), shape, BLOCK_SIZE, backend.kernel)
-    out = meta.paged.kernel(q, kv, meta.paged)
+    out = meta.paged.kernel(q, kv, meta.paged, AttentionSpec.plain(q.shape[-1]))
     torch.cuda.synchronize()
     return out
 

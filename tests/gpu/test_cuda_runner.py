@@ -8,8 +8,8 @@ import torch
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.attention_backend import BackendKind
-from loom_shard.runner import ModelRunner
+from loom_shard.attention.backend import BackendKind
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import hf_logits, make_pair, random_tokens
 
 GREEDY = SamplingParams(seed=0, top_n_tokens=2)

@@ -8,10 +8,10 @@ import torch
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.cuda_graphs import GRAPH_BATCH_SIZES
-from loom_shard.loader_hf import config_from_hf
+from loom_shard.loading.hf_folder import config_from_hf
 from loom_shard.models import build_model
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES
+from loom_shard.runtime.runner import ModelRunner
 
 SMOLLM2_SHAPES = dict(  # the embedded model's architecture, random weights
     architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,

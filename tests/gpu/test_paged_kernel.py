@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_shard.attention_backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.metadata import AttentionSpec
 from tests.gpu.kernel_cases import make_case, reference, relative_error
 
 CASES = [
@@ -20,7 +21,7 @@ def _run(case) -> torch.Tensor:
     assert backend.kind is BackendKind.TRITON
     packed, shape = pack_step_tables(case.spans, case.block_size)
     meta = paged_metadata(packed.cuda(), shape, case.block_size, backend.kernel)
-    return meta.paged.kernel(case.q, case.kv_layer, meta.paged)
+    return meta.paged.kernel(case.q, case.kv_layer, meta.paged, AttentionSpec.plain(case.q.shape[-1]))
 
 
 @pytest.mark.parametrize(("query_lens", "cached"), CASES)

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from loom_proto.step import SamplingParams
-from loom_shard.sampler import SeqSamplingState, sample
+from loom_shard.runtime.sampler import SeqSamplingState, sample
 
 
 def _syncs_of(fn) -> int:  # noqa: ANN001

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
+from loom_shard.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
 
 def test_swap_round_trip_survives_immediate_overwrite() -> None:

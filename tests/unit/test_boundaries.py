@@ -45,7 +45,7 @@ def test_no_import_crosses_a_process_line(folder: str) -> None:
 
 def test_the_check_catches_a_forbidden_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    import torch.nn\n    from loom_shard.runner import ModelRunner\n")
+    bad.write_text("def f():\n    import torch.nn\n    from loom_shard.runtime.runner import ModelRunner\n")
     assert len(forbidden_imports("loom_router", [bad])) == 2
 
 

@@ -100,6 +100,12 @@ def round_trip(obj):
             weights_hash="ab12", device="cuda:1", block_size=16, rank=1, world_size=2,
             quantization="Q4_1 x120, Q8_0 x1 (loom kernels)",
         ),
+        ModelInfo(
+            architecture="Gemma3ForCausalLM", num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256,
+            hidden_size=1152, vocab_size=262144, max_position_embeddings=32768, dtype="bfloat16",
+            weights_hash="cd34", device="cpu", block_size=16, rank=0, world_size=1,
+            kv_group_windows=(None, 512, 512, 512, 512, 512, 512),
+        ),
         WarmupResult(num_blocks=1024, num_host_blocks=64, block_size=16),
         sample_plan(),
         StepPlan(),

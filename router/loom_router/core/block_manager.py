@@ -25,6 +25,18 @@ Only blocks whose KV has been computed are hashed (`cache_full_blocks`, after ea
 so a hit never points at a block still being filled. The chain hashes of full prompt blocks
 allocated but not yet computed are "pending" (`is_prefix_pending`): a scheduler can hold back
 a prompt that starts the same way until they are computed, and then it hits.
+
+KV groups (a model with sliding-window layers; `loom_proto.step`): a sequence's table then lists
+one block per group for each logical block (entry i * groups + g). A sliding group's blocks that
+no query can read any more (all before the next query's window) go back to the pool after each
+step (`drop_out_of_window`) and read `None` in the table, hashed ones still cached; a prefix hit
+then needs every full group's blocks and each sliding group's blocks of the last window only.
+Such a table grows with the tokens each step computes (`compute_limit`, `num_compute`) rather
+than covering a whole prompt at admission, so a long prefill never holds a whole prompt's
+sliding blocks (vLLM's per-step allocation); without sliding groups nothing changes.
+
+    window 8, block_size 4, 2 groups (full, sliding), 14 tokens computed:
+    table: [ f0 --  f1 --  f2 s2  f3 s3 ]     the next query (position 14) reads keys 7..14
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ class Block:
     block_hash: int | None = None  # set only while registered in the prefix cache
     parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    group: int = 0  # the KV group whose prefix cache holds it (while registered)
 
 
 class _SeqTokens:
@@ -89,17 +102,21 @@ class BlockManager:
     """
 
     def __init__(self, block_size: int, num_blocks: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash) -> None:
-        assert block_size > 0 and num_blocks > 0 and num_host_blocks >= 0
+                 enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash,
+                 group_windows: Seq[int | None] = (None,)) -> None:
+        assert block_size > 0 and num_blocks > 0 and num_host_blocks >= 0 and group_windows
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)  # per KV group: its window, None for full attention
         self._hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_ids: deque[int] = deque(range(num_blocks))  # never hashed: used first
         self._cached_ids: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, LRU first
-        self._hash_to_id: dict[int, int] = {}
+        self._hash_maps: list[dict[int, int]] = [{} for _ in self.group_windows]  # per group: hash -> block
+        self._hash_to_id = self._hash_maps[0]
+        self.per_step = any(w is not None for w in self.group_windows)  # tables grow with each step's tokens
         self._pending: dict[int, int] = {}  # chain hash -> device sequences still computing it
         self.host_ref_counts = [0] * num_host_blocks
         self._free_host_ids: deque[int] = deque(range(num_host_blocks))
@@ -126,18 +143,44 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def entries_for(self, num_tokens: int) -> int:
+        """Block-table entries covering num_tokens: one per group for each logical block."""
+        return self.blocks_for(num_tokens) * self.num_groups
+
+    def _first_kept(self, group: int, num_computed: int) -> int:
+        """The first logical block a group keeps once num_computed tokens are computed: the one
+        holding the next query's first visible key (0 for full attention)."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
+    def _covered(self, num_tokens: int, num_computed: int, num_compute: int | None) -> int:
+        """The tokens a table must cover: all known ones, or with sliding groups those the next
+        step computes (num_compute of them after num_computed)."""
+        if not self.per_step or num_compute is None:
+            return num_tokens
+        return min(num_tokens, num_computed + num_compute)
+
+    @staticmethod
+    def wire_table(table: Seq[int | None]) -> list[int]:
+        """A block table as the shard takes it: dropped entries (never read) as block 0."""
+        return [0 if block_id is None else block_id for block_id in table]
+
     # ---- prefix cache ------------------------------------------------------------------
 
     def _block_tokens(self, token_ids: Seq[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
 
     def _lookup(self, parent_hash: int | None, tokens: tuple[int, ...],
-                block_hash: int | None = None) -> tuple[int, int | None]:
-        """(hash, id of the cached block holding exactly these tokens after this parent);
+                block_hash: int | None = None, group: int = 0) -> tuple[int, int | None]:
+        """(hash, id of the group's cached block holding exactly these tokens after this parent);
         block_hash: the hash, when the caller knows it already."""
         if block_hash is None:
             block_hash = self._hash_fn(parent_hash, tokens)
-        block_id = self._hash_to_id.get(block_hash)
+        block_id = self._hash_maps[group].get(block_hash)
         if block_id is not None:
             block = self.blocks[block_id]
             if block.token_ids != tokens or block.parent_hash != parent_hash:
@@ -145,13 +188,26 @@ class BlockManager:
         return block_hash, block_id
 
     def _find_prefix(self, token_ids: Seq[int], max_blocks: int,
-                     known_hashes: Seq[int] = ()) -> tuple[list[int], list[int]]:
-        """The longest run of cached blocks at the start of token_ids: (block ids, hashes).
+                     known_hashes: Seq[int] = ()) -> tuple[list[int | None], list[int]]:
+        """The longest cached prefix of token_ids, in whole blocks: its block-table entries (one per
+        group for each block; None where a sliding group no longer needs it) and chain hashes.
         known_hashes: the chain hashes of token_ids' first blocks, if computed already."""
-        hit_ids: list[int] = []
-        hashes: list[int] = []
         if not self.enable_prefix_caching:
-            return hit_ids, hashes
+            return [], []
+        if self.group_windows == (None,):
+            return self._full_prefix(token_ids, max_blocks, known_hashes)
+        hashes = self._chain(token_ids, max_blocks, known_hashes)
+        num_hit = self._longest_hit(token_ids, hashes)
+        entries = [None if index < self._first_kept(group, num_hit * self.block_size)
+                   else self._cached_id(token_ids, hashes, index, group)
+                   for index in range(num_hit) for group in range(self.num_groups)]
+        return entries, hashes[:num_hit]
+
+    def _full_prefix(self, token_ids: Seq[int], max_blocks: int,
+                     known_hashes: Seq[int]) -> tuple[list[int | None], list[int]]:
+        """One full-attention group: the cached blocks up to the first the cache lacks."""
+        hit_ids: list[int | None] = []
+        hashes: list[int] = []
         parent_hash = None
         for index in range(max_blocks):
             known = known_hashes[index] if index < len(known_hashes) else None
@@ -163,31 +219,72 @@ class BlockManager:
             parent_hash = block_hash
         return hit_ids, hashes
 
+    def _chain(self, token_ids: Seq[int], num_blocks: int, known_hashes: Seq[int]) -> list[int]:
+        """The chain hashes of token_ids' first num_blocks blocks."""
+        hashes: list[int] = list(known_hashes[:num_blocks])
+        for index in range(len(hashes), num_blocks):
+            hashes.append(self._hash_fn(hashes[-1] if hashes else None, self._block_tokens(token_ids, index)))
+        return hashes
+
+    def _cached_id(self, token_ids: Seq[int], hashes: list[int], index: int, group: int) -> int | None:
+        """The group's cached block holding block `index` of token_ids, or None."""
+        parent = hashes[index - 1] if index else None
+        return self._lookup(parent, self._block_tokens(token_ids, index), hashes[index], group)[1]
+
+    def _longest_hit(self, token_ids: Seq[int], hashes: list[int]) -> int:
+        """The most leading blocks every group can serve: a full group all of them, a sliding
+        group the ones from its first kept block on. O(blocks) lookups."""
+        limit = len(hashes)
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                limit = next((i for i in range(limit) if self._cached_id(token_ids, hashes, i, group) is None), limit)
+        last_miss = {}  # sliding group -> per n, the last block before n its cache lacks (-1: none)
+        for group, window in enumerate(self.group_windows):
+            if window is not None:
+                misses, last = [-1], -1
+                for i in range(limit):
+                    last = i if self._cached_id(token_ids, hashes, i, group) is None else last
+                    misses.append(last)
+                last_miss[group] = misses
+        for num_hit in range(limit, 0, -1):
+            if all(misses[num_hit] < self._first_kept(group, num_hit * self.block_size)
+                   for group, misses in last_miss.items()):
+                return num_hit
+        return 0
+
     def _max_hit_blocks(self, num_tokens: int) -> int:
         return (num_tokens - 1) // self.block_size  # always compute the last token
 
     def _register(self, block: Block, block_hash: int, parent_hash: int | None,
-                  tokens: tuple[int, ...]) -> None:
-        """Make a computed full block a cache entry, unless an identical one is already there."""
+                  tokens: tuple[int, ...], group: int = 0) -> None:
+        """Make a computed full block a cache entry of its group, unless an identical one is already there."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
-        if block_hash in self._hash_to_id:
+        if block_hash in self._hash_maps[group]:
             return  # a duplicate (or a colliding) block: the first one stays the entry
-        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
-        self._hash_to_id[block_hash] = block.block_id
+        block.block_hash, block.parent_hash, block.token_ids, block.group = block_hash, parent_hash, tokens, group
+        self._hash_maps[group][block_hash] = block.block_id
+
+    def _register_entries(self, table: Seq[int | None], index: int, block_hash: int, parent_hash: int | None,
+                          tokens: tuple[int, ...]) -> None:
+        """Register logical block `index` of a table in every group that still holds it."""
+        for group in range(self.num_groups):
+            block_id = table[index * self.num_groups + group]
+            if block_id is not None:
+                self._register(self.blocks[block_id], block_hash, parent_hash, tokens, group)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks of seq that became full and computed since the last call."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        num_full = min(seq.num_computed // self.block_size, len(seq.block_table) // self.num_groups)
         num_hashed = len(seq.block_hashes)
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
         for index in range(num_hashed, num_full):
             start = index * self.block_size
             tokens = tuple(seq.token_slice(start, start + self.block_size))
             block_hash = self._hash_fn(parent_hash, tokens)
-            self._register(self.blocks[seq.block_table[index]], block_hash, parent_hash, tokens)
+            self._register_entries(seq.block_table, index, block_hash, parent_hash, tokens)
             seq.block_hashes.append(block_hash)
             parent_hash = block_hash
         # pending_hashes[0] is the hash of block num_hashed: the computed ones are done.
@@ -208,8 +305,8 @@ class BlockManager:
             return False
         token_ids, known = self._tokens_and_hashes(token_ids)
         max_blocks = self._max_hit_blocks(len(token_ids))
-        hit_ids, hashes = self._find_prefix(token_ids, max_blocks, known)
-        index = len(hit_ids)
+        _, hashes = self._find_prefix(token_ids, max_blocks, known)
+        index = len(hashes)
         if index >= max_blocks:
             return False
         if index < len(known):
@@ -290,63 +387,92 @@ class BlockManager:
             else:
                 self._free_ids.append(block_id)
 
-    def num_required_blocks(self, token_ids: Seq[int] | Sequence, use_prefix_cache: bool = True) -> int:
+    def num_required_blocks(self, token_ids: Seq[int] | Sequence, use_prefix_cache: bool = True,
+                            compute_limit: int | None = None) -> int:
         """Free blocks an allocation of token_ids (or a sequence's tokens) takes (hits on
-        in-use blocks are free)."""
+        in-use blocks are free); compute_limit: tokens its first step computes at most."""
         token_ids, known = self._tokens_and_hashes(token_ids)
-        hit_ids: list[int] = []
+        entries: list[int | None] = []
+        hashes: list[int] = []
         if use_prefix_cache:
-            hit_ids, _ = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
-        num_shared = sum(1 for block_id in hit_ids if self.blocks[block_id].ref_count > 0)
-        return self.blocks_for(len(token_ids)) - num_shared
+            entries, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
+        num_shared = sum(1 for block_id in entries if block_id is not None and self.blocks[block_id].ref_count > 0)
+        num_dropped = entries.count(None)
+        covered = self._covered(len(token_ids), len(hashes) * self.block_size, compute_limit)
+        return self.entries_for(covered) - num_dropped - num_shared
 
     def can_allocate(self, seq: Sequence, num_extra_blocks: int = 0,
-                     use_prefix_cache: bool = True) -> bool:
-        needed = self.num_required_blocks(seq, use_prefix_cache)
+                     use_prefix_cache: bool = True, compute_limit: int | None = None) -> bool:
+        needed = self.num_required_blocks(seq, use_prefix_cache, compute_limit)
         return needed + num_extra_blocks <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> int:
-        """Give seq blocks for all its tokens, reusing the longest cached prefix.
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True, compute_limit: int | None = None) -> int:
+        """Give seq blocks for all its tokens (with sliding groups: for those its first step,
+        computing at most compute_limit of them, reaches), reusing the longest cached prefix.
 
         Returns the number of tokens whose KV is already there (set as seq.num_computed).
         """
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         token_ids, known = self._tokens_and_hashes(seq)
-        hit_ids: list[int] = []
+        entries: list[int | None] = []
         hashes: list[int] = []
         if use_prefix_cache:
-            hit_ids, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
-        for block_id in hit_ids:
-            self._share_block(block_id)
-        new_ids = [self._take_block() for _ in range(self.blocks_for(len(token_ids)) - len(hit_ids))]
-        seq.block_table = hit_ids + new_ids
+            entries, hashes = self._find_prefix(token_ids, self._max_hit_blocks(len(token_ids)), known)
+        for block_id in entries:
+            if block_id is not None:
+                self._share_block(block_id)
+        covered = self._covered(len(token_ids), len(hashes) * self.block_size, compute_limit)
+        new_ids = [self._take_block() for _ in range(self.entries_for(covered) - len(entries))]
+        seq.block_table = entries + new_ids
         seq.block_hashes = hashes
-        seq.num_computed = len(hit_ids) * self.block_size
+        seq.num_computed = len(hashes) * self.block_size
         self._mark_pending(seq)
         return seq.num_computed
 
-    def num_slot_blocks(self, seq: Sequence, ahead: int = 0) -> int:
-        """Blocks seq needs so its table covers every known token (the next step's writes),
-        plus `ahead` tokens sampled by a step whose output the router has not seen yet."""
-        return max(0, self.blocks_for(seq.num_tokens + ahead) - len(seq.block_table))
+    def num_slot_blocks(self, seq: Sequence, ahead: int = 0, num_compute: int | None = None) -> int:
+        """Blocks seq needs so its table covers every known token (the next step's writes; with
+        sliding groups, the num_compute tokens the next step computes), plus `ahead` tokens
+        sampled by a step whose output the router has not seen yet."""
+        covered = self._covered(seq.num_tokens, seq.num_computed, num_compute) + ahead
+        return max(0, self.entries_for(covered) - len(seq.block_table))
 
     def can_append_slot(self, seq: Sequence) -> bool:
         return self.num_slot_blocks(seq) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence, ahead: int = 0) -> list[int]:
-        """Grow seq's table to cover all its tokens (+ `ahead`); returns the new block ids (usually 0 or 1)."""
-        num_new = -(-(len(seq.prompt_ids) + len(seq.output_ids) + ahead) // self.block_size) - len(seq.block_table)
-        if num_new <= 0:  # the common case, every step of every decoding sequence: inlined num_slot_blocks
+    def append_slot(self, seq: Sequence, ahead: int = 0, num_compute: int | None = None) -> list[int]:
+        """Grow seq's table as `num_slot_blocks` says; returns the new block ids (usually none, or
+        one per KV group)."""
+        if not self.per_step:  # every step of every decoding sequence: num_slot_blocks inlined
+            num_new = -(-(seq.num_tokens + ahead) // self.block_size) - len(seq.block_table)
+        else:
+            num_new = self.num_slot_blocks(seq, ahead, num_compute)
+        if num_new <= 0:
             return []
         new_ids = [self._take_block() for _ in range(num_new)]
         seq.block_table.extend(new_ids)
         return new_ids
 
+    def drop_out_of_window(self, seq: Sequence) -> int:
+        """Give back the blocks of seq's sliding groups that no query can read any more (all
+        before the next query's window; computed, so hashed ones stay cached). Returns how many."""
+        dropped = 0
+        for group in range(self.num_groups):
+            first_kept = self._first_kept(group, seq.num_computed)
+            for index in range(first_kept - 1, -1, -1):  # newest first: stop at the first dropped
+                entry = index * self.num_groups + group
+                if entry >= len(seq.block_table) or seq.block_table[entry] is None:
+                    break
+                self._release_block(seq.block_table[entry])
+                seq.block_table[entry] = None
+                dropped += 1
+        return dropped
+
     def trim(self, seq: Sequence, num_keep: int) -> None:
-        """Give back seq's blocks past its first num_keep: those only rejected drafts reached
-        (past every computed token, so never hashed; the shard drops the same ones)."""
+        """Give back seq's blocks past its first num_keep entries: those only rejected drafts
+        reached (past every computed token, so never hashed; the shard drops the same ones)."""
         for block_id in reversed(seq.block_table[num_keep:]):
-            self._release_block(block_id)
+            if block_id is not None:
+                self._release_block(block_id)
         del seq.block_table[num_keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -358,20 +484,23 @@ class BlockManager:
         assert not child.block_table
         num_prompt = parent.num_prompt_tokens
         num_full = num_prompt // self.block_size
-        shared = parent.block_table[:num_full]
+        shared = parent.block_table[: num_full * self.num_groups]
         for block_id in shared:
-            self._share_block(block_id)
+            if block_id is not None:
+                self._share_block(block_id)
         child.block_table = list(shared)
         child.block_hashes = list(parent.block_hashes[:num_full])
         if num_prompt % self.block_size:
-            child.block_table.append(self._take_block())
+            child.block_table.extend(self._take_block() for _ in range(self.num_groups))
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's device and host blocks; hashed ones stay cached, the tail evicted first."""
         for block_id in reversed(seq.block_table):
-            self._release_block(block_id)
+            if block_id is not None:
+                self._release_block(block_id)
         for host_id in seq.host_block_table:
-            self._release_host_block(host_id)
+            if host_id is not None:
+                self._release_host_block(host_id)
         self._drop_pending(seq)
         seq.block_table, seq.block_hashes, seq.host_block_table = [], [], []
 
@@ -384,7 +513,7 @@ class BlockManager:
             self._free_host_ids.append(host_id)
 
     def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
-        unique = {block_id for seq in seqs for block_id in seq.block_table}
+        unique = {block_id for seq in seqs for block_id in seq.block_table if block_id is not None}
         return len(unique) <= self.num_free_host_blocks
 
     def swap_out(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
@@ -395,12 +524,13 @@ class BlockManager:
         """
         mapping: dict[int, int] = {}
         for seq in seqs:
-            for block_id in seq.block_table:
+            held = [block_id for block_id in seq.block_table if block_id is not None]
+            for block_id in held:
                 if block_id not in mapping:
                     mapping[block_id] = self._free_host_ids.popleft()
                 self.host_ref_counts[mapping[block_id]] += 1
-            seq.host_block_table = [mapping[block_id] for block_id in seq.block_table]
-            for block_id in reversed(seq.block_table):
+            seq.host_block_table = [None if b is None else mapping[b] for b in seq.block_table]
+            for block_id in reversed(held):
                 self._release_block(block_id)
             seq.block_table = []
             self._drop_pending(seq)  # off the device: nobody should wait for it
@@ -409,8 +539,8 @@ class BlockManager:
     def can_swap_in(self, seqs: Iterable[Sequence]) -> bool:
         """Room for the seqs' host blocks plus the blocks to cover their next step."""
         seqs = list(seqs)
-        unique = {host_id for seq in seqs for host_id in seq.host_block_table}
-        growth = sum(max(0, self.blocks_for(seq.num_tokens) - len(seq.host_block_table))
+        unique = {host_id for seq in seqs for host_id in seq.host_block_table if host_id is not None}
+        growth = sum(max(0, self.entries_for(seq.num_tokens) - len(seq.host_block_table))
                      for seq in seqs)
         return len(unique) + growth <= self.num_free_blocks
 
@@ -422,13 +552,14 @@ class BlockManager:
         """
         mapping: dict[int, int] = {}
         for seq in seqs:
-            for host_id in seq.host_block_table:
+            held = [host_id for host_id in seq.host_block_table if host_id is not None]
+            for host_id in held:
                 if host_id not in mapping:
                     mapping[host_id] = self._take_block()
                 else:
                     self.blocks[mapping[host_id]].ref_count += 1
-            seq.block_table = [mapping[host_id] for host_id in seq.host_block_table]
-            for host_id in seq.host_block_table:
+            seq.block_table = [None if h is None else mapping[h] for h in seq.host_block_table]
+            for host_id in held:
                 self._release_host_block(host_id)
             seq.host_block_table = []
             self._reregister(seq)  # (a swapped seq mid-prompt marks nothing pending: rare)
@@ -440,10 +571,10 @@ class BlockManager:
         for index, block_hash in enumerate(seq.block_hashes):
             start = index * self.block_size
             tokens = tuple(seq.token_slice(start, start + self.block_size))
-            self._register(self.blocks[seq.block_table[index]], block_hash, parent_hash, tokens)
+            self._register_entries(seq.block_table, index, block_hash, parent_hash, tokens)
             parent_hash = block_hash
 
-    # ---- filling the cache from outside (snapshot restore) -----------------------------
+    # ---- filling the cache from outside (snapshot restore; one KV group only) ----------
 
     def can_allocate_cached(self, token_ids: Seq[int]) -> bool:
         fill = self._plan_fill(token_ids)
@@ -482,9 +613,12 @@ class BlockManager:
         """Forget the cached blocks holding token_ids' full blocks that no sequence uses
         (a deleted snapshot); blocks in use stay, and so do those of the sequences in `keep`
         (the snapshots left). Returns how many were dropped."""
-        hit_ids, _ = self._find_prefix(token_ids, len(token_ids) // self.block_size)
-        kept = {block_id for other in keep for block_id in self._find_prefix(other, len(other) // self.block_size)[0]}
-        dropped = [block_id for block_id in hit_ids if self.blocks[block_id].ref_count == 0 and block_id not in kept]
+        def full_blocks(ids: Seq[int]) -> list[int | None]:
+            return self._find_prefix(ids, len(ids) // self.block_size)[0]
+
+        kept = {block_id for other in keep for block_id in full_blocks(other)}
+        dropped = [block_id for block_id in full_blocks(token_ids)
+                   if block_id is not None and self.blocks[block_id].ref_count == 0 and block_id not in kept]
         for block_id in dropped:
             del self._cached_ids[block_id]
             self._unhash(self.blocks[block_id])
@@ -504,8 +638,8 @@ class BlockManager:
                 self._free_ids.append(block_id)
 
     def _unhash(self, block: Block) -> None:
-        del self._hash_to_id[block.block_hash]
-        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+        del self._hash_maps[block.group][block.block_hash]
+        block.block_hash, block.parent_hash, block.token_ids, block.group = None, None, (), 0
 
     def cancel_cached(self, fill: CachedFill) -> None:
         """The fill failed: give the reserved blocks back unhashed."""

@@ -110,17 +110,20 @@ class Engine(RequestBook):
         self.max_total_tokens = self.config.max_total_tokens or info.max_position_embeddings
         self.max_input_tokens = self.config.max_input_tokens or self.max_total_tokens - 1
         warm = await self.client.warmup(self.config.max_batch_prefill_tokens, self.config.max_batch_total_tokens)
-        self.max_batch_total_tokens = warm.num_blocks * warm.block_size
+        # Tokens of every layer: a block of tokens takes one block per KV group.
+        self.max_batch_total_tokens = warm.num_blocks // info.num_kv_groups * warm.block_size
         scheduler_config = SchedulerConfig(
             block_size=warm.block_size,
             num_blocks=warm.num_blocks,
             num_host_blocks=warm.num_host_blocks,
             max_batch_prefill_tokens=self.config.max_batch_prefill_tokens,
             max_batch_total_tokens=self.max_batch_total_tokens,
+            kv_group_windows=info.kv_group_windows,
         )
         self.scheduler = Scheduler(scheduler_config)
         self.limits = Limits(self.max_total_tokens, self.max_input_tokens, self.max_batch_total_tokens,
-                             warm.block_size, scheduler_config.num_usable_blocks, scheduler_config.max_num_seqs)
+                             warm.block_size, scheduler_config.num_usable_blocks, scheduler_config.max_num_seqs,
+                             info.num_kv_groups)
         self._start_speculation()
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens), %d host blocks",
                  warm.num_blocks, warm.block_size, self.max_batch_total_tokens, warm.num_host_blocks)

@@ -37,11 +37,13 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)  # device block ids
+    # Device block ids, one per KV group for each logical block; None: a sliding group's block
+    # dropped once out of its window (loom_router.core.block_manager).
+    block_table: list[int | None] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full, computed blocks
     # Chain hashes of its full prompt blocks after block_hashes: held on the device, not yet computed.
     pending_hashes: list[int] = field(default_factory=list)
-    host_block_table: list[int] = field(default_factory=list)  # host block ids while swapped out
+    host_block_table: list[int | None] = field(default_factory=list)  # host block ids while swapped out
     # Chain hashes of the full blocks of token_ids, each computed once (tokens only grow):
     # a queue head that waits for space does not rehash its prompt every step.
     token_block_hashes: list[int] = field(default_factory=list)

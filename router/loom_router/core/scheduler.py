@@ -26,6 +26,9 @@ class SchedulerConfig:
     max_batch_total_tokens: int | None = None  # KV tokens held by all sequences; None: all blocks
     max_num_seqs: int = 256  # running sequences (n choices count n)
     enable_prefix_caching: bool = True
+    # KV groups (models with sliding-window layers): each group's window, None for full attention.
+    # A logical block of block_size tokens then takes one block per group.
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.num_host_blocks < 0:
@@ -37,10 +40,11 @@ class SchedulerConfig:
 
     @property
     def num_usable_blocks(self) -> int:
-        """The global KV pool: all blocks, capped by max_batch_total_tokens (TGI's meaning)."""
+        """The global KV pool: all blocks, capped by max_batch_total_tokens (TGI's meaning: tokens
+        of every layer, so one block per KV group for each block of tokens)."""
         if self.max_batch_total_tokens is None:
             return self.num_blocks
-        return min(self.num_blocks, self.max_batch_total_tokens // self.block_size)
+        return min(self.num_blocks, self.max_batch_total_tokens // self.block_size * len(self.kv_group_windows))
 
 
 @dataclass(slots=True)
@@ -80,7 +84,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.block_size, config.num_usable_blocks,
-                                          config.num_host_blocks, config.enable_prefix_caching)
+                                          config.num_host_blocks, config.enable_prefix_caching,
+                                          group_windows=config.kv_group_windows)
         self._waiting: deque[SequenceGroup] = deque()
         self._running: dict[int, SequenceGroup] = {}  # arrival order: the last is the newest
         self._groups: dict[int, SequenceGroup] = {}
@@ -166,7 +171,7 @@ class Scheduler:
 
         Conservative: it ignores that the n choices share their prompt blocks.
         """
-        blocks = n * self.block_manager.blocks_for(num_tokens)
+        blocks = n * self.block_manager.entries_for(num_tokens)  # a prompt holds every group's blocks
         return n <= self.config.max_num_seqs and blocks <= self.config.num_usable_blocks
 
     def schedule(self) -> StepPlan | None:
@@ -245,15 +250,18 @@ class Scheduler:
         active sequences, in arrival order)."""
         bm = self.block_manager
         block_size = bm.block_size
+        single_group = not bm.per_step
         for group, seqs in running:
             if group.group_id not in self._running:
                 continue  # preempted this step to make room for an older group
-            # The blocks its next tokens need (BlockManager.num_slot_blocks, inlined: the hot path).
-            needed = 0
-            for seq in seqs:
-                missing = -(-(len(seq.prompt_ids) + len(seq.output_ids)) // block_size) - len(seq.block_table)
-                if missing > 0:
-                    needed += missing
+            if single_group:  # the blocks its next tokens need (num_slot_blocks, inlined: the hot path)
+                needed = 0
+                for seq in seqs:
+                    missing = -(-(len(seq.prompt_ids) + len(seq.output_ids)) // block_size) - len(seq.block_table)
+                    if missing > 0:
+                        needed += missing
+            else:
+                needed = sum(bm.num_slot_blocks(seq, num_compute=_chunk(seq, step.budget)) for seq in seqs)
             if needed > bm.num_free_blocks and not self._make_room(group, needed, step):
                 continue  # it was the newest: preempted itself
             for seq in seqs:
@@ -316,20 +324,21 @@ class Scheduler:
         fresh = group.seqs[0].status is SeqStatus.WAITING
         if group.forked and not fresh:  # resuming independent choices
             seqs = group.unfinished_seqs()
-            needed = sum(bm.num_required_blocks(seq, use_cache) for seq in seqs)
+            needed = sum(bm.num_required_blocks(seq, use_cache, step.budget) for seq in seqs)
             if needed > bm.num_free_blocks:
                 return False
             for seq in seqs:
-                bm.allocate(seq, use_cache)
+                bm.allocate(seq, use_cache, step.budget)
         else:  # a prompt to prefill, then fork
             parent = group.seqs[0]
             # Each child takes one block (its copy of the last partial block, or the block
             # of its first decode); the parent's first decode needs one when the prompt
             # fills its blocks exactly.
-            extra = group.n - 1 + (parent.num_tokens % bm.block_size == 0)
-            if not bm.can_allocate(parent, extra, use_cache):
+            extra = (group.n - 1 + (parent.num_tokens % bm.block_size == 0)) * bm.num_groups
+            limit = step.budget if group.n == 1 else None  # siblings share the whole prompt's blocks
+            if not bm.can_allocate(parent, extra, use_cache, limit):
                 return False
-            bm.allocate(parent, use_cache)
+            bm.allocate(parent, use_cache, limit)
             for child in group.seqs[1:]:
                 bm.fork(parent, child)  # the partial block's copy is the shard's, on the Fork
         if fresh:
@@ -364,9 +373,8 @@ class Scheduler:
             step.budget -= num_compute
         if num_compute == 0:
             return  # no budget left this step; it stays where it is
-        new_block_ids = self.block_manager.append_slot(seq)
-        group = seq.group
-        forks = [] if group.forked else self._forks(seq, num_compute)
+        new_block_ids = self.block_manager.append_slot(seq, num_compute=num_compute)
+        forks = [] if seq.group.forked else self._forks(seq, num_compute)
         if seq.on_shard:
             step.plan.running_requests.append(RunningRequest(seq.seq_id, num_compute, new_block_ids, forks))
         else:
@@ -381,7 +389,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached=seq.num_computed,
             num_compute=num_compute,
-            block_table=list(seq.block_table),
+            block_table=self.block_manager.wire_table(seq.block_table),
             sampling=seq.sampling,
             prompt_logprobs=group.prompt_logprobs and seq.index == 0 and seq.num_generated == 0,
             forks=forks,
@@ -395,7 +403,7 @@ class Scheduler:
         group.forked = True
         forks = []
         for child in group.seqs[1:]:
-            forks.append(Fork(child.seq_id, child.sampling, list(child.block_table)))
+            forks.append(Fork(child.seq_id, child.sampling, self.block_manager.wire_table(child.block_table)))
             child.on_shard = True
         return forks
 
@@ -471,6 +479,7 @@ class Scheduler:
                 self._dedupe_prompt_logprobs(seq, start, out)
             self._append(seq, out, returned)
         self.block_manager.cache_full_blocks(seq)
+        self.block_manager.drop_out_of_window(seq)
 
     def _verify(self, seq: Sequence, request: RunningRequest, out: SeqOutput,
                 returned: list[tuple[Sequence, SeqOutput]]) -> None:
@@ -480,6 +489,7 @@ class Scheduler:
             self.stats.prompt_tokens_computed += 1
         returned.extend((seq, kept) for kept in self.speculator.verified(seq, request, out, self.block_manager))
         self.block_manager.cache_full_blocks(seq)
+        self.block_manager.drop_out_of_window(seq)
 
     def _start_child(self, parent: Sequence, fork: Fork, outputs: dict[int, SeqOutput],
                      returned: list[tuple[Sequence, SeqOutput]]) -> None:
@@ -537,6 +547,11 @@ class Scheduler:
         self.stats.num_waiting = len(self._waiting)
         self.stats.blocks_used = bm.num_used_blocks
         self.stats.blocks_cached = bm.num_cached_blocks
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """What `_run_seq` computes of seq with `budget` tokens left: a decode, or a prompt chunk."""
+    return 1 if seq.num_to_compute == 1 else max(0, min(seq.num_to_compute, budget))
 
 
 def _arrival(group: SequenceGroup) -> tuple[float, int]:

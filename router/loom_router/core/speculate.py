@@ -90,7 +90,7 @@ class Speculator:
         # Decodes (the last sampled token, or a prompt's last one), not 1-token prefill chunks.
         decodes = [r for r in requests if r.num_compute == 1 and not r.forks
                    and seqs[r.request_id].num_to_compute == 1]
-        spare_blocks = blocks.num_free_blocks - len(decodes)  # each may need a fresh block next step
+        spare_blocks = blocks.num_free_blocks - len(decodes) * blocks.num_groups  # each may need fresh blocks next step
         used = 0
         for request in decodes:
             seq = seqs[request.request_id]
@@ -120,7 +120,7 @@ class Speculator:
         seq.num_computed += 1 + accepted
         kept = samples[: accepted + 1]
         seq.output_ids.extend(s.token_id for s in kept)  # type: ignore[misc]
-        blocks.trim(seq, blocks_after_verify(seq.num_tokens, len(seq.block_table), blocks.block_size))
+        blocks.trim(seq, blocks_after_verify(seq.num_tokens, len(seq.block_table), blocks.block_size, blocks.num_groups))
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
         return kept

@@ -31,12 +31,14 @@ from loom_router.frontend.json_body import UnicodeJSONRoute
 from loom_router.frontend.text import token_texts
 from loom_router.frontend.tool_stream import tool_chunks
 from loom_router.frontend.tools import (
+    AnswerFormat,
     ToolMode,
-    ToolPlan,
+    answer_format,
     chat_constraint_spec,
     chat_message,
     plan_tools,
     template_inputs,
+    tool_format_of,
 )
 from loom_router.frontend.validation import (
     ChatCompletionRequest,
@@ -134,22 +136,26 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
     limits = state.limits()
     check_openai(body, limits)
-    tool_plan = plan_tools(body)
+    template = state.tokenizer.chat_template
+    tool_plan = plan_tools(body, tool_format_of(template))
     spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
     check_input_chars(state, sum(len(str(m.get("content") or "")) for m in messages), "messages")
+    extra = {**(body.chat_template_kwargs or {}), **extra}  # vLLM's: e.g. Qwen3's enable_thinking
     prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True, **extra)
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     params.constraint = spec
+    answer = answer_format(tool_plan, template, prompt)
+    params.skip_special_tokens = not answer.keeps_special_tokens
     reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
     if body.stream:
-        return await _stream(state, reply, ids, params, tool_plan)
+        return await _stream(state, reply, ids, params, answer)
     generation = await generate(state, request, ids, params)
     choices = []
     for c in generation.choices:
-        message, finish = chat_message(tool_plan, c.text, c.finish_reason)
+        message, finish = chat_message(answer, c.text, c.finish_reason)
         choices.append({
             "index": c.index,
             "message": message,
@@ -181,10 +187,10 @@ async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> li
 
 
 async def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams,
-                  tool_plan: ToolPlan | None = None) -> Response:
+                  answer: AnswerFormat | None = None) -> Response:
     stream, timer = await submit(state, ids, params)
-    if tool_plan is not None and tool_plan.mode is not ToolMode.NONE:
-        chunks = tool_chunks(reply, tool_plan, params.n, stream, batches(stream, timer), _usage_counts)
+    if answer is not None and (answer.tools.mode is not ToolMode.NONE or answer.reasoning is not None):
+        chunks = tool_chunks(reply, answer, params.n, stream, batches(stream, timer), _usage_counts)
         return EventStreamResponse(chunks, stream.cancel)
     return EventStreamResponse(_chunks(state, reply, params.n, stream, batches(stream, timer)), stream.cancel)
 

@@ -109,6 +109,9 @@ def _enabled(request: Request) -> AppState:
     state = get_state(request)
     if not state.config.snapshot_dir:
         raise SnapshotHTTPError(501, DISABLED_MESSAGE, "disabled")
+    if state.engine.model_info.num_kv_groups > 1:  # their sliding layers' early KV is not kept
+        raise SnapshotHTTPError(501, "KV snapshots are not supported for models with sliding-window layers",
+                                "disabled")
     return state
 
 

@@ -51,8 +51,11 @@ class GenerationStream:
         self._special_ids = tokenizer.special_ids
         self._on_cancel = on_cancel
         self._on_stop = on_stop
-        self._choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_ids), StopMatcher(params.stop_sequences))
-                         for _ in range(params.n)]
+        self._choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens),
+                                 StopMatcher(params.stop_sequences)) for _ in range(params.n)]
+        # With specials kept (a tool-call marker), the EOS that ends the answer is still no text.
+        self._silent_ids = frozenset() if params.skip_special_tokens or params.ignore_eos \
+            else frozenset(tokenizer.eos_token_ids)
         self._num_open = params.n
         # A client that does not read must not grow the router's memory: past this many events
         # left unread (by a handler that had its turn to take them) the request is cancelled
@@ -123,7 +126,8 @@ class GenerationStream:
                top: list[tuple[int, float]] | None, core_finish: str | None, num_generated: int) -> ChoiceEvent:
         """Detokenize one token and decide whether it ends the choice (a stop string here, EOS or
         length from the core)."""
-        delta = choice.detokenizer.add(token_id)  # the text this token adds (TGI's token.text)
+        # the text this token adds (TGI's token.text)
+        delta = "" if token_id in self._silent_ids else choice.detokenizer.add(token_id)
         emitted, stopped = choice.stop.feed(delta)
         reason = FinishReason.STOP if stopped else FINISH[core_finish] if core_finish is not None else None
         if reason is not None and reason is not FinishReason.STOP:

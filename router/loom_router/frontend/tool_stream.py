@@ -1,9 +1,10 @@
-"""Streaming a chat completion that may call tools, in OpenAI's chunk shapes.
+"""Streaming a chat completion that may call tools or reason, in OpenAI's chunk shapes.
 
-Content streams as it comes, except text that is (or could still grow into) a
-`<tool_call>`: that is held until the choice finishes, then sent as tool-call deltas
-(the first with id, type and name, the next with the JSON arguments) and a final chunk
-with `finish_reason: "tool_calls"`, the way the official client reassembles them.
+Thinking streams as `reasoning_content` deltas (the tags never sent). Content streams as it comes,
+except text that is (or could still grow into) the start of a tool call in the model's format:
+that is held until the choice finishes, then sent as tool-call deltas (the first with id, type and
+name, the next with the JSON arguments) and a final chunk with `finish_reason: "tool_calls"`, the
+way the official client reassembles them.
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from loom_router.frontend import tool_parsers
 from loom_router.frontend.http_common import sse
-from loom_router.frontend.tools import CALL_OPEN, ToolMode, ToolPlan, finish_reason, open_prefix_length, parse_output
-from loom_router.types import ChoiceEvent, GenerationError, PromptInfo
+from loom_router.frontend.reasoning import Part, PartStream
+from loom_router.frontend.tools import AnswerFormat, ToolMode, ToolPlan, finish_reason, parse_output
+from loom_router.types import ChoiceEvent, FinishReason, GenerationError, PromptInfo
 
 UsageFn = Callable[[PromptInfo, int], dict[str, Any]]
+Chunk = Callable[..., bytes]
 
 
 @dataclass(slots=True)
 class _ChoiceText:
-    text: str = ""
+    reasoning: PartStream | None
+    text: str = ""  # the content so far
     num_sent: int = 0  # characters of text already sent as content
-    in_calls: bool = False  # a <tool_call> started: hold everything from here
+    in_calls: bool = False  # a tool call started: hold everything from here
 
 
-async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: AsyncIterator[list[ChoiceEvent]],
-                      usage: UsageFn) -> AsyncIterator[bytes]:
-    """SSE events of a tool-enabled chat stream; `reply` is openai_api's _Reply."""
+async def tool_chunks(reply: Any, answer: AnswerFormat | ToolPlan, n: int, stream: Any,
+                      events: AsyncIterator[list[ChoiceEvent]], usage: UsageFn) -> AsyncIterator[bytes]:
+    """SSE events of a chat stream with tools or reasoning; `reply` is openai_api's _Reply."""
+    if isinstance(answer, ToolPlan):
+        answer = AnswerFormat(answer)
     extra = {"usage": None} if reply.include_usage else {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -37,20 +44,12 @@ async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: A
 
     for index in range(n):
         yield chunk(index, {"role": "assistant", "content": ""})
-    texts = [_ChoiceText() for _ in range(n)]
+    texts = [_ChoiceText(answer.reasoning_stream()) for _ in range(n)]
     num_generated = 0
     try:
         async for batch in events:
             num_generated += len(batch)
-            pieces: list[bytes] = []
-            for event in batch:
-                state = texts[event.index]
-                state.text += event.text
-                content = _releasable(state) if plan.mode is ToolMode.AUTO else ""
-                if content:
-                    pieces.append(chunk(event.index, {"content": content}))
-                if event.finish_reason is not None:
-                    pieces += _final_chunks(state, plan, event, chunk)
+            pieces = [piece for event in batch for piece in _event_chunks(texts[event.index], answer.tools, event, chunk)]
             if pieces:
                 yield b"".join(pieces)
     except GenerationError as e:
@@ -61,31 +60,54 @@ async def tool_chunks(reply: Any, plan: ToolPlan, n: int, stream: Any, events: A
     yield sse("[DONE]")
 
 
-def _releasable(state: _ChoiceText) -> str:
+def _event_chunks(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent, chunk: Chunk) -> list[bytes]:
+    pieces = [(Part.CONTENT, event.text)] if state.reasoning is None else state.reasoning.feed(event.text)
+    if event.finish_reason is not None and state.reasoning is not None:
+        pieces += state.reasoning.finish()
+    out = []
+    for part, text in pieces:
+        if part is Part.REASONING:
+            out.append(chunk(event.index, {"reasoning_content": text}))
+            continue
+        state.text += text
+        content = _releasable(state, plan) if plan.mode is not ToolMode.FORCED else ""
+        if content:
+            out.append(chunk(event.index, {"content": content}))
+    if event.finish_reason is not None:
+        out += _final_chunks(state, plan, event.index, event.finish_reason, chunk)
+    return out
+
+
+def _releasable(state: _ChoiceText, plan: ToolPlan) -> str:
     """Content that can no longer be part of a tool call; marks it sent."""
     if state.in_calls:
         return ""
-    start = state.text.find(CALL_OPEN, state.num_sent)
-    if start >= 0:
-        state.in_calls = True
-        end = start
+    if plan.mode is ToolMode.NONE:
+        end = len(state.text)
     else:
-        end = len(state.text) - open_prefix_length(state.text)
-    content, state.num_sent = state.text[state.num_sent:end], max(end, state.num_sent)
+        start = tool_parsers.call_start(plan.format, state.text[state.num_sent :])
+        if start is not None:
+            state.in_calls = True
+            end = state.num_sent + start
+        else:
+            end = len(state.text) - tool_parsers.held_tail(plan.format, state.text)
+    content, state.num_sent = state.text[state.num_sent : end], max(end, state.num_sent)
     return content
 
 
-def _final_chunks(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent,
-                  chunk: Callable[..., bytes]) -> list[bytes]:
-    rest = state.text[state.num_sent:]
-    parsed = parse_output(rest, plan.tools)
+def _final_chunks(state: _ChoiceText, plan: ToolPlan, index: int, reason: FinishReason, chunk: Chunk) -> list[bytes]:
+    rest = state.text[state.num_sent :]
+    if plan.mode is ToolMode.NONE:
+        pieces = [chunk(index, {"content": rest})] if rest else []
+        return pieces + [chunk(index, {}, reason.openai)]
+    parsed = parse_output(rest, plan.tools, plan.format)
     pieces = []
     if parsed.content:
-        pieces.append(chunk(event.index, {"content": parsed.content}))
+        pieces.append(chunk(index, {"content": parsed.content}))
     for i, call in enumerate(parsed.tool_calls):
         function = call["function"]
-        pieces.append(chunk(event.index, {"tool_calls": [
+        pieces.append(chunk(index, {"tool_calls": [
             {"index": i, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}]}))
-        pieces.append(chunk(event.index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
-    pieces.append(chunk(event.index, {}, finish_reason(parsed, event.finish_reason)))
+        pieces.append(chunk(index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
+    pieces.append(chunk(index, {}, finish_reason(parsed, reason)))
     return pieces

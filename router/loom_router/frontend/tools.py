@@ -1,31 +1,28 @@
-"""OpenAI tool calling on the chat route, in the Hermes format models are trained on:
+"""OpenAI tool calling on the chat route, in the model family's own format (`tool_parsers`: Hermes
+`<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`), and a reasoning model's thinking returned
+apart as `reasoning_content` (`reasoning`).
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-`tool_choice` "required" or a named function forces that format through a grammar (each
-call's JSON validated against the tool's parameters); "auto" lets the model choose and
-parses what it wrote; "none" ignores the tools. Responses carry `message.tool_calls` with
-JSON `arguments` and `finish_reason: "tool_calls"`.
+`tool_choice` "required" or a named function forces calls through a grammar (each call's JSON
+validated against the tool's parameters); "auto" lets the model choose and parses what it wrote;
+"none" ignores the tools. Responses carry `message.tool_calls` with JSON `arguments` and
+`finish_reason: "tool_calls"`.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec
+from loom_router.frontend import harmony, reasoning, tool_parsers
+from loom_router.frontend.tool_parsers import HERMES_CLOSE, HERMES_OPEN, ParsedOutput, ToolFormat
+from loom_router.structured.spec import ConstraintSpec
 from loom_router.types import FinishReason, ValidationError
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
+CALL_OPEN, CALL_CLOSE = HERMES_OPEN, HERMES_CLOSE  # the format of templates that say nothing of tools
 
 
 class _Model(BaseModel):
@@ -72,47 +69,37 @@ class ToolPlan:
     mode: ToolMode
     tools: list[Tool] = field(default_factory=list)
     spec: ConstraintSpec | None = None  # the grammar of a forced call
+    format: ToolFormat = ToolFormat.HERMES
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
+    @property
+    def names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools}
 
-def plan_tools(fields: ToolFields) -> ToolPlan:
-    """What the request's tool fields ask for. Raises ValidationError (422)."""
+
+def plan_tools(fields: ToolFields, fmt: ToolFormat = ToolFormat.HERMES) -> ToolPlan:
+    """What the request's tool fields ask for, in the model's format. Raises ValidationError (422)."""
     tools = fields.tools or []
     choice = fields.tool_choice if fields.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none":
-        return ToolPlan(ToolMode.NONE)
+        return ToolPlan(ToolMode.NONE, format=fmt)
     if not tools:
         raise ValidationError("`tool_choice` needs `tools`")
     names = [tool.function.name for tool in tools]
     if len(set(names)) != len(names):
         raise ValidationError("`tools` has two functions with the same name")
     if choice == "auto":
-        return ToolPlan(ToolMode.AUTO, tools)
+        return ToolPlan(ToolMode.AUTO, tools, format=fmt)
+    chosen = tools
     if isinstance(choice, NamedToolChoice):
         chosen = [tool for tool in tools if tool.function.name == choice.function.name]
         if not chosen:
             raise ValidationError(f"`tool_choice` names {choice.function.name!r}, which is not in `tools`")
-        return ToolPlan(ToolMode.FORCED, tools, _calls_grammar(chosen, fields.parallel_tool_calls))
-    return ToolPlan(ToolMode.FORCED, tools, _calls_grammar(tools, fields.parallel_tool_calls))
-
-
-def _calls_grammar(tools: list[Tool], parallel: bool) -> ConstraintSpec:
-    """A Lark grammar: one Hermes call (or several, when parallel) whose JSON matches a tool."""
-    variants = [_call_schema(tool) for tool in tools]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    schema = {**schema, "x-guidance": JSON_LAYOUT}
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    call = f'call: {json.dumps(CALL_OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CALL_CLOSE)}'
-    return ConstraintSpec(ConstraintKind.LARK, f"{start}\n{call}\n")
-
-
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    parameters = tool.function.parameters or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    schemas = [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen]
+    return ToolPlan(ToolMode.FORCED, tools, tool_parsers.grammar(fmt, schemas, fields.parallel_tool_calls), fmt)
 
 
 # ---- the prompt ---------------------------------------------------------------------------
@@ -139,48 +126,48 @@ def with_tools_prompt(messages: list[dict[str, Any]], tools: list[Tool]) -> list
 
 def calls_as_text(tool_calls: list[dict[str, Any]]) -> str:
     """An earlier assistant turn's tool_calls, written back in the Hermes format."""
-    parts = []
-    for call in tool_calls:
-        function = call.get("function") or {}
-        arguments = function.get("arguments") or "{}"
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            pass
-        parts.append(f"{CALL_OPEN}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CALL_CLOSE}")
-    return "\n".join(parts)
+    return tool_parsers.calls_as_text(ToolFormat.HERMES, tool_calls)
+
+
+def template_inputs(tokenizer: Any, messages: list[dict[str, Any]],
+                    plan: ToolPlan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and extra variables to render: `tools` goes to the template; a template
+    that does not use it gets the Hermes tool prompt, and earlier calls as Hermes text. Earlier
+    calls' JSON `arguments` reach templates as objects (what they write back with `tojson`)."""
+    messages = [_with_argument_objects(m) for m in messages]
+    if plan.mode is ToolMode.NONE:
+        return messages, {}
+    if "tools" in (tokenizer.chat_template or ""):
+        return messages, {"tools": plan.template_tools}
+    written = [{**m, "content": (m.get("content") or "") + calls_as_text(m["tool_calls"])} if m.get("tool_calls")
+               else m for m in messages]
+    return with_tools_prompt(written, plan.tools), {"tools": plan.template_tools}
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        converted.append({**call, "function": function})
+    return {**message, "tool_calls": converted}
 
 
 # ---- the answer ---------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[dict[str, Any]]  # OpenAI's message.tool_calls entries
-
-
-def parse_output(text: str, tools: list[Tool]) -> ParsedOutput:
-    """Splits a Hermes-format output into content and tool calls (to known tools, with a
-    JSON object of arguments). With no valid call the whole text stays content."""
-    names = {tool.function.name for tool in tools}
-    calls = []
-    for body in _CALL_RE.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or call.get("name") not in names:
-            continue
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
-            continue
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    if not calls:
-        return ParsedOutput(text, [])
-    content = text[:text.find(CALL_OPEN)].strip()
-    return ParsedOutput(content or None, calls)
+def parse_output(text: str, tools: list[Tool], fmt: ToolFormat = ToolFormat.HERMES) -> ParsedOutput:
+    """Split an answer into content and tool calls (to known tools, with a JSON object of
+    arguments). With no valid call the whole text stays content."""
+    return tool_parsers.parse(fmt, text, {tool.function.name for tool in tools})
 
 
 def finish_reason(parsed: ParsedOutput, reason: FinishReason | None) -> str | None:
@@ -191,24 +178,72 @@ def finish_reason(parsed: ParsedOutput, reason: FinishReason | None) -> str | No
     return reason.openai
 
 
-def chat_message(plan: ToolPlan, text: str, reason: FinishReason | None) -> tuple[dict[str, Any], str | None]:
-    """A whole chat choice's message and finish_reason under a tool plan."""
+@dataclass(slots=True, frozen=True)
+class AnswerFormat:
+    """How a chat answer is read: tool calls (in the plan's format) and reasoning."""
+
+    tools: ToolPlan
+    reasoning: reasoning.Style | None = None  # how the model's template marks reasoning
+    starts_in_reasoning: bool = False  # the prompt left a <think> open
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer's text must keep special tokens: harmony's markers, Mistral's
+        [TOOL_CALLS] (control tokens, read by the parsers)."""
+        return self.reasoning is reasoning.Style.HARMONY or (
+            self.tools.mode is not ToolMode.NONE and self.tools.format is ToolFormat.MISTRAL)
+
+    def reasoning_stream(self) -> reasoning.ReasoningStream | harmony.HarmonyStream | None:
+        if self.reasoning is reasoning.Style.HARMONY:
+            return harmony.HarmonyStream()
+        if self.reasoning is reasoning.Style.THINK_TAGS:
+            return reasoning.ReasoningStream(self.starts_in_reasoning)
+        return None
+
+
+def tool_format_of(chat_template: str | None) -> ToolFormat:
+    """The tool-call format a template teaches; harmony's calls are read as Hermes (`harmony`)."""
+    return ToolFormat.HERMES if harmony.applies(chat_template) else tool_parsers.tool_format(chat_template)
+
+
+def answer_format(plan: ToolPlan, chat_template: str | None, prompt: str) -> AnswerFormat:
+    """How to read the answer to `prompt`, rendered by `chat_template`. A forced call's grammar
+    writes no harmony messages, so its answer is read as plain text."""
+    if harmony.applies(chat_template):
+        return AnswerFormat(plan, None if plan.mode is ToolMode.FORCED else reasoning.Style.HARMONY)
+    if reasoning.applies(chat_template):
+        return AnswerFormat(plan, reasoning.Style.THINK_TAGS, reasoning.starts_in_reasoning(prompt))
+    return AnswerFormat(plan)
+
+
+def chat_message(answer: AnswerFormat | ToolPlan, text: str,
+                 reason: FinishReason | None) -> tuple[dict[str, Any], str | None]:
+    """A whole chat choice's message and finish_reason."""
+    if isinstance(answer, ToolPlan):
+        answer = AnswerFormat(answer)
+    reasoning_text: str | None = None
+    stream = answer.reasoning_stream()
+    if stream is not None:
+        split = reasoning.split_with(stream, text)
+        reasoning_text, text = split.reasoning, split.content or ""
+    plan = answer.tools
+    message: dict[str, Any] = {"role": "assistant"}
+    if reasoning_text is not None:
+        message["reasoning_content"] = reasoning_text
     if plan.mode is ToolMode.NONE:
-        return {"role": "assistant", "content": text}, reason.openai if reason else None
-    parsed = parse_output(text, plan.tools)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        message["content"] = text if text or reasoning_text is None else None
+        return message, reason.openai if reason else None
+    parsed = parse_output(text, plan.tools, plan.format)
+    message["content"] = parsed.content
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
     return message, finish_reason(parsed, reason)
 
 
-def open_prefix_length(text: str) -> int:
-    """How many trailing characters of text could still grow into CALL_OPEN (held back
-    while streaming, so a tool call is never half sent as content)."""
-    for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-size:]):
-            return size
-    return 0
+def open_prefix_length(text: str, fmt: ToolFormat = ToolFormat.HERMES) -> int:
+    """How many trailing characters of text could still grow into the start of a call (held
+    back while streaming, so a tool call is never half sent as content)."""
+    return tool_parsers.held_tail(fmt, text)
 
 
 def chat_constraint_spec(spec: ConstraintSpec | None, plan: ToolPlan) -> ConstraintSpec | None:
@@ -216,16 +251,3 @@ def chat_constraint_spec(spec: ConstraintSpec | None, plan: ToolPlan) -> Constra
     if spec is not None and plan.spec is not None:
         raise ValidationError("a forced `tool_choice` cannot be combined with `response_format` or a constraint")
     return spec if spec is not None else plan.spec
-
-
-def template_inputs(tokenizer: Any, messages: list[dict[str, Any]],
-                    plan: ToolPlan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages and extra variables to render: `tools` goes to the template; a template
-    that does not use it gets the Hermes tool prompt, and earlier calls as Hermes text."""
-    if plan.mode is ToolMode.NONE:
-        return messages, {}
-    if "tools" in (tokenizer.chat_template or ""):
-        return messages, {"tools": plan.template_tools}
-    written = [{**m, "content": (m.get("content") or "") + calls_as_text(m["tool_calls"])} if m.get("tool_calls")
-               else m for m in messages]
-    return with_tools_prompt(written, plan.tools), {"tools": plan.template_tools}

@@ -252,6 +252,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, for templates that use it
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as the chat template expects it; `developer` is OpenAI's new `system`."""
@@ -264,12 +265,16 @@ class ChatMessage(_Strict):
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
 class ChatCompletionRequest(OpenAISampling, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
 

@@ -1,4 +1,5 @@
-"""Rotary position embedding (half-split layout), with optional Llama-3 frequency scaling.
+"""Rotary position embedding (half-split layout) with every scaling of `rope_scaling`, over all of
+each head or its first `rotary_dim` dims (partial rotary: the rest passes through).
 
 `lookup` prepares one step's rotary inputs, shared by all layers; `apply` rotates q and k.
 On CPU with Loom's kernels built, one kernel per layer reads each token's row of a float32
@@ -8,47 +9,29 @@ step and each layer runs torch's roll + mul + addcmul.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from loom_shard import kernels
+from loom_shard.layers.rope_scaling import rope_frequencies
 from loom_shard.model_config import RopeScaling
-
-
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Per-pair rotation frequencies [head_dim // 2], float64 for an exact cache."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None:
-        return inv_freq
-    return _llama3_scale(inv_freq, scaling)
-
-
-def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 @dataclass(slots=True, frozen=True)
 class GatheredRope:
     """The torch path: cos and signed sin gathered for each token of the step."""
 
-    cos: torch.Tensor  # [num_tokens, 1, head_dim]
-    signed_sin: torch.Tensor  # [num_tokens, 1, head_dim], first half negated
+    cos: torch.Tensor  # [num_tokens, 1, rotary_dim]
+    signed_sin: torch.Tensor  # [num_tokens, 1, rotary_dim], first half negated
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(x, self.cos, self.signed_sin)
+        rotary_dim = self.cos.shape[-1]
+        if rotary_dim == x.shape[-1]:
+            return apply_rotary(x, self.cos, self.signed_sin)
+        rotated = apply_rotary(x[..., :rotary_dim], self.cos, self.signed_sin)
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,8 +39,8 @@ class KernelRope:
     """The CPU kernel's inputs: it reads each token's table row itself (no gather)."""
 
     positions: torch.Tensor  # [num_tokens] int64
-    cos: torch.Tensor  # [table_len, head_dim // 2] float32
-    sin: torch.Tensor  # [table_len, head_dim // 2] float32
+    cos: torch.Tensor  # [table_len, rotary_dim // 2] float32
+    sin: torch.Tensor  # [table_len, rotary_dim // 2] float32
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.ops().rotary(x, self.positions, self.cos, self.sin)
@@ -69,33 +52,36 @@ Rope = GatheredRope | KernelRope
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin tables that grow on demand; `lookup` gives one step's rotary inputs."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, initial_len: int = 4096) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, initial_len: int = 4096,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling).float(), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        self.frequencies = rope_frequencies(self.rotary_dim, theta, scaling)
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
-        self._half_cos = torch.empty(0)  # float32 [length, head_dim // 2], the kernel's tables
+        self._half_cos = torch.empty(0)  # float32 [length, rotary_dim // 2], the kernel's tables
         self._half_sin = torch.empty(0)
         self._initial_len = initial_len
         self.use_kernel = True  # False: the torch path even where the kernel is built (A/B benches)
 
-    def _freqs(self, length: int, device: torch.device) -> torch.Tensor:
-        positions = torch.arange(length, dtype=torch.float32, device=device)
-        return torch.outer(positions, self.inv_freq.to(device))  # [length, head_dim // 2]
+    def _half_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [length, rotary_dim // 2], attention factor included."""
+        angles = self.frequencies.angles(length)
+        factor = self.frequencies.attention_factor
+        cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos.contiguous(), sin.contiguous()
 
     def _build(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
-        freqs = self._freqs(length, device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = emb.cos().to(dtype)
+        cos, sin = self._half_tables(length)
+        self._cos = torch.cat([cos, cos], dim=-1).to(device=device, dtype=dtype)
         # sin with the first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin
-        sin = emb.sin()
-        half = self.head_dim // 2
-        self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
+        self._sin = torch.cat([-sin, sin], dim=-1).to(device=device, dtype=dtype)
 
     def _build_half(self, length: int) -> None:
-        freqs = self._freqs(length, torch.device("cpu"))
-        self._half_cos, self._half_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        self._half_cos, self._half_sin = self._half_tables(length)
 
     def lookup(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rope:
         """One step's rotary inputs for `positions` [num_tokens], shared by every layer.

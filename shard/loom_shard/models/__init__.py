@@ -1,5 +1,13 @@
-"""Model implementations and the registry that picks one per architecture."""
+"""Model implementations (one file per family, on the shared decoder) and the registry that picks one
+per architecture."""
 
-from loom_shard.models.registry import build_model, supported_architectures
+from loom_shard.models.registry import (
+    TEXT_PARTS,
+    TextPart,
+    build_model,
+    family,
+    supported_architectures,
+    unsupported_message,
+)
 
-__all__ = ["build_model", "supported_architectures"]
+__all__ = ["TEXT_PARTS", "TextPart", "build_model", "family", "supported_architectures", "unsupported_message"]

@@ -135,6 +135,12 @@ def test_chat_template_jinja_file_wins(tiny_hf: Path):
     assert load_tokenizer(str(tiny_hf)).apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
 
 
+def test_a_multimodal_processors_chat_template_serves_where_the_tokenizer_has_none(tmp_path: Path):
+    folder = _write_tiny_hf(tmp_path / "gemma3-mm", {"bos_token": "<s>"})
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": "{% for m in messages %}({{ m.content }}){% endfor %}"}))
+    assert load_tokenizer(str(folder)).apply_chat_template([{"role": "user", "content": "x"}]) == "(x)"
+
+
 def test_chat_template_errors_are_clear(tiny_hf: Path, tmp_path: Path):
     tok = load_tokenizer(str(tiny_hf))
     with pytest.raises(ChatTemplateError, match="bad role"):

@@ -12,13 +12,14 @@ import transformers
 
 from loom_proto.config import ShardConfig
 from loom_shard import kernels
-from loom_shard.attention import SeqSpan, build_metadata
-from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
-from loom_shard.loader import config_from_hf
+from loom_shard.attention.metadata import SeqSpan, build_metadata
+from loom_shard.loading.loader import config_from_hf
 from loom_shard.model_config import ModelConfig
 from loom_shard.models import build_model
-from loom_shard.models.llama import LlamaModel
-from loom_shard.runner import ModelRunner
+from loom_shard.models.decoder import DecoderModel
+from loom_shard.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from loom_shard.runtime.runner import ModelRunner
+from tests.unit.shard import families
 
 
 @pytest.fixture(params=[isa.name for isa in kernels.ISAS])
@@ -59,7 +60,7 @@ class TinyPair:
     """The same random weights as a transformers model and as a Loom model."""
 
     hf: transformers.PreTrainedModel
-    loom: LlamaModel
+    loom: DecoderModel
     config: ModelConfig
 
 
@@ -69,6 +70,13 @@ def model_config_from_hf(hf_config: transformers.PretrainedConfig) -> ModelConfi
 
 
 def make_pair(kind: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0) -> TinyPair:
+    """kind: "llama", "qwen2", "llama3" (the first tiny models), or any of `families.KINDS`."""
+    if kind not in ("llama", "qwen2", "llama3"):
+        hf = families.hf_model(kind, seed)
+        config = model_config_from_hf(hf.config)
+        loom = build_model(config)
+        loom.load_weights(hf.state_dict())
+        return TinyPair(hf, loom.to(dtype).eval(), config)
     torch.manual_seed(seed)
     if kind == "qwen2":
         hf_config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
@@ -99,7 +107,7 @@ def hf_logits(hf: transformers.PreTrainedModel, token_ids: list[int]) -> torch.T
     return hf(torch.tensor([token_ids])).logits[0].float()
 
 
-def make_cache(model: LlamaModel, block_size: int, num_blocks: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
+def make_cache(model: DecoderModel, block_size: int, num_blocks: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
     c = model.config
     spec = KVCacheSpec(c.num_layers, model.num_kv_heads, c.head_dim, block_size, dtype)
     return PagedKVCache(spec, num_blocks, num_host_blocks=4, device="cpu")
@@ -114,7 +122,7 @@ class SeqChunk:
 
 
 @torch.no_grad()
-def run_chunks(model: LlamaModel, cache: PagedKVCache, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+def run_chunks(model: DecoderModel, cache: PagedKVCache, chunks: list[SeqChunk]) -> list[torch.Tensor]:
     """One forward over chunks (prefills first); returns each chunk's logits [num_compute, vocab]."""
     spans = [SeqSpan(c.num_cached, c.num_compute, c.block_table) for c in chunks]
     ids = [t for c in chunks for t in c.token_ids[c.num_cached : c.num_cached + c.num_compute]]

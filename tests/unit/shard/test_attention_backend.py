@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from loom_shard.attention import SeqSpan
-from loom_shard.attention_backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.backend import BackendKind, pack_step_tables, paged_metadata, select_backend
+from loom_shard.attention.metadata import SeqSpan
 
 
 def test_cpu_uses_the_paged_kernel_when_it_builds(monkeypatch) -> None:  # noqa: ANN001

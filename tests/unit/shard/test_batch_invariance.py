@@ -21,7 +21,7 @@ from loom_proto.step import SamplingParams
 from loom_shard.layers import row_invariance
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.row_invariance import Gemm
-from loom_shard.sampler import SeqSamplingState, sample
+from loom_shard.runtime.sampler import SeqSamplingState, sample
 
 BATCHES = (1, 7, 64)
 SHAPES = [(576, 960), (1536, 576), (2048, 96), (3072, 64)]  # qkv_proj, down_proj (K > 1024), 2 and 3 K chunks
@@ -155,7 +155,7 @@ _RESTRICTED_PROBE = textwrap.dedent("""
     from loom_shard.layers import row_invariance
     from loom_shard.layers.packed_linear import PackedLinear
     from loom_shard.layers.row_invariance import Gemm
-    from loom_shard.model_setup import choose_dtype
+    from loom_shard.runtime.model_setup import choose_dtype
     expect_bf16 = {expect_bf16}
     assert row_invariance.onednn_packs(torch.bfloat16) is expect_bf16
     dtype, why = choose_dtype(None, torch.device("cpu"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom_shard.attention import blocked_causal_attention, sdpa_causal_attention
+from loom_shard.attention.torch_paged import blocked_causal_attention, sdpa_causal_attention
 
 
 def _reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_cached: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loom_shard.attention import SeqSpan
-from loom_shard.attention_backend import pack_step_tables
+from loom_shard.attention.backend import pack_step_tables
+from loom_shard.attention.metadata import SeqSpan
 from loom_shard.kernels.attention import paged_attention
 
 pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs

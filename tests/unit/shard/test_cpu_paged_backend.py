@@ -1,4 +1,4 @@
-"""The C++ paged-attention kernel (`loom_shard.cpu_attention`): correct against a float64
+"""The C++ paged-attention kernel (`loom_shard.attention.cpu`): correct against a float64
 reference, and a query row's output bit-identical at any batch and under any prompt chunking."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from loom_shard.attention import SeqSpan
-from loom_shard.attention_backend import BackendKind, PagedBackend, select_backend
-from loom_shard.cpu_attention import paged_attention_cpu
+from loom_shard.attention.backend import BackendKind, PagedBackend, select_backend
+from loom_shard.attention.cpu import paged_attention_cpu
+from loom_shard.attention.metadata import AttentionSpec, SeqSpan
 
 pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 
@@ -36,7 +36,7 @@ def make_spans(lengths: list[tuple[int, int]], block_size: int, num_blocks: int,
 
 def run(q: torch.Tensor, cache: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
     meta = BACKEND.build_metadata(spans, cache.shape[2])
-    return paged_attention_cpu(q, cache, meta.paged)
+    return paged_attention_cpu(q, cache, meta.paged, AttentionSpec.plain(q.shape[-1]))
 
 
 def reference(q: torch.Tensor, cache: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:

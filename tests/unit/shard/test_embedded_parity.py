@@ -8,7 +8,7 @@ import transformers
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3714, 28, 7018, 411, 19167, 2, 198, 1]
 
@@ -34,7 +34,7 @@ def loom_greedy(dtype: str, num_tokens: int, quantize: str = "none") -> tuple[li
 
 def transformers_greedy(num_tokens: int) -> tuple[list[int], list[float]]:
     """The float32 reference: transformers' Llama on the same dequantized weights."""
-    from loom_shard.loader import load_model_weights
+    from loom_shard.loading.loader import load_model_weights
 
     config, weights = load_model_weights("", torch.float32, progress=None)
     hf_config = transformers.LlamaConfig(

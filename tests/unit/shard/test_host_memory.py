@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-from loom_shard.model_setup import keep_freed_memory_mapped
+from loom_shard.runtime.model_setup import keep_freed_memory_mapped
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")

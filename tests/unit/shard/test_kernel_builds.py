@@ -41,7 +41,11 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     table = torch.randn(64, 32, generator=gen)
     results.append(ops.rotary(torch.randn(7, 3, 64, generator=gen).to(dtype), torch.arange(7) * 9, table.cos(), table.sin()))
     for head_dim in (32, 64, 96, 128, 256, 48):
-        results.append(ops.paged_attention(*_attention_case(head_dim, dtype)))
+        case = _attention_case(head_dim, dtype)
+        results.append(ops.paged_attention(*case, head_dim**-0.5))
+        # A sliding window, a softcap and sinks (Gemma 2, gpt-oss): the same on every build too.
+        sinks = torch.randn(case[0].shape[1], generator=gen)
+        results.append(ops.paged_attention(*case, 0.3, 5, 2.0, sinks))
     return results
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom_shard.kv_cache import KVCacheSpec, PagedKVCache
+from loom_shard.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
 
 def _cache(block_size: int, num_blocks: int = 8, num_host_blocks: int = 4) -> PagedKVCache:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from loom_proto import embedded
-from loom_shard.loader import (
+from loom_shard.loading.loader import (
     ModelLoadError,
     config_from_hf,
     load_model_config,
@@ -119,13 +119,17 @@ def test_config_from_hf_reads_llama3_rope_scaling_and_explicit_head_dim() -> Non
 
 
 def test_config_from_hf_errors_name_the_source() -> None:
-    with pytest.raises(ModelLoadError, match=r"cfg\.json.*unsupported architecture GPT2LMHeadModel"):
+    # One line naming the architecture and every known one.
+    with pytest.raises(ModelLoadError, match=r"cfg\.json.*unsupported architecture GPT2LMHeadModel; supported: "
+                       r"Gemma2ForCausalLM, .*GptOssForCausalLM, .*Qwen3MoeForCausalLM"):
         config_from_hf({"architectures": ["GPT2LMHeadModel"], **TINY}, "cfg.json")
     incomplete = {"architectures": ["LlamaForCausalLM"], **TINY}
     del incomplete["hidden_size"]
     with pytest.raises(ModelLoadError, match="missing the key 'hidden_size'"):
         config_from_hf(incomplete)
-    with pytest.raises(ModelLoadError, match="rope_scaling type 'yarn'"):
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'mrope'"):
+        config_from_hf({"architectures": ["LlamaForCausalLM"], **TINY, "rope_scaling": {"rope_type": "mrope"}})
+    with pytest.raises(ModelLoadError, match="missing the key 'factor'"):
         config_from_hf({"architectures": ["LlamaForCausalLM"], **TINY, "rope_scaling": {"rope_type": "yarn"}})
 
 
@@ -243,7 +247,7 @@ def test_weights_hash_is_stable_and_tells_weights_apart(tmp_path: Path) -> None:
 def test_transformers5_rope_parameters_are_read() -> None:
     """transformers >= 5 writes rope theta and scaling as one `rope_parameters` entry
     (seen on the GPU machine's transformers 5.17: theta fell back to 10000)."""
-    from loom_shard.loader import config_from_hf
+    from loom_shard.loading.loader import config_from_hf
 
     base = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -259,8 +263,8 @@ def test_transformers5_rope_parameters_are_read() -> None:
 def test_a_rank_reads_only_its_slices(tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from functools import partial
 
-    import loom_shard.loader_gguf as loader_gguf
-    from loom_shard.tensor_parallel import rank_part
+    import loom_shard.loading.gguf_file as loader_gguf
+    from loom_shard.loading.tensor_parallel import rank_part
 
     model_id = ""
     if source == "folder":

@@ -13,8 +13,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from loom_shard.gguf_reader import read_gguf
-from loom_shard.loader import ModelLoadError, config_from_hf, load_model_config, load_model_weights, resolve_model_path
+from loom_shard.loading.gguf_reader import read_gguf
+from loom_shard.loading.loader import (
+    ModelLoadError,
+    config_from_hf,
+    load_model_config,
+    load_model_weights,
+    resolve_model_path,
+)
 from tests.unit.shard.test_loader import TINY
 
 GGUF_LAYER_NAMES = {

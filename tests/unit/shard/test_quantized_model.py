@@ -12,11 +12,11 @@ from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from loom_proto.config import ShardConfig
-from loom_shard.attention import SeqSpan
+from loom_shard.attention.metadata import SeqSpan
+from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
-from loom_shard.models.llama import DecoderLayer
-from loom_shard.quantize import quantized_summary
-from loom_shard.runner import ModelRunner
+from loom_shard.loading.quantize import quantized_summary
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
 from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
@@ -85,7 +85,7 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert quantized.lm_head.kind is QuantKind.Q8_0 and quantized.layers[0].mlp.down_proj.kind is QuantKind.Q4_1
     assert not any(isinstance(m, QuantLinear) for m in reference.modules())
     assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
-    weights, qkv_biases = quantized._fused_layer_args()  # one C++ call (qwen2: with its qkv biases)
+    weights, qkv_biases = quantized.fused_layers.args(quantized.layers, plain_model=True)  # one C++ call (qwen2: with its qkv biases)
     assert len(weights) == 10 * TINY["num_hidden_layers"] and len(qkv_biases) == TINY["num_hidden_layers"]
     assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
@@ -120,9 +120,9 @@ def test_fused_decoder_layers_match_the_modules_bit_for_bit(
     fused_cache.normal_(generator=torch.Generator().manual_seed(0))
     module_cache = fused_cache.clone()
     with torch.no_grad():
-        model.use_fused_layers = False
+        model.fused_layers.enabled = False
         expected = model(ids, module_cache, meta)
-        model.use_fused_layers = True
+        model.fused_layers.enabled = True
         monkeypatch.setattr(DecoderLayer, "forward", lambda *args: pytest.fail("the modules ran"))
         got = model(ids, fused_cache, meta)
     assert torch.equal(got, expected)
@@ -168,7 +168,7 @@ def teacher_forced_logprobs(dtype: str, quantize: str, sequence: list[int]) -> t
 
 
 def test_quantized_weights_stay_only_on_one_cpu_rank(caplog: pytest.LogCaptureFixture) -> None:
-    from loom_shard.model_setup import keeps_quantized
+    from loom_shard.runtime.model_setup import keeps_quantized
 
     cpu = torch.device("cpu")
     assert keeps_quantized(ShardConfig(uds_path=""), cpu)

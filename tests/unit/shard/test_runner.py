@@ -7,7 +7,7 @@ import torch
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import Fork, NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import hf_logits, random_tokens, tiny_runner
 
 BLOCK_SIZE = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import random_tokens
 
 

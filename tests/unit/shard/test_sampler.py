@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loom_proto.step import SamplingParams
-from loom_shard.sampler import SeqSamplingState, filtered_probs, process_row, sample
+from loom_shard.runtime.sampler import SeqSamplingState, filtered_probs, process_row, sample
 
 VOCAB = 16
 

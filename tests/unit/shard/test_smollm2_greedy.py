@@ -12,8 +12,8 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.loader import resolve_model_path
-from loom_shard.runner import ModelRunner
+from loom_shard.loading.loader import resolve_model_path
+from loom_shard.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import torch
 
 from loom_proto import snapshot as fmt
 from loom_proto.snapshot import KVLayout, PartHeader, SnapshotError, SnapshotStatus
-from loom_shard import snapshot as snap
-from loom_shard.runner import ModelRunner
-from loom_shard.snapshot import PartStore
+from loom_shard.runtime import snapshot as snap
+from loom_shard.runtime.runner import ModelRunner
+from loom_shard.runtime.snapshot import PartStore
 from tests.unit.shard.conftest import tiny_runner
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "dtype": "float32", "weights_hash": "w1",

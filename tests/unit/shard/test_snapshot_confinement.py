@@ -1,4 +1,4 @@
-"""Snapshot directory confinement on the shard (loom_shard.snapshot): symbolic links planted
+"""Snapshot directory confinement on the shard (loom_shard.runtime.snapshot): symbolic links planted
 inside the directory, a folder swapped for a link between the name check and the write, and
 names that normalise to one another (NFC/NFD). Case-insensitive filesystems are out of scope."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from loom_proto.snapshot import KVLayout, SnapshotError, SnapshotStatus
-from loom_shard import snapshot as snap
-from loom_shard.snapshot import PartStore
+from loom_shard.runtime import snapshot as snap
+from loom_shard.runtime.snapshot import PartStore
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 1, "dtype": "float32", "weights_hash": "w"}
 LAYOUT = KVLayout(num_layers=1, num_tokens=3, num_kv_heads=1, head_dim=2, dtype="float32")

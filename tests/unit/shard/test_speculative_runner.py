@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, SeqOutput, StepPlan
-from loom_shard.runner import ModelRunner
+from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import random_tokens, tiny_runner
 
 BLOCK_SIZE = 4

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loom_proto.step import SamplingParams
-from loom_shard.sampler import SeqSamplingState, sample
-from loom_shard.token_mask import apply_allowed_masks, check_mask, unpack_masks
+from loom_shard.runtime.sampler import SeqSamplingState, sample
+from loom_shard.runtime.token_mask import apply_allowed_masks, check_mask, unpack_masks
 
 VOCAB = 70  # not a multiple of 32: the last word is partly used
 
@@ -79,7 +79,7 @@ def test_malformed_masks_are_rejected(mask: bytes) -> None:
 @pytest.fixture()
 def runner(llama_pair):  # noqa: ANN001, ANN201
     from loom_proto.config import ShardConfig
-    from loom_shard.runner import ModelRunner
+    from loom_shard.runtime.runner import ModelRunner
 
     r = ModelRunner(ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=4), model=llama_pair.loom)
     r.allocate_kv_cache(num_blocks=32, num_host_blocks=4)

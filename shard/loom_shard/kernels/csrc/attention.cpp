@@ -1,7 +1,9 @@
 // Paged attention on CPU for a mixed batch of prefill chunks and decodes, with the contract of
 // the Triton kernel (loom_shard/triton_attention.py): K/V blocks are read in place through each
 // sequence's block table (no gather, no padding), grouped-query heads fold into query rows
-// (row = token * group + g) so K/V are never repeated, and a query at position p sees keys 0..p.
+// (row = token * group + g) so K/V are never repeated, and a query at position p sees keys 0..p,
+// or p - window + 1..p in a sliding-window layer. Per layer: the scale, a logit softcap (Gemma 2)
+// and attention sinks (gpt-oss).
 //
 // Batch invariance: a row's arithmetic depends only on its sequence and its position.
 // Keys are visited in blocks of kKeyBlock from key 0 in ascending order; each block's scores
@@ -44,9 +46,10 @@ std::vector<Task> make_tasks(const Tables& t, const Geometry& g, int64_t num_seq
     for (int64_t first = 0; first < rows; first += loom::attention::kMaxRows) {
       const int64_t n = std::min<int64_t>(loom::attention::kMaxRows, rows - first);
       const int64_t keys = t.num_cached[s] + (first + n - 1) / g.group + 1;
+      const int64_t first_key = loom::attention::first_visible(g, t.num_cached[s] + first / g.group + 1);
       for (int64_t h = 0; h < g.kv_heads; ++h) {
-        tasks.push_back(Task{s, h, first, n, keys});
-        *work += keys * n;
+        tasks.push_back(Task{s, h, first, n, keys, first_key});
+        *work += (keys - first_key) * n;
       }
     }
   }
@@ -81,8 +84,9 @@ void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry&
 }
 
 // Every key a task reads must lie in the cache: a wrong table is an error, never a stray read.
+// With a window, blocks before the first query's window are never read (nor checked).
 void check_tables(const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& num_cached,
-                  int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
+                  int64_t num_tokens, int64_t num_blocks, int64_t block_size, int64_t window) {
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* cached = num_cached.data_ptr<int32_t>();
@@ -94,7 +98,8 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& query_starts
     if (len == 0) continue;
     const int64_t last_block = (cached[s] + len - 1) / block_size;
     TORCH_CHECK(last_block < max_blocks, "paged_attention: sequence ", s, " reaches past its block table");
-    for (int64_t b = 0; b <= last_block; ++b) {
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, cached[s] + 1 - window) : 0;
+    for (int64_t b = first_key / block_size; b <= last_block; ++b) {
       const int32_t block = tables[s * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention: block ", block, " out of range");
     }
@@ -102,7 +107,8 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& query_starts
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
-                           const at::Tensor& query_starts, const at::Tensor& num_cached) {
+                           const at::Tensor& query_starts, const at::Tensor& num_cached, double scale, int64_t window,
+                           double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [tokens, heads, head_dim] on CPU");
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.is_contiguous(),
               "paged_attention: kv_layer must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
@@ -114,7 +120,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   TORCH_CHECK(query_starts.size(0) == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "paged_attention: table shapes disagree");
   TORCH_CHECK(kv_layer.size(4) > 0 && kv_layer.size(3) > 0, "paged_attention: empty heads");
-  check_tables(block_tables, query_starts, num_cached, q.size(0), kv_layer.size(1), kv_layer.size(2));
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must not be negative");
+  at::Tensor sink_values;
+  if (sinks.has_value()) {
+    sink_values = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_values.dim() == 1 && sink_values.size(0) == q.size(1), "paged_attention: sinks must be [num_heads]");
+  }
+  check_tables(block_tables, query_starts, num_cached, q.size(0), kv_layer.size(1), kv_layer.size(2), window);
   const at::Tensor qc = q.contiguous();
   Geometry g{};
   g.num_heads = q.size(1);
@@ -124,7 +136,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   g.block_size = kv_layer.size(2);
   g.max_blocks = block_tables.size(1);
   g.v_offset = kv_layer.stride(0);
-  g.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+  g.scale = static_cast<float>(scale);
+  g.window = window;
+  g.softcap = static_cast<float>(softcap);
+  g.sinks = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty_like(qc);
   const Tables t{block_tables.data_ptr<int32_t>(), query_starts.data_ptr<int32_t>(), num_cached.data_ptr<int32_t>()};
   if (q.scalar_type() == at::kBFloat16) {
@@ -139,6 +154,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
-  m.def("paged_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor query_starts, Tensor num_cached) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor query_starts, Tensor num_cached, "
+        "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -2,7 +2,10 @@
 // (sequence, kv head) against that sequence's keys, read in place through its block table.
 // A SIMD path (simd.h: AVX-512 or AVX2) for head_dim 32, 64, 96, 128 and 256, rows held in
 // registers; a scalar path for other head sizes.
-// Both visit keys in blocks of kKeyBlock from key 0 and update each row from its own values only.
+// Both visit keys in blocks of kKeyBlock on a grid fixed from key 0, starting with the block that
+// holds the row's first visible key (a sliding window's start), and update each row from its own
+// values only. Keys before the task's first visible key are never read: a sliding-window layer's
+// blocks out of every window may already hold another sequence's KV.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -22,12 +25,23 @@ struct Geometry {
   int64_t num_heads, kv_heads, head_dim, group, block_size, max_blocks;
   int64_t v_offset;  // elements from a key to its value (kv_layer's first stride)
   float scale;
+  int64_t window;        // keys a query sees, itself included; 0: every earlier key
+  float softcap;         // scores become softcap * tanh(score / softcap); 0: no capping
+  const float* sinks;    // [num_heads] logits that join each softmax (gpt-oss), or nullptr
 };
 
 struct Task {
   int64_t seq, kv_head, first_row, rows;
-  int64_t keys;  // keys its last row sees
+  int64_t keys;       // keys its last row sees
+  int64_t first_key;  // the first key its first row sees
 };
+
+// The first key a query at position `limit - 1` sees.
+inline int64_t first_visible(const Geometry& g, int64_t limit) {
+  return g.window > 0 ? std::max<int64_t>(0, limit - g.window) : 0;
+}
+
+inline float cap_score(float score, float softcap) { return softcap * std::tanh(score / softcap); }
 
 template <typename T>
 struct TaskView {
@@ -58,7 +72,17 @@ struct TaskView {
     return ((query_start + row / g.group) * g.num_heads + head) * g.head_dim;
   }
   int64_t row_limit(const Geometry& g, int64_t row) const { return num_cached + row / g.group + 1; }
+  int64_t row_first(const Geometry& g, int64_t row) const { return first_visible(g, row_limit(g, row)); }
+  int64_t head(const Geometry& g, int64_t kv_head, int64_t row) const { return kv_head * g.group + row % g.group; }
 };
+
+// A sink joins the softmax as one more logit with no value: the weights of the keys shrink.
+inline void add_sink(float sink, float& m, float& l, float& rescale) {
+  const float m_new = std::max(m, sink);
+  rescale = simd::exp1(m - m_new);
+  l = std::fma(l, rescale, simd::exp1(sink - m_new));
+  m = m_new;
+}
 
 template <typename T>
 void store_row(T* dst, const float* src, int64_t n) {
@@ -71,32 +95,39 @@ template <typename T>
 void attend_scalar(const TaskView<T>& v, const Geometry& g, const Task& task) {
   const int64_t hd = g.head_dim;
   for (int64_t i = 0; i < task.rows; ++i) {
-    const int64_t row = task.first_row + i, limit = v.row_limit(g, row);
+    const int64_t row = task.first_row + i, limit = v.row_limit(g, row), first = v.row_first(g, row);
     const T* qrow = v.q + v.row_offset(g, task.kv_head, row);
     std::vector<float> q(hd), acc(hd, 0.0f);
     for (int64_t d = 0; d < hd; ++d) q[d] = loom::to_float(qrow[d]) * g.scale;
     float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-    for (int64_t b = 0; b < limit; b += kKeyBlock) {
-      const int64_t n = std::min<int64_t>(kKeyBlock, limit - b);
+    for (int64_t b = first / kKeyBlock * kKeyBlock; b < limit; b += kKeyBlock) {
+      const int64_t lo = std::max(b, first), hi = std::min<int64_t>(b + kKeyBlock, limit);
       float s[kKeyBlock], block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
-        const T* k = v.key(g, task.kv_head, b + j);
+      for (int64_t j = lo; j < hi; ++j) {
+        const T* k = v.key(g, task.kv_head, j);
         float lanes[loom::kLanes] = {0};
         for (int64_t d = 0; d < hd; ++d) lanes[d % loom::kLanes] = std::fma(q[d], loom::to_float(k[d]), lanes[d % loom::kLanes]);
-        s[j] = loom::sum_lanes(lanes);
-        block_max = std::max(block_max, s[j]);
+        float score = loom::sum_lanes(lanes);
+        if (g.softcap > 0.0f) score = cap_score(score, g.softcap);
+        s[j - b] = score;
+        block_max = std::max(block_max, score);
       }
       const float m_new = std::max(m, block_max);
       const float alpha = std::isinf(m) ? 0.0f : std::exp(m - m_new);
       float p_sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) p_sum += (s[j] = std::exp(s[j] - m_new));
+      for (int64_t j = lo; j < hi; ++j) p_sum += (s[j - b] = std::exp(s[j - b] - m_new));
       l = std::fma(l, alpha, p_sum);
       for (int64_t d = 0; d < hd; ++d) acc[d] *= alpha;
-      for (int64_t j = 0; j < n; ++j) {
-        const T* val = v.key(g, task.kv_head, b + j) + g.v_offset;
-        for (int64_t d = 0; d < hd; ++d) acc[d] = std::fma(s[j], loom::to_float(val[d]), acc[d]);
+      for (int64_t j = lo; j < hi; ++j) {
+        const T* val = v.key(g, task.kv_head, j) + g.v_offset;
+        for (int64_t d = 0; d < hd; ++d) acc[d] = std::fma(s[j - b], loom::to_float(val[d]), acc[d]);
       }
       m = m_new;
+    }
+    if (g.sinks != nullptr) {
+      float rescale = 1.0f;
+      add_sink(g.sinks[v.head(g, task.kv_head, row)], m, l, rescale);
+      for (int64_t d = 0; d < hd; ++d) acc[d] *= rescale;
     }
     for (int64_t d = 0; d < hd; ++d) acc[d] /= l;
     store_row(v.out + v.row_offset(g, task.kv_head, row), acc.data(), hd);
@@ -105,12 +136,20 @@ void attend_scalar(const TaskView<T>& v, const Geometry& g, const Task& task) {
 
 // ---- SIMD path: head_dim = 16 * D, R rows in registers -----------------------------------------
 
-// One row's online-softmax step over a block: scores in, probabilities out (0 where not visible).
-inline void softmax_step(simd::F16 scores, int64_t visible, float& m, float& l, float* p, simd::F16* acc, int D) {
-  const int n = static_cast<int>(std::min<int64_t>(visible, kKeyBlock));
-  const float m_new = std::max(m, simd::max_first(scores, n));
+// Scores capped lane by lane (Gemma 2); std::tanh is the same code in every ISA's build.
+inline simd::F16 cap_scores(simd::F16 scores, float softcap) {
+  alignas(64) float lanes[kKeyBlock];
+  simd::store(lanes, scores);
+  for (int j = 0; j < kKeyBlock; ++j) lanes[j] = cap_score(lanes[j], softcap);
+  return simd::load(lanes);
+}
+
+// One row's online-softmax step over the keys [first, last) of a block: scores in, probabilities
+// out (0 where not visible).
+inline void softmax_step(simd::F16 scores, int first, int last, float& m, float& l, float* p, simd::F16* acc, int D) {
+  const float m_new = std::max(m, simd::max_range(scores, first, last));
   const float alpha = std::isinf(m) ? 0.0f : simd::exp1(m - m_new);
-  const simd::F16 probs = simd::keep_first(simd::exp(simd::sub(scores, simd::set1(m_new))), n);
+  const simd::F16 probs = simd::keep_range(simd::exp(simd::sub(scores, simd::set1(m_new))), first, last);
   l = std::fma(l, alpha, simd::sum(probs));
   simd::store(p, probs);
   const simd::F16 a = simd::set1(alpha);
@@ -125,23 +164,25 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
   alignas(64) float p[R][kKeyBlock];
   F16 lanes[R][kKeyBlock];
   F16 acc[R][D];
-  int64_t limit[R];
+  int64_t limit[R], first[R];
   float m[R], l[R];
   for (int r = 0; r < R; ++r) {
     const int64_t row = task.first_row + r;
     const T* src = v.q + v.row_offset(g, task.kv_head, row);
     for (int d = 0; d < 16 * D; ++d) q[r][d] = loom::to_float(src[d]) * g.scale;
     limit[r] = v.row_limit(g, row);
+    first[r] = v.row_first(g, row);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
     for (int d = 0; d < D; ++d) acc[r][d] = simd::zero();
   }
   const T* key_at[kKeyBlock];
-  for (int64_t b = 0; b < task.keys; b += kKeyBlock) {
+  for (int64_t b = task.first_key / kKeyBlock * kKeyBlock; b < task.keys; b += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, task.keys - b));
+    const int j0 = static_cast<int>(std::max<int64_t>(0, task.first_key - b));  // keys before: never read
     v.keys(g, task.kv_head, b, nk, key_at);
     // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below.
-    for (int j = 0; j < nk; ++j) {
+    for (int j = j0; j < nk; ++j) {
       const T* kp = key_at[j];
       F16 k[D];
 #pragma GCC unroll 16
@@ -154,19 +195,23 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
         lanes[r][j] = s;
       }
     }
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < j0; ++j) lanes[r][j] = simd::zero();
       for (int j = nk; j < kKeyBlock; ++j) lanes[r][j] = simd::zero();
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const int64_t visible = limit[r] - b;
-      if (visible <= 0) {  // this row's keys ended in an earlier block: it adds exact zeros
+      const int64_t lo = std::max<int64_t>(first[r] - b, 0), hi = std::min<int64_t>(limit[r] - b, kKeyBlock);
+      if (lo >= hi) {  // none of this row's keys is in this block: it adds exact zeros
         simd::store(p[r], simd::zero());
         continue;
       }
-      softmax_step(simd::reduce16(lanes[r]), visible, m[r], l[r], p[r], acc[r], D);
+      simd::F16 scores = simd::reduce16(lanes[r]);
+      if (g.softcap > 0.0f) scores = cap_scores(scores, g.softcap);
+      softmax_step(scores, static_cast<int>(lo), static_cast<int>(hi), m[r], l[r], p[r], acc[r], D);
     }
     // P.V: keys in ascending order, one FMA per (row, key, 16 dims).
-    for (int j = 0; j < nk; ++j) {
+    for (int j = j0; j < nk; ++j) {
       const T* vp = key_at[j] + g.v_offset;
       F16 val[D];
 #pragma GCC unroll 8
@@ -181,6 +226,12 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
   }
   alignas(64) float result[16 * D];
   for (int r = 0; r < R; ++r) {
+    if (g.sinks != nullptr) {
+      float rescale = 1.0f;
+      add_sink(g.sinks[v.head(g, task.kv_head, task.first_row + r)], m[r], l[r], rescale);
+      const F16 a = simd::set1(rescale);
+      for (int d = 0; d < D; ++d) acc[r][d] = simd::mul(acc[r][d], a);
+    }
     const F16 inv = simd::set1(l[r]);
     for (int d = 0; d < D; ++d) simd::store(result + 16 * d, simd::div(acc[r][d], inv));
     store_row(v.out + v.row_offset(g, task.kv_head, task.first_row + r), result, 16 * D);

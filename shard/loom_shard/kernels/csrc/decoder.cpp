@@ -10,6 +10,7 @@
 
 #include "common.h"
 
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -38,8 +39,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& query_starts, const at::Tensor& num_cached) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("paged_attention"), "").typed<at::Tensor(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return op.call(q, kv_layer, block_tables, query_starts, num_cached);
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+      double, const c10::optional<at::Tensor>&)>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(2)));  // Llama's: no window, cap or sinks
+  return op.call(q, kv_layer, block_tables, query_starts, num_cached, scale, 0, 0.0, c10::nullopt);
 }
 
 // x [num_tokens, hidden] (the embeddings); weights: per layer input_layernorm.weight, qkv packed,

@@ -50,6 +50,11 @@ inline F16 scale_pow2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline F16 keep_first(F16 a, int n) {
   return {_mm512_maskz_mov_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), a.v)};
 }
+// Lanes outside [first, last) set to zero (0 <= first <= last <= 16).
+inline F16 keep_range(F16 a, int first, int last) {
+  const unsigned upto_last = last >= 16 ? 0xFFFFu : (1u << last) - 1;
+  return {_mm512_maskz_mov_ps(__mmask16(upto_last & ~((1u << first) - 1)), a.v)};
+}
 
 // The 16 horizontal sums of v[0..15], in the tree's own lane order (see reduce16 below).
 inline F16 reduce16_raw(const F16* v) {
@@ -133,6 +138,15 @@ inline F16 keep_first(F16 a, int n) {
   const __m256 keep_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, _mm256_add_epi32(index, _mm256_set1_epi32(8))));
   return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
 }
+inline F16 keep_range(F16 a, int first, int last) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i index_hi = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+  const __m256i lo = _mm256_set1_epi32(first - 1), hi = _mm256_set1_epi32(last);
+  const __m256 keep_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(hi, index), _mm256_cmpgt_epi32(index, lo)));
+  const __m256 keep_hi =
+      _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(hi, index_hi), _mm256_cmpgt_epi32(index_hi, lo)));
+  return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
+}
 
 inline F16 reduce16_raw(const F16* v) {
   auto fold128 = [](__m256 x, __m256 y) {  // [x.lo128 + x.hi128 | y.lo128 + y.hi128]
@@ -180,6 +194,12 @@ inline float sum(F16 a) {  // the halving tree of sum_lanes: lane i + i+8, then 
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+inline float max_range(F16 a, int first, int last) {  // max of lanes first..last-1 (first < last)
+  alignas(64) float lanes[16];
+  store(lanes, a);
+  return *std::max_element(lanes + first, lanes + std::min(last, 16));
 }
 
 // Where reduce16_raw leaves each vector's sum: found once by reducing vectors filled with their

@@ -10,13 +10,9 @@ invariance of the forward makes the logits at those positions equal to a one-tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from loom_proto.step import TokenSample, accepted_drafts, blocks_after_verify
-from loom_shard.sampler import Sample, SeqSamplingState
-
-if TYPE_CHECKING:
-    from loom_shard.runner import RequestState
+from loom_shard.runtime.requests import RequestState
+from loom_shard.runtime.sampler import Sample, SeqSamplingState
 
 
 def sampling_states(state: RequestState, num_drafts: int, mask: bytes | None) -> list[SeqSamplingState]:
@@ -42,7 +38,7 @@ def draft_samples(samples: list[Sample]) -> list[TokenSample]:
     return [TokenSample(s.token_id, s.logprob, list(s.top_tokens)) for s in samples[1:]]
 
 
-def commit(state: RequestState, num_drafts: int, samples: list[Sample], block_size: int) -> None:
+def commit(state: RequestState, num_drafts: int, samples: list[Sample], block_size: int, num_groups: int = 1) -> None:
     """Keep the sampled tokens plain decoding would have produced.
 
     Before: state.num_computed counts the last sampled token (computed by this step) and
@@ -60,4 +56,4 @@ def commit(state: RequestState, num_drafts: int, samples: list[Sample], block_si
     del state.token_ids[base:]
     state.token_ids.extend(sampled[: accepted + 1])
     state.num_computed += accepted
-    del state.block_table[blocks_after_verify(len(state.token_ids), len(state.block_table), block_size):]
+    del state.block_table[blocks_after_verify(len(state.token_ids), len(state.block_table), block_size, num_groups):]

@@ -1,9 +1,10 @@
 """`--quantize auto`: a GGUF's quantized projections stay quantized in QuantLinear modules.
 
 The loader hands over raw blocks by Hugging Face name; here they are fused as the model fuses its
-projections (q/k/v, gate/up) and swapped in for the model's nn.Linear before the rest loads. A
-fused group whose parts are not all quantized alike is dequantized back into the state dict, so
-any GGUF still loads (only the uniform groups run quantized).
+projections (q/k/v, gate/up) and swapped in for the model's nn.Linear before the rest loads; a
+layer's experts (named one by one, `DecoderModel.expert_names`) become `QuantExperts`. A group whose
+parts are not all quantized alike is dequantized back into the state dict, so any GGUF still loads
+(only the uniform groups run quantized).
 """
 
 from __future__ import annotations
@@ -13,25 +14,28 @@ import logging
 import torch
 from torch import nn
 
+from loom_shard.layers.moe import MoE, QuantExperts
 from loom_shard.layers.quant_linear import QuantLinear, QuantSource
-from loom_shard.models.llama import _FUSED
+from loom_shard.models.decoder import DecoderModel
+from loom_shard.models.weights import FUSED
 
 log = logging.getLogger(__name__)
 
-_PART_OF = {f".{part}": f".{fused}" for fused, parts in _FUSED.items() for part in parts if part.endswith("weight")}
+_PART_OF = {f".{part}": f".{fused}" for fused, parts in FUSED.items() for part in parts if part.endswith("weight")}
 
 
 def install_quant_linears(
-    model: nn.Module, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor], dtype: torch.dtype
+    model: DecoderModel, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> int:
-    """Swap in a QuantLinear for each (fused) quantized weight; returns how many. Groups that cannot
-    run quantized go back into `weights` dequantized to `dtype`."""
+    """Swap in a QuantLinear for each (fused) quantized weight, QuantExperts for each layer's
+    quantized experts; returns how many linears. Groups that cannot run quantized go back into
+    `weights` dequantized to `dtype`."""
+    swapped = _install_quant_experts(model, quantized, weights, dtype)
     groups: dict[str, list[tuple[str, QuantSource]]] = {}
     for name, source in quantized.items():
         suffix = next((s for s in _PART_OF if name.endswith(s)), None)
         target = name.removesuffix(suffix) + _PART_OF[suffix] if suffix else name
         groups.setdefault(target.removeprefix("model."), []).append((name, source))
-    swapped = 0
     for target, parts in groups.items():
         expected = _expected_parts(target)
         names = [n for n, _ in parts]
@@ -49,9 +53,32 @@ def install_quant_linears(
     return swapped
 
 
+def _install_quant_experts(model: DecoderModel, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor],
+                           dtype: torch.dtype) -> int:
+    """Pop every expert's quantized projections: a layer whose experts are all quantized alike runs
+    them as QuantExperts, the others get them back dequantized. Returns the linears made."""
+    made = 0
+    for index, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, MoE) or model.expert_names(index, 0) is None:
+            continue
+        names = [model.expert_names(index, e) for e in range(layer.mlp.experts.num_experts)]
+        sources = [[quantized.pop(n, None) for n in triple] for triple in names]
+        found = [s for triple in sources for s in triple if s is not None]
+        if len(found) < 3 * len(names) or len({s.kind for s in found}) != 1:
+            for triple, parts in zip(names, sources):
+                weights.update({n: s.dequantize().to(dtype) for n, s in zip(triple, parts) if s is not None})
+            continue
+        up = [QuantSource.cat([gate, up]) for gate, up, _ in sources]
+        experts = layer.mlp.experts
+        layer.mlp.experts = QuantExperts([QuantLinear(s, None, dtype) for s in up],
+                                         [QuantLinear(down, None, dtype) for _, _, down in sources], experts.activation)
+        made += 2 * len(up)
+    return made
+
+
 def _expected_parts(target: str) -> list[str]:
     """The Hugging Face names whose rows make up `target` (one name when it is not fused)."""
-    for fused, parts in _FUSED.items():
+    for fused, parts in FUSED.items():
         if target.endswith(fused):
             prefix = "model." + target.removesuffix(fused)
             return [prefix + p for p in parts]

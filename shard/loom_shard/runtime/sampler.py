@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from loom_proto.step import SamplingParams, TokenLogprob
-from loom_shard.token_mask import apply_allowed_masks
+from loom_shard.runtime.token_mask import apply_allowed_masks
 
 _MASK64 = (1 << 64) - 1
 _TWO_POW_MINUS_53 = 2.0**-53

@@ -1,5 +1,5 @@
-"""What every weight loader shares: the error type, the supported architectures,
-and the list of Hugging Face tensor names (and shapes) a config needs."""
+"""What every weight loader shares: the error type, progress reports, the list of Hugging Face
+tensor names (and shapes) a config needs, and the part of a tensor a tensor-parallel rank reads."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 
 from loom_shard.model_config import ModelConfig
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from loom_shard.models import family
 
 ProgressFn = Callable[[str], None]
 
@@ -33,29 +32,8 @@ def stderr_progress(message: str) -> None:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face state-dict names and shapes the model needs, in load order."""
-    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
-    kv_dim, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_dim, hidden)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, hidden)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, hidden)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_dim)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+    """The Hugging Face state-dict names and shapes the model needs, in load order (its family's)."""
+    return family(config.architecture).checkpoint_shapes(config)
 
 
 def check_names(path: Path, config: ModelConfig, available: Iterable[str]) -> None:

@@ -9,8 +9,11 @@ loads each K/V block once for the whole group:
     program: rows of Q [BLOCK_M, head_dim]  x  keys 0 .. last visible, BLOCK_N at a time,
              each key's slot = block_table[seq, key // block_size] * block_size + key % block_size
 
-Online softmax in float32 (FlashAttention-2); a query at position p sees keys 0..p.
-Importing this module needs triton; `loom_shard.attention_backend` decides whether to.
+Online softmax in float32 (FlashAttention-2); a query at position p sees keys 0..p, or
+p - window + 1..p in a sliding-window layer (keys before the tile's first window are never
+loaded: their blocks may already be another sequence's). Per layer too: the scale, a logit
+softcap (Gemma 2) and attention sinks (gpt-oss, one logit per head joining the softmax).
+Importing this module needs triton; `loom_shard.attention.backend` decides whether to.
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ BLOCK_N = 64  # keys per iteration
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_starts_ptr, num_cached_ptr,
-    scale,
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_starts_ptr, num_cached_ptr, sinks_ptr,
+    scale, window, softcap,
     stride_q_token, stride_q_head,
     stride_kv_kind, stride_kv_slot, stride_kv_head,
     stride_out_token, stride_out_head,
     stride_table_seq,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -47,9 +51,10 @@ def _paged_attention_kernel(
     token = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_valid = token < query_len
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_PAD)  # head_dim padded to a power of two (Phi-3's 96): masked dims are 0
+    dim_valid = dims < HEAD_DIM
     q_offsets = (query_start + token)[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, DIM_PAD]
     query_pos = num_cached + token  # [BLOCK_M]
     # Keys this tile can see: up to its last valid token's position, inclusive.
     last_token = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, query_len * GROUP - 1) // GROUP
@@ -57,23 +62,33 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked row never makes NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_table_seq
-    first_key = 0
+    # With a window, the tile's first query sees keys from tile_first_key on; blocks of BLOCK_N
+    # stay on the grid fixed from key 0, so a row's arithmetic does not depend on its tile.
+    tile_first_key = 0
+    if window > 0:
+        tile_first_key = tl.maximum(num_cached + (tile * BLOCK_M) // GROUP + 1 - window, 0)
+    first_key = (tile_first_key // BLOCK_N) * BLOCK_N
     while first_key < num_keys:  # a while loop: the interpreter's scalars are not Python ints
         keys = first_key + tl.arange(0, BLOCK_N)
-        key_valid = keys < num_keys
+        key_valid = (keys < num_keys) & (keys >= tile_first_key)
         page = tl.load(table + keys // PAGE, mask=key_valid, other=0)
         slots = page.to(tl.int64) * PAGE + keys % PAGE
         kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
-        k = tl.load(kv_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(kv_ptr + stride_kv_kind + kv_offsets, mask=key_valid[:, None], other=0.0)
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(kv_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        v = tl.load(kv_ptr + stride_kv_kind + kv_offsets, mask=kv_mask, other=0.0)
         if IEEE:  # float32 caches: exact float32 products (tf32 would break parity with the reference)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale
+        if HAS_SOFTCAP:  # softcap * tanh(scores / softcap), tanh through exp (no tl.tanh everywhere)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         visible = (keys[None, :] <= query_pos[:, None]) & key_valid[None, :]
+        if window > 0:
+            visible = visible & (keys[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
@@ -86,9 +101,15 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
         first_key += BLOCK_N
+    if HAS_SINKS:  # one more logit per head in the softmax's denominator
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+        m_final = tl.maximum(m_i, sink)
+        rescale = tl.exp(m_i - m_final)
+        acc = acc * rescale[:, None]
+        l_i = l_i * rescale + tl.exp(sink - m_final)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     out_offsets = (query_start + token)[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 def paged_attention_triton(
@@ -99,32 +120,40 @@ def paged_attention_triton(
     num_cached: torch.Tensor,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its sequence's cached keys (its own K/V already written).
 
     q: [num_tokens, num_heads, head_dim]; kv_layer: [2, num_blocks, block_size, kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks] int32; query_starts: [num_seqs + 1] int32 (token offsets
     of each sequence's queries in q); num_cached: [num_seqs] int32 (keys before its first query);
-    max_query_len: the longest sequence's query count, known on the host (sizes the grid).
+    max_query_len: the longest sequence's query count, known on the host (sizes the grid);
+    scale (default head_dim ** -0.5), window, softcap, sinks [num_heads]: the layer's spec.
     Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = q.shape
     _, num_blocks, page, num_kv_heads, _ = kv_layer.shape
     assert kv_layer.is_contiguous() and q.stride(2) == 1
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
+    assert head_dim % 16 == 0, "head_dim must be a multiple of 16"
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
     num_seqs = block_tables.shape[0]
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len * group, BLOCK_M))
+    sinks_arg = sinks.float().contiguous() if sinks is not None else q  # any pointer when unused
     _paged_attention_kernel[grid](
-        q, kv_layer, out, block_tables, query_starts, num_cached,
-        head_dim**-0.5,
+        q, kv_layer, out, block_tables, query_starts, num_cached, sinks_arg,
+        head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), PAGE=page,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
     )
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,16 +17,18 @@ from loom_proto.step import (
     Fork,
     ModelInfo,
     NewRequest,
-    SamplingParams,
     SeqOutput,
     StepPlan,
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention import SeqSpan
-from loom_shard.attention_backend import BackendKind, select_backend
-from loom_shard.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
-from loom_shard.kv_cache import (
+from loom_shard.attention.backend import BackendKind, select_backend
+from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
+from loom_shard.layers.packed_linear import pack_linears
+from loom_shard.loading.quantize import quantized_summary
+from loom_shard.models.decoder import DecoderModel
+from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
+from loom_shard.runtime.kv_cache import (
     CPU_POOL_SHARE,
     HOST_POOL_SHARE,
     KVCacheSpec,
@@ -36,8 +37,8 @@ from loom_shard.kv_cache import (
     blocks_for_bytes,
     blocks_for_tokens,
 )
-from loom_shard.layers.packed_linear import pack_linears
-from loom_shard.model_setup import (
+from loom_shard.runtime.kv_groups import KVGroups
+from loom_shard.runtime.model_setup import (
     announce,
     choose_dtype,
     keep_freed_memory_mapped,
@@ -45,41 +46,21 @@ from loom_shard.model_setup import (
     resolve_device,
     select_cpu_kernels,
 )
-from loom_shard.models.llama import LlamaModel
-from loom_shard.plan_check import PlanCheck
-from loom_shard.quantize import quantized_summary
-from loom_shard.sampler import Sample, SeqSamplingState, sample
-from loom_shard.speculative import commit, draft_samples, regroup, sampling_states
+from loom_shard.runtime.plan_check import PlanCheck
+from loom_shard.runtime.requests import (
+    RequestState,
+    Scheduled,
+    fork_state,
+    logit_rows,
+    new_request_state,
+    prompt_logprobs,
+)
+from loom_shard.runtime.sampler import Sample, SeqSamplingState, sample
+from loom_shard.runtime.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
 
 MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
 
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: int
-    token_ids: list[int]  # prompt, then every sampled token
-    num_prompt_tokens: int
-    num_computed: int  # tokens whose KV is in the blocks
-    block_table: list[int]
-    sampling: SamplingParams
-    prompt_logprobs: bool = False
-    pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
-
-
-@dataclass(slots=True)
-class _Scheduled:
-    state: RequestState
-    num_compute: int
-    num_drafts: int = 0  # speculative decoding: the chunk's last num_drafts tokens are guesses
-
-    @property
-    def reaches_end(self) -> bool:
-        return self.state.num_computed + self.num_compute == len(self.state.token_ids)
-
-    @property
-    def span(self) -> SeqSpan:
-        return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +68,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """One shard's executor. Build with a ShardConfig; pass `model` to skip loading (tests, benches)."""
 
-    def __init__(self, config: ShardConfig, model: LlamaModel | None = None) -> None:
+    def __init__(self, config: ShardConfig, model: DecoderModel | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device, config.rank)
         if self.device.type == "cpu":
@@ -105,7 +86,9 @@ class ModelRunner:
                 log.info("dense linears: %s", linears)
             keep_freed_memory_mapped()
         mc = self.model.config
-        self.kv_spec = KVCacheSpec(mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size, self.dtype)
+        self.kv_groups = KVGroups.of(mc.layer_windows)
+        self.kv_spec = KVCacheSpec(self.kv_groups.num_slots, self.model.num_kv_heads, mc.head_dim, config.block_size,
+                                   self.dtype)
         self.attention = select_backend(self.device, self.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs: DecodeGraphs | None = None  # captured with the KV cache (CUDA)
@@ -134,11 +117,13 @@ class ModelRunner:
             world_size=self.config.world_size,
             quantization=quantized_summary(self.model),
             cpu_kernels=self.kernels.describe() if self.device.type == "cpu" else "",
+            kv_group_windows=self.kv_groups.windows,
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
         self.kv_cache = self.decode_graphs = None  # free the old pool (and graphs reading it) first
-        graphs = self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
+        graphs = (self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
+                  and self.kv_groups.num_groups == 1)  # graphs replay one set of tables
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device, num_scratch_blocks=int(graphs))
         if graphs:
             self.decode_graphs = capture_decode_graphs(
@@ -160,15 +145,15 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         peak_bytes = self._dry_run(max_prefill_tokens)
         total_tokens = max_batch_total_tokens or self.config.max_batch_total_tokens
-        if total_tokens is not None:
-            num_blocks = blocks_for_tokens(total_tokens, self.block_size)
+        if total_tokens is not None:  # tokens of every layer: a block per KV group for each block of tokens
+            num_blocks = blocks_for_tokens(total_tokens, self.block_size) * self.kv_groups.num_groups
         else:
             num_blocks = blocks_for_bytes(self._device_pool_bytes(peak_bytes), self.kv_spec)
         host_bytes = self.config.host_kv_cache_bytes
         if host_bytes is None:
             host_bytes = int(available_ram_bytes() * HOST_POOL_SHARE)
         num_host_blocks = blocks_for_bytes(host_bytes, self.kv_spec)
-        if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size):
+        if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size) * self.kv_groups.num_groups:
             raise ValueError(f"{num_blocks} KV blocks cannot hold a prefill of {max_prefill_tokens} tokens")
         self.allocate_kv_cache(num_blocks, num_host_blocks)
         return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
@@ -178,12 +163,13 @@ class ModelRunner:
         sequence, as wide as the largest CUDA graph) into a throwaway cache, each with its logits
         and log-softmax; returns the peak activation bytes (CUDA)."""
         prefill_blocks = blocks_for_tokens(num_tokens, self.block_size)
-        steps = [[SeqSpan(0, num_tokens, list(range(prefill_blocks)))]]
+        groups = self.kv_groups.num_groups  # every group's table the same scratch blocks
+        steps = [[SeqSpan(0, num_tokens, [b for b in range(prefill_blocks) for _ in range(groups)])]]
         if self.device.type == "cuda":
-            steps.append([SeqSpan(0, 1, [i]) for i in range(MAX_GRAPH_BATCH)])
+            steps.append([SeqSpan(0, 1, [i] * groups) for i in range(MAX_GRAPH_BATCH)])
         scratch = PagedKVCache(self.kv_spec, max(prefill_blocks, len(steps[-1])), 0, self.device)
         for spans in steps:
-            meta = self.attention.build_metadata(spans, self.block_size)
+            meta = self._metadata(spans)
             ids = torch.zeros(meta.num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(ids, scratch.device_blocks, meta)
             self.model.compute_logits(hidden[-len(spans) :]).log_softmax(dim=-1)
@@ -217,7 +203,7 @@ class ModelRunner:
         `phases` (tracing on) receives the instants of the step's phases."""
         start = time.perf_counter()
         kv = self._require_cache()
-        PlanCheck(self.requests, kv, self.model.config.vocab_size).validate(plan)
+        PlanCheck(self.requests, kv, self.model.config.vocab_size, self.kv_groups.num_groups).validate(plan)
         self.release(plan.released_ids)
         kv.swap_out(plan.swap_out)
         kv.swap_in(plan.swap_in)
@@ -234,51 +220,42 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not allocated: call warmup() or allocate_kv_cache() first")
         return self.kv_cache
 
-    def _admit(self, plan: StepPlan) -> list[_Scheduled]:
-        scheduled = [_Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
+    def _admit(self, plan: StepPlan) -> list[Scheduled]:
+        scheduled = [Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
         for running in plan.running_requests:
             state = self.requests[running.request_id]
             state.block_table.extend(running.new_block_ids)
             state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
             state.token_ids.extend(running.draft_token_ids)  # replaced by the kept samples (commit)
-            scheduled.append(_Scheduled(state, running.num_compute, len(running.draft_token_ids)))
+            scheduled.append(Scheduled(state, running.num_compute, len(running.draft_token_ids)))
         # Prefill chunks first, decodes last: the attention batches all decodes in one call.
         return sorted(scheduled, key=lambda s: s.num_compute == 1)
 
     def _add(self, new: NewRequest) -> RequestState:
-        state = RequestState(
-            request_id=new.request_id,
-            token_ids=list(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
-            num_computed=new.num_cached,
-            block_table=list(new.block_table),
-            sampling=new.sampling,
-            prompt_logprobs=new.prompt_logprobs,
-            pending_forks=list(new.forks),
-        )
+        state = new_request_state(new)
         self.requests[new.request_id] = state
         return state
 
-    def _execute(self, scheduled: list[_Scheduled], masks: dict[int, bytes],
+    def _execute(self, scheduled: list[Scheduled], masks: dict[int, bytes],
                  phases: StepPhases | None = None) -> list[SeqOutput]:
         input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
         hidden = self._forward(input_ids, [s.span for s in scheduled])
-        rows, sample_rows, logprob_rows = _logit_rows(scheduled)
+        rows, sample_rows, logprob_rows = logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         if phases is not None:
             self._mark_sampling(phases)
-        prompt_logprobs = _prompt_logprobs(logits, scheduled, logprob_rows)
+        logprobs = prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
         samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
-        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=prompt_logprobs[i]) for i, s in enumerate(scheduled)]
+        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=logprobs[i]) for i, s in enumerate(scheduled)]
         for (i, s), smps in zip(finishing, samples):
-            outputs[i] = _output(s.state.request_id, smps[0], prompt_logprobs[i])
+            outputs[i] = _output(s.state.request_id, smps[0], logprobs[i])
             outputs[i].draft_samples = draft_samples(smps)
         for s in scheduled:
             s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
         fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)
         for (i, s), smps in zip(finishing, samples):
-            commit(s.state, s.num_drafts, smps, self.block_size)
+            commit(s.state, s.num_drafts, smps, self.block_size, self.kv_groups.num_groups)
         return outputs + fork_outputs
 
     def _mark_sampling(self, phases: StepPhases) -> None:
@@ -292,10 +269,21 @@ class ModelRunner:
         """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(spans):
             return self.decode_graphs.run(input_ids, spans)
-        meta = self.attention.build_metadata(spans, self.block_size)
+        meta = self._metadata(spans)
         if self.decode_graphs is not None and meta.max_position > self.decode_graphs.spec.max_position:
             self.decode_graphs = None  # the rotary table grows past what the graphs captured
         return self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
+
+    def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
+        """The step's attention metadata: one per KV group when layers keep their KV in groups,
+        each from the group's blocks of the spans' (interleaved) block tables."""
+        groups = self.kv_groups
+        if groups.num_groups == 1:
+            return self.attention.build_metadata(spans, self.block_size)
+        metas = [self.attention.build_metadata([SeqSpan(s.num_cached, s.num_compute, groups.table(s.block_table, g))
+                                                for s in spans], self.block_size)
+                 for g in range(groups.num_groups)]
+        return GroupedMetadata(metas, groups.layer_groups, groups.layer_slots)
 
     def _cache(self) -> torch.Tensor:
         return self._require_cache().device_blocks
@@ -314,7 +302,7 @@ class ModelRunner:
         return regroup(sample(_select_rows(logits, rows), states), [num_drafts + 1 for _, _, num_drafts in picks])
 
     def _fork_all(
-        self, logits: torch.Tensor, finishing: list[tuple[int, _Scheduled]], sample_rows: list[int | None],
+        self, logits: torch.Tensor, finishing: list[tuple[int, Scheduled]], sample_rows: list[int | None],
         masks: dict[int, bytes],
     ) -> list[SeqOutput]:
         """Create the forks of every parent whose prompt completed; sample their first tokens."""
@@ -328,18 +316,14 @@ class ModelRunner:
         return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]
 
     def _create_fork(self, parent: RequestState, fork: Fork) -> RequestState:
-        num_tokens = len(parent.token_ids)
+        num_tokens, groups = len(parent.token_ids), self.kv_groups.num_groups
         last = (num_tokens - 1) // self.block_size
-        if num_tokens % self.block_size and parent.block_table[last] != fork.block_table[last]:
-            self._require_cache().copy([(parent.block_table[last], fork.block_table[last])])
-        state = RequestState(
-            request_id=fork.request_id,
-            token_ids=list(parent.token_ids),
-            num_prompt_tokens=parent.num_prompt_tokens,
-            num_computed=parent.num_computed,
-            block_table=list(fork.block_table),
-            sampling=fork.sampling,
-        )
+        if num_tokens % self.block_size:  # the partly filled last block, each group's
+            entries = range(last * groups, (last + 1) * groups)
+            pairs = [(parent.block_table[i], fork.block_table[i]) for i in entries
+                     if parent.block_table[i] != fork.block_table[i]]
+            self._require_cache().copy(pairs)
+        state = fork_state(parent, fork)
         self.requests[fork.request_id] = state
         return state
 
@@ -349,6 +333,7 @@ class ModelRunner:
     def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]:
         """A host copy of the first num_tokens tokens' KV in block_ids, as raw bytes."""
         kv = self._require_cache()
+        self._check_one_group()
         _check_block_ids(block_ids, kv.num_blocks)
         if not 0 < num_tokens <= len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
@@ -362,6 +347,7 @@ class ModelRunner:
         """Write full blocks of a sequence's KV (laid out as `read_kv` returns it) into
         block_ids: block_ids[i] gets tokens [b * block_size, (b + 1) * block_size), b = block_indices[i]."""
         cache = self._require_cache()
+        self._check_one_group()
         _check_block_ids(block_ids, cache.num_blocks)
         spec, bs = self.kv_spec, self.block_size
         if (layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim) != (
@@ -373,6 +359,10 @@ class ModelRunner:
         tokens = torch.frombuffer(kv, dtype=self.dtype).view(layout.shape)
         positions = (torch.tensor(block_indices, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
         cache.write_blocks(block_ids, tokens[:, :, positions])
+
+    def _check_one_group(self) -> None:
+        if self.kv_groups.num_groups > 1:  # sliding layers' early KV is gone once out of their window
+            raise ValueError("KV snapshots are not supported for models with sliding-window layers")
 
 
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -395,43 +385,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _output(request_id: int, smp: Sample, prompt_logprobs: list[float]) -> SeqOutput:
     return SeqOutput(request_id, smp.token_id, smp.logprob, list(smp.top_tokens), prompt_logprobs)
-
-
-def _logit_rows(scheduled: list[_Scheduled]) -> tuple[list[int], list[int | None], list[list[int]]]:
-    """Which flat-batch tokens need logits.
-
-    Returns the token indices to compute, and per sequence the logits row it samples
-    from (None when its chunk stops early; with drafts, that row and the next num_drafts)
-    and the rows of its prompt logprobs.
-    """
-    rows: list[int] = []
-    sample_rows: list[int | None] = []
-    logprob_rows: list[list[int]] = []
-    offset = 0
-    for s in scheduled:
-        first = s.state.num_computed
-        # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
-        last_scored = min(first + s.num_compute, s.state.num_prompt_tokens - 1) if s.state.prompt_logprobs else first
-        scored = range(first, last_scored)
-        logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
-        rows.extend(offset + q - first for q in scored)
-        sample_row = None
-        if s.reaches_end:  # its last token's logits, after each of its drafts' before them
-            sample_row = len(rows)
-            rows.extend(offset + s.num_compute - 1 - d for d in range(s.num_drafts, -1, -1))
-        sample_rows.append(sample_row)
-        offset += s.num_compute
-    return rows, sample_rows, logprob_rows
-
-
-def _prompt_logprobs(logits: torch.Tensor, scheduled: list[_Scheduled], logprob_rows: list[list[int]]) -> list[list[float]]:
-    result: list[list[float]] = []
-    for s, rows in zip(scheduled, logprob_rows):
-        if not rows:
-            result.append([])
-            continue
-        first = s.state.num_computed
-        targets = torch.tensor(s.state.token_ids[first + 1 : first + 1 + len(rows)], device=logits.device)
-        logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
-        result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
-    return result

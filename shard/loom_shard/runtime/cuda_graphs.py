@@ -6,7 +6,7 @@ A graph replays them with one launch. Each graph owns static inputs that a step 
     input_ids [batch] int64 | packed tables [batch + 1 | batch | batch * max_blocks] int32
 
 Positions and slots are derived on the device from the packed tables inside the graph
-(`attention_backend.paged_metadata`). A step smaller than its bucket is padded with one-token
+(`attention.backend.paged_metadata`). A step smaller than its bucket is padded with one-token
 sequences that write into the cache's scratch block and read nothing else. Mixed steps
 (prefill chunks) and steps wider than the largest graph run eagerly.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loom_shard.attention import PagedKernel, SeqSpan
-from loom_shard.attention_backend import StepShape, pack_step_tables, paged_metadata
-from loom_shard.models.llama import LlamaModel
+from loom_shard.attention.backend import StepShape, pack_step_tables, paged_metadata
+from loom_shard.attention.metadata import PagedKernel, SeqSpan
+from loom_shard.models.decoder import DecoderModel
 
 # Batch sizes captured: dense where small batches are common, coarser above.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -50,7 +50,7 @@ class GraphSpec:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, kernel: PagedKernel, spec: GraphSpec) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, kernel: PagedKernel, spec: GraphSpec) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kernel = kernel
@@ -124,7 +124,7 @@ class DecodeGraphs:
         return step.hidden[:num]
 
 
-def capture_decode_graphs(model: LlamaModel, kv_cache: torch.Tensor, kernel: PagedKernel, scratch_block: int,
+def capture_decode_graphs(model: DecoderModel, kv_cache: torch.Tensor, kernel: PagedKernel, scratch_block: int,
                           block_size: int) -> DecodeGraphs:
     """Graphs for sequences up to the model's context length, padding into `scratch_block`."""
     max_blocks = -(-model.config.max_position_embeddings // block_size)

@@ -14,7 +14,7 @@ from loom_proto.config import ShardConfig
 from loom_shard import kernels
 from loom_shard.layers import row_invariance
 from loom_shard.models import build_model
-from loom_shard.models.llama import LlamaModel
+from loom_shard.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +107,22 @@ def keeps_quantized(config: ShardConfig, device: torch.device) -> bool:
     return True
 
 
-def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, str]:
-    from loom_shard.loader import load_model_weights, weights_hash  # file formats stay out of the runner
+def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, str]:
+    from loom_shard.loading.loader import load_model_config, load_model_weights, weights_hash  # file formats stay out
 
     if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
-        from loom_shard.tensor_parallel import build_rank_model, rank_part
+        from loom_shard.loading.tensor_parallel import build_rank_model, rank_part
 
-        part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size)
+        moe = load_model_config(config.model_id).moe
+        part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size,
+                                 num_experts=moe.num_experts if moe else 0)
         model_config, weights = load_model_weights(config.model_id, dtype, part=part)
         model = build_rank_model(model_config, weights, config.rank, config.world_size)
     else:
         quantized: dict = {} if keeps_quantized(config, device) else None
         model_config, weights = load_model_weights(config.model_id, dtype, quantized=quantized)
         if quantized:  # built on meta: the dense projections it replaces are never allocated
-            from loom_shard.quantize import install_quant_linears
+            from loom_shard.loading.quantize import install_quant_linears
 
             with torch.device("meta"):
                 model = build_model(model_config)

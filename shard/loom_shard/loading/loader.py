@@ -11,9 +11,9 @@ import torch
 
 from loom_proto.embedded import EMBEDDED_FILE_NAME, EmbeddedModelMissing, embedded_model_path, is_default_model_id
 from loom_shard.layers.quant_linear import QuantSource
-from loom_shard.loader_common import ModelLoadError, PartFn, ProgressFn, expected_shapes, stderr_progress
-from loom_shard.loader_gguf import gguf_config, load_gguf_weights, open_gguf
-from loom_shard.loader_hf import config_from_hf, load_hf_config, load_hf_weights, safetensors_files
+from loom_shard.loading.common import ModelLoadError, PartFn, ProgressFn, expected_shapes, stderr_progress
+from loom_shard.loading.gguf_file import gguf_config, load_gguf_weights, open_gguf
+from loom_shard.loading.hf_folder import config_from_hf, load_hf_config, load_hf_weights, safetensors_files
 from loom_shard.model_config import ModelConfig
 
 __all__ = [

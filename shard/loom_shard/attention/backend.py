@@ -3,12 +3,12 @@
 - `TorchBackend` (CPU, and CUDA without triton): the measured blocked-prefill and
   gather-decode paths of `loom_shard.attention`.
 - `PagedBackend` with `BackendKind.CPU_PAGED` (CPU, when Loom's C++ kernels build): one C++
-  kernel with the Triton kernel's contract (`loom_shard.cpu_attention`), batch- and
+  kernel with the Triton kernel's contract (`loom_shard.attention.cpu`), batch- and
   chunk-invariant.
 - `PagedBackend` with `BackendKind.TRITON` (CUDA): one Triton kernel for prefill chunks and decodes that reads
-  K/V blocks in place through block tables (`loom_shard.triton_attention`). Its step tables
+  K/V blocks in place through block tables (`loom_shard.attention.triton_paged`). Its step tables
   travel to the GPU as one int32 transfer; positions and slots are derived there, so the same
-  code runs inside a captured CUDA graph (`loom_shard.cuda_graphs`).
+  code runs inside a captured CUDA graph (`loom_shard.runtime.cuda_graphs`).
 
 The KV cache layout is the same for both ([layers, 2, blocks, block_size, kv_heads, head_dim]),
 so swaps and snapshots do not depend on the backend.
@@ -24,7 +24,14 @@ from typing import Protocol
 import torch
 
 from loom_shard import kernels
-from loom_shard.attention import AttentionMetadata, PagedKernel, PagedTables, SeqSpan, build_metadata
+from loom_shard.attention.metadata import (
+    AttentionMetadata,
+    AttentionSpec,
+    PagedKernel,
+    PagedTables,
+    SeqSpan,
+    build_metadata,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +140,7 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> At
     if device.type != "cuda":
         return TorchBackend(device)
     try:
-        from loom_shard.triton_attention import paged_attention_triton
+        from loom_shard.attention.triton_paged import paged_attention_triton
     except ImportError as error:
         log.warning("triton unavailable (%s): CUDA attention falls back to the torch gather path", error)
         return TorchBackend(device)
@@ -141,14 +148,15 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> At
 
 
 def _triton_kernel(fn) -> PagedKernel:  # noqa: ANN001 - the triton launcher
-    def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: PagedTables) -> torch.Tensor:
-        return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len)
+    def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: PagedTables, spec: AttentionSpec) -> torch.Tensor:
+        return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len,
+                  scale=spec.scale, window=spec.window, softcap=spec.softcap, sinks=spec.sinks)
 
     return attend
 
 
 def _cpu_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
-    from loom_shard import cpu_attention
+    from loom_shard.attention import cpu as cpu_attention
 
     if dtype is not None and dtype not in kernels.DTYPES:
         log.warning("the C++ paged attention takes bfloat16/float32, not %s: CPU attention uses the torch paths", dtype)

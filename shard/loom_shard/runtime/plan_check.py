@@ -3,23 +3,21 @@ so a bad plan is a clear ValueError and leaves every request and block as it was
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from loom_proto.step import NewRequest, RunningRequest, StepPlan
-from loom_shard.kv_cache import PagedKVCache
-from loom_shard.token_mask import check_mask
-
-if TYPE_CHECKING:
-    from loom_shard.runner import RequestState
+from loom_shard.runtime.kv_cache import PagedKVCache
+from loom_shard.runtime.requests import RequestState
+from loom_shard.runtime.token_mask import check_mask
 
 
 class PlanCheck:
     """Validates a plan against the shard's state before anything is mutated."""
 
-    def __init__(self, requests: dict[int, RequestState], kv: PagedKVCache, vocab_size: int) -> None:
+    def __init__(self, requests: dict[int, RequestState], kv: PagedKVCache, vocab_size: int,
+                 num_groups: int = 1) -> None:
         self.requests = requests
         self.kv = kv
         self.vocab_size = vocab_size
+        self.num_groups = num_groups  # KV groups: a block table lists one block per group per logical block
 
     def validate(self, plan: StepPlan) -> None:
         kept = set(self.requests) - set(plan.released_ids)
@@ -94,7 +92,9 @@ class PlanCheck:
             )
 
     def _blocks(self, rid: int, block_table: list[int], num_tokens: int) -> None:
-        if len(block_table) * self.kv.block_size < num_tokens:
+        if len(block_table) % self.num_groups:
+            raise ValueError(f"request {rid}: {len(block_table)} blocks are not whole sets of {self.num_groups} KV groups")
+        if len(block_table) // self.num_groups * self.kv.block_size < num_tokens:
             raise ValueError(f"request {rid}: {len(block_table)} blocks cannot hold {num_tokens} tokens")
         bad = [b for b in block_table if not 0 <= b < self.kv.num_blocks]
         if bad:

@@ -1,0 +1,104 @@
+"""Each request's state on a shard, from the plan that admits it to its release: its tokens,
+how many have their KV in its blocks, its block table and sampling; and what one step schedules
+of it, with the rows of the step's logits it reads (samples, drafts, prompt logprobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from loom_proto.step import Fork, NewRequest, SamplingParams
+from loom_shard.attention.metadata import SeqSpan
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: int
+    token_ids: list[int]  # prompt, then every sampled token
+    num_prompt_tokens: int
+    num_computed: int  # tokens whose KV is in the blocks
+    block_table: list[int]  # one block per KV group for each logical block (KVGroups.table)
+    sampling: SamplingParams
+    prompt_logprobs: bool = False
+    pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
+
+
+@dataclass(slots=True)
+class Scheduled:
+    state: RequestState
+    num_compute: int
+    num_drafts: int = 0  # speculative decoding: the chunk's last num_drafts tokens are guesses
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.state.num_computed + self.num_compute == len(self.state.token_ids)
+
+    @property
+    def span(self) -> SeqSpan:
+        return SeqSpan(self.state.num_computed, self.num_compute, self.state.block_table)
+
+
+def new_request_state(new: NewRequest) -> RequestState:
+    return RequestState(
+        request_id=new.request_id,
+        token_ids=list(new.token_ids),
+        num_prompt_tokens=new.num_prompt_tokens,
+        num_computed=new.num_cached,
+        block_table=list(new.block_table),
+        sampling=new.sampling,
+        prompt_logprobs=new.prompt_logprobs,
+        pending_forks=list(new.forks),
+    )
+
+
+def fork_state(parent: RequestState, fork: Fork) -> RequestState:
+    """A fork of a parent whose prompt completed: its tokens so far, its own blocks and sampling."""
+    return RequestState(
+        request_id=fork.request_id,
+        token_ids=list(parent.token_ids),
+        num_prompt_tokens=parent.num_prompt_tokens,
+        num_computed=parent.num_computed,
+        block_table=list(fork.block_table),
+        sampling=fork.sampling,
+    )
+
+
+def logit_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int | None], list[list[int]]]:
+    """Which flat-batch tokens need logits.
+
+    Returns the token indices to compute, and per sequence the logits row it samples
+    from (None when its chunk stops early; with drafts, that row and the next num_drafts)
+    and the rows of its prompt logprobs.
+    """
+    rows: list[int] = []
+    sample_rows: list[int | None] = []
+    logprob_rows: list[list[int]] = []
+    offset = 0
+    for s in scheduled:
+        first = s.state.num_computed
+        # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
+        last_scored = min(first + s.num_compute, s.state.num_prompt_tokens - 1) if s.state.prompt_logprobs else first
+        scored = range(first, last_scored)
+        logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
+        rows.extend(offset + q - first for q in scored)
+        sample_row = None
+        if s.reaches_end:  # its last token's logits, after each of its drafts' before them
+            sample_row = len(rows)
+            rows.extend(offset + s.num_compute - 1 - d for d in range(s.num_drafts, -1, -1))
+        sample_rows.append(sample_row)
+        offset += s.num_compute
+    return rows, sample_rows, logprob_rows
+
+
+def prompt_logprobs(logits: torch.Tensor, scheduled: list[Scheduled], logprob_rows: list[list[int]]) -> list[list[float]]:
+    result: list[list[float]] = []
+    for s, rows in zip(scheduled, logprob_rows):
+        if not rows:
+            result.append([])
+            continue
+        first = s.state.num_computed
+        targets = torch.tensor(s.state.token_ids[first + 1 : first + 1 + len(rows)], device=logits.device)
+        logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+        result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+    return result
