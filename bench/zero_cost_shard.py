@@ -1,6 +1,7 @@
-"""A shard that computes nothing: it serves the shard's gRPC contract and answers every Step at
-once with one token for each sequence whose prompt is done, so that what remains of a serving
-run is the router's own cost (bench/bench_ceiling.py).
+"""A shard that computes nothing: it serves the shard's contract (gRPC, and Step's socket,
+loom_proto.step_channel) and answers every Step at once with one token for each sequence whose
+prompt is done, so that what remains of a serving run is the router's own cost
+(bench/bench_ceiling.py).
 
 Started as the launcher starts `loom_shard.server` (`--config-json` with a ShardConfig), it prints
 the same readiness line. Its Step handler reads the plan with protobuf and writes the reply's
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loom_proto import step_channel
 from loom_proto.codec import pb
 from loom_proto.config import ShardConfig, parse_config
 from loom_proto.event_loop import run_event_loop
@@ -135,12 +137,19 @@ async def serve(config: ShardConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    shard = ZeroCostShard(config.block_size, config.rank, config.world_size)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((handler(ZeroCostShard(config.block_size, config.rank, config.world_size)),))
+    server.add_generic_rpc_handlers((handler(shard),))
     server.add_insecure_port(f"unix://{config.uds_path}")
     await server.start()
+
+    async def step_frame(plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
+        return step_channel.OK, shard.step(plan)
+
+    step_server = await step_channel.serve(step_channel.socket_path(config.uds_path), step_frame)
     print(f"loom-shard ready rank={config.rank} uds={config.uds_path} (zero-cost)", flush=True)
     await stop.wait()
+    step_server.close()
     await server.stop(1.0)
 
 

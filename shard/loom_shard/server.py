@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from loom_proto import config as config_module
-from loom_proto import shard_pb2_grpc
+from loom_proto import shard_pb2_grpc, step_channel
 from loom_proto.codec import from_pb, pb, snapshot_status_to_pb, to_pb
 from loom_proto.config import ShardConfig
 from loom_proto.event_loop import run_event_loop
@@ -75,8 +75,11 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
         info = runner.info()
         self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
+        self.step_server: asyncio.AbstractServer | None = None  # the step socket, once served
 
     def close(self) -> None:
+        if self.step_server is not None:
+            self.step_server.close()
         # A forward already running finishes; queued ones are dropped.
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
@@ -109,16 +112,39 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         return to_pb(result)
 
     async def Step(self, request: pb.StepPlan, context: grpc.aio.ServicerContext) -> pb.StepResult:
-        if self._tracer is None:
-            result = await self._on_worker(context, self._runner.step, from_pb(request))
-        else:
-            result = await self._traced_step(self._tracer, from_pb(request), context)
-        return to_pb(result)
+        try:
+            return to_pb(await self.run_step(from_pb(request), context.invocation_metadata()))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe(error))
+        except Exception as error:
+            await context.abort(grpc.StatusCode.INTERNAL, describe(error))
+        raise AssertionError("context.abort returned")  # abort always raises
 
-    async def _traced_step(self, tracer: ShardTracer, plan: StepPlan,
-                           context: grpc.aio.ServicerContext) -> StepResult:
-        with tracer.step(context.invocation_metadata(), plan) as phases:
-            return await self._on_worker(context, self._runner.step, plan, phases)
+    async def run_step(self, plan: StepPlan, metadata: Any) -> StepResult:
+        """One step on the worker thread (gRPC's Step and the step socket both come here);
+        ValueError: the plan was refused; anything else: it failed."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self._tracer is None:
+                return await loop.run_in_executor(self._worker, self._runner.step, plan)
+            with self._tracer.step(metadata, plan) as phases:
+                return await loop.run_in_executor(self._worker, self._runner.step, plan, phases)
+        except ValueError as error:
+            log.warning("step rejected: %s", describe(error))
+            raise
+        except Exception:
+            log.exception("step failed")
+            raise
+
+    async def step_frame(self, plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
+        """A request on the step socket (loom_proto.step_channel): the reply's status and payload."""
+        try:
+            result = await self.run_step(from_pb(pb.StepPlan.FromString(plan)), metadata)
+        except ValueError as error:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], describe(error).encode()
+        except Exception as error:
+            return grpc.StatusCode.INTERNAL.value[0], describe(error).encode()
+        return step_channel.OK, to_pb(result).SerializeToString()
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         await self._on_worker(context, self._runner.release, list(request.request_ids))
@@ -263,7 +289,8 @@ async def start_server(
     runner: Runner, uds_path: str, snapshot_dir: str | None = None, worker: ThreadPoolExecutor | None = None,
     tracer: ShardTracer | None = None,
 ) -> tuple[grpc.aio.Server, ShardServicer]:
-    """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced)."""
+    """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced),
+    and Step also on its step socket (loom_proto.step_channel), closed with the servicer."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     servicer = ShardServicer(runner, snapshot_dir, worker, tracer)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
@@ -272,6 +299,7 @@ async def start_server(
     except RuntimeError as error:  # grpc's way of saying bind() failed
         raise OSError(f"cannot serve on unix://{uds_path}: {error}") from None
     await server.start()
+    servicer.step_server = await step_channel.serve(step_channel.socket_path(uds_path), servicer.step_frame)
     return server, servicer
 
 

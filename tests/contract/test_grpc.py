@@ -307,3 +307,43 @@ def test_cli_two_ranks_join_one_process_group(tmp_path):
     finally:
         for proc in procs:
             stop(proc)
+
+
+# ---- Step's socket (loom_proto.step_channel) beside gRPC ------------------------------------
+
+
+async def test_steps_take_the_step_socket_and_gRPC_stays_a_full_contract(shards, tmp_path):
+    (runner,), client = await shards()
+    plan = decode_plan()
+    assert await client.step(plan) == runner.step(plan)
+    assert client._step_channels, "every rank serves a step socket: steps go over it"
+    # A plain gRPC client (any other one) still gets the same answer from gRPC's Step.
+    grpc_only = ShardClient([str(tmp_path / "shard-0.sock")])
+    grpc_only._step_channels = []
+    try:
+        assert await grpc_only.step(plan) == runner.step(plan)
+    finally:
+        await grpc_only.close()
+
+
+async def test_without_a_step_socket_steps_go_over_gRPC(shards, tmp_path):
+    (runner,), client = await shards()
+    os.unlink(tmp_path / "shard-0.sock.step")  # a shard that serves no step socket
+    plan = decode_plan()
+    result = await client.step(plan)
+    assert client._step_channels == [] and runner.plans == [plan]
+    assert result == runner.step(plan)
+
+
+async def test_a_step_socket_that_closes_fails_the_step_as_unavailable_and_the_next_reconnects(shards):
+    (runner,), client = await shards(step_delay_s=0.3)
+    await client.step(decode_plan())
+    step = asyncio.create_task(client.step(decode_plan(last_token=7)))
+    await asyncio.sleep(0.1)
+    client._step_channels[0]._transport.close()  # as a shard that died would
+    with pytest.raises(ShardError) as caught:
+        await step
+    assert caught.value.code == "UNAVAILABLE"
+    runner.step_delay_s = 0.0
+    await asyncio.sleep(0.4)  # the shard finishes the orphaned step
+    assert (await client.step(decode_plan(last_token=10))).outputs[0].token_id == 11

@@ -209,13 +209,13 @@ async def test_the_step_context_crosses_grpc(collector: Collector, tmp_path: Pat
 async def test_tracing_off_sends_no_context_and_times_no_phase(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
-    original = ShardServicer.Step
+    original = ShardServicer.run_step  # where gRPC's Step and the step socket both arrive
 
-    async def spy(self: ShardServicer, request: Any, context: Any) -> Any:
-        seen.append(tuple(context.invocation_metadata() or ()))
-        return await original(self, request, context)
+    async def spy(self: ShardServicer, plan: Any, metadata: Any) -> Any:
+        seen.append(tuple(metadata or ()))
+        return await original(self, plan, metadata)
 
-    monkeypatch.setattr(ShardServicer, "Step", spy)  # before the server binds its handlers
+    monkeypatch.setattr(ShardServicer, "run_step", spy)
     server, servicer, runner, path = await serve_fake(tmp_path, None)
     client = ShardClient([path])
     try:

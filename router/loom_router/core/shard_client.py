@@ -1,7 +1,8 @@
 """The router's side of the shard protocol: one async client for every tensor-parallel rank.
 
 Every rank gets the same message; only rank 0's answer is used. A failing rank
-surfaces as a `ShardError` naming the rank and the shard's own message.
+surfaces as a `ShardError` naming the rank and the shard's own message. Steps go over each
+shard's step socket (loom_proto.step_channel) when every rank serves one, else over gRPC.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from loom_proto import shard_pb2_grpc
+from loom_proto import shard_pb2_grpc, step_channel
 from loom_proto.codec import from_pb, pb, snapshot_entry_from_pb, snapshot_reply_from_pb
 from loom_proto.snapshot import SnapshotEntry, SnapshotReply
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
@@ -84,6 +85,8 @@ class ShardClient:
         self._uds_paths = list(uds_paths)
         # Channels bind to the event loop they are made in: open them on first use.
         self._ranks: list[_Rank] | None = None
+        # Each rank's step socket, connected on the first step (None: not tried yet; []: gRPC).
+        self._step_channels: list[step_channel.ClientProtocol] | None = None
 
     def _metadata(self) -> Metadata | None:
         return None if self.trace_metadata is None else self.trace_metadata()
@@ -177,19 +180,27 @@ class ShardClient:
         """
         data = encode_plan(plan)
         metadata = self._metadata()
+        if self._step_channels is None:
+            self._step_channels = await self._connect_step_channels()
+        channels = self._step_channels
 
-        async def timed(r: _Rank) -> tuple[Any, float]:
+        async def timed(rank: int) -> tuple[Any, float]:
             # Other ranks' replies stay undecoded bytes: their wall time is what the metrics get.
             start = time.perf_counter()
-            reply = await r.step(data, metadata=metadata)
+            if channels:
+                reply = await self._step_frame(rank, channels[rank], data, metadata)
+            else:
+                reply = await self._all_ranks()[rank].step(data, metadata=metadata)
             return reply, (time.perf_counter() - start) * 1000.0
 
-        ranks = self._all_ranks()
-        if len(ranks) == 1:
-            reply, ms = await self._on_rank0(timed)
+        if self.world_size == 1:
+            try:
+                reply, ms = await timed(0)
+            except grpc.aio.AioRpcError as error:
+                raise _shard_error(0, error) from None
             self.last_step_ms_by_rank = [ms]
             return from_pb(reply)
-        tasks = [asyncio.ensure_future(timed(r)) for r in ranks]
+        tasks = [asyncio.ensure_future(timed(rank)) for rank in range(self.world_size)]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             pending = [t for t in tasks if not t.done()]
@@ -201,6 +212,31 @@ class ShardClient:
         reply, _ = agreed_step_reply(tasks)
         self.last_step_ms_by_rank = [task.result()[1] for task in tasks]
         return from_pb(reply)
+
+    async def _step_frame(self, rank: int, channel: step_channel.ClientProtocol, data: bytes,
+                          metadata: Metadata | None) -> Any:
+        """One step on a rank's step socket; rank 0's reply parsed (the others' stay bytes)."""
+        try:
+            status, payload = await channel.request(data, metadata)
+        except step_channel.ChannelClosed as error:
+            self._step_channels = None  # reconnect (or fall back to gRPC) for the next step
+            raise ShardError(rank, "UNAVAILABLE", str(error)) from None
+        if status != step_channel.OK:
+            code = next((c.name for c in grpc.StatusCode if c.value[0] == status), str(status))
+            raise ShardError(rank, code, payload.decode(errors="replace"))
+        return pb.StepResult.FromString(payload) if rank == 0 else payload
+
+    async def _connect_step_channels(self) -> list[step_channel.ClientProtocol]:
+        """Every rank's step socket, or [] (steps over gRPC) when any rank serves none."""
+        channels = []
+        for path in self._uds_paths:
+            try:
+                channels.append(await step_channel.connect(step_channel.socket_path(path)))
+            except OSError:
+                for channel in channels:
+                    channel.close()
+                return []
+        return channels
 
     async def release(self, request_ids: Sequence[int]) -> None:
         request = pb.ReleaseRequest(request_ids=request_ids)
@@ -257,6 +293,9 @@ class ShardClient:
         return snapshot_reply_from_pb(await self._on_rank0(lambda r: r.stub.DeleteSnapshot(request)))
 
     async def close(self) -> None:
+        for channel in self._step_channels or ():
+            channel.close()
+        self._step_channels = None
         if self._ranks is not None:
             await asyncio.gather(*(r.channel.close() for r in self._ranks))
             self._ranks = None

@@ -1,0 +1,32 @@
+"""The step socket's framing (loom_proto.step_channel): frames cut anywhere, or several in one
+read, come out whole and in order."""
+
+from __future__ import annotations
+
+from loom_proto import step_channel
+from loom_proto.step_channel import _Frames
+
+
+def test_requests_cut_anywhere_or_sent_together_come_out_whole_and_in_order() -> None:
+    first = step_channel.encode_request(b"plan-1", (("traceparent", "00-abc-def-01"),))
+    second = step_channel.encode_request(b"", None)
+    data = first + second
+    for cut in range(len(data) + 1):
+        frames = _Frames()
+        frames.feed(data[:cut])
+        got = []
+        while (request := frames.request()) is not None:
+            got.append(request)
+        frames.feed(data[cut:])
+        while (request := frames.request()) is not None:
+            got.append(request)
+        assert got == [(b"plan-1", (("traceparent", "00-abc-def-01"),)), (b"", ())], cut
+
+
+def test_replies_carry_their_status_and_payload() -> None:
+    frames = _Frames()
+    frames.feed(step_channel.encode_reply(step_channel.OK, b"result") + step_channel.encode_reply(3, b"refused")[:4])
+    assert frames.reply() == (step_channel.OK, b"result")
+    assert frames.reply() is None  # the second one is not whole yet
+    frames.feed(step_channel.encode_reply(3, b"refused")[4:])
+    assert frames.reply() == (3, b"refused")
