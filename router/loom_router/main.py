@@ -36,7 +36,8 @@ log = logging.getLogger("loom_router")
 
 EXIT_ENGINE_FAILED = 3  # the engine loop died (a divergence between shard ranks, or a bug), or a frontend kept dying
 DESCRIPTION = ("Loom's router: the engine core (scheduler, KV block manager, shard client) and its HTTP "
-               "frontends (TGI and OpenAI APIs); drives the shards over gRPC. Started by loom-launcher, which "
+               "frontends (TGI and OpenAI APIs); drives the shards over gRPC (steps over their step sockets). "
+               "Started by loom-launcher, which "
                "hands it its config as JSON.")
 FRONTEND_STOP_TIMEOUT_S = 10.0
 
