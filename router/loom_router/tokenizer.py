@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Callable
 from datetime import datetime
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
         self._compiled_template: jinja2.Template | None = None
         self._byte_level = _is_byte_level(backend.decoder)
+        self._only_byte_level = _is_byte_level(backend.decoder, alone=True)
 
     def encode(self, text: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognized.
@@ -113,6 +114,27 @@ class Tokenizer:
         if match:
             return bytes([int(match.group(1), 16)])
         return piece.replace("▁", " ").encode()
+
+    @cached_property
+    def whole_token_texts(self) -> dict[int, str]:
+        """The text of every token that adds the same text wherever it comes, as long as the
+        text before it ended on a whole character: with a decoder that only maps byte-level
+        symbols back to bytes, a vocabulary token whose bytes are whole UTF-8 characters. Empty
+        for other decoders (SentencePiece's strips a leading space at the start, for one);
+        added tokens are never in it. Built once (~0.1 s for 150k tokens), on first use."""
+        if not self._only_byte_level:
+            return {}
+        added = set(self._backend.get_added_tokens_decoder())
+        texts: dict[int, str] = {}
+        for token_id in range(self._backend.get_vocab_size(with_added_tokens=False)):
+            piece = self._backend.id_to_token(token_id)
+            if piece is None or token_id in added:
+                continue
+            try:
+                texts[token_id] = bytes(_BYTE_LEVEL_DECODE[ch] for ch in piece).decode()
+            except (KeyError, UnicodeDecodeError):  # not a byte-level symbol, or part of a character
+                continue
+        return texts
 
     def backend_json(self) -> str:
         """The whole tokenizer as Hugging Face tokenizer.json text (what grammar engines load)."""
@@ -194,14 +216,17 @@ _BYTE_LEVEL_DECODE = _gpt2_byte_decoder()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _is_byte_level(decoder: Any) -> bool:
-    """Does this decoder (or one in its Sequence) map GPT-2 byte symbols back to bytes?"""
+def _is_byte_level(decoder: Any, alone: bool = False) -> bool:
+    """Does this decoder (or one in its Sequence, unless `alone`) map GPT-2 byte symbols back
+    to bytes?"""
     if decoder is None:
         return False
     try:
         state = json.loads(decoder.__getstate__())
     except (AttributeError, TypeError, ValueError):
         return isinstance(decoder, decoders.ByteLevel)
+    if alone:
+        return state.get("type") == "ByteLevel"
     parts = state.get("decoders", [state]) if state.get("type") == "Sequence" else [state]
     return any(part.get("type") == "ByteLevel" for part in parts)
 

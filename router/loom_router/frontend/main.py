@@ -32,6 +32,7 @@ CONNECT_TIMEOUT_S = 60.0
 
 async def serve(config: FrontendConfig) -> int:
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model_id)
+    await asyncio.to_thread(lambda: tokenizer.whole_token_texts)  # built here, not on the first stream
     client = EngineClient(config, tokenizer, config.ipc_folder, config.frontend_index)
     try:
         await client.start(CONNECT_TIMEOUT_S)

@@ -21,6 +21,12 @@ class IncrementalDetokenizer:
     BPE's leading spaces are right because the stream starts from the prompt's last tokens.
     `flush` releases bytes still held back when the sequence ends (as U+FFFD, like the
     full decode).
+
+    Most tokens of a byte-level tokenizer add the same text wherever they come after a whole
+    character (`Tokenizer.whole_token_texts`): while nothing is held back, such a token's text
+    is looked up and the `DecodeStream` does not see it. It need not: with a decoder that only
+    maps symbols to bytes, what a later token adds does not depend on the whole characters
+    before it.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
@@ -33,10 +39,16 @@ class IncrementalDetokenizer:
         # The last ids before `_held`, for flush's decode (a deque: this runs for every token).
         self._context: deque[int] = deque(context, maxlen=PROMPT_CONTEXT_TOKENS)
         self._held: list[int] = []  # ids added since the last text came out
+        self._whole = tokenizer.whole_token_texts
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text it made final (may be "")."""
         held = self._held
+        if not held:
+            text = self._whole.get(token_id)
+            if text is not None:
+                self._context.append(token_id)
+                return text
         held.append(token_id)
         try:
             text = self._step(token_id)

@@ -206,3 +206,31 @@ def test_prompt_ending_inside_a_character_adds_nothing_to_the_output(smollm: Tok
     cut = next(i for i in range(1, len(ids)) if smollm.decode(ids[:i]).endswith("\ufffd"))
     prompt, generated = ids[:cut], ids[cut:]
     assert "".join(_stream(smollm, prompt, generated)) == smollm.decode(generated)
+
+
+def reference_texts(tokenizer: Tokenizer, prompt_ids: list[int], ids: list[int], skip_special: bool) -> list[str]:
+    """What the tokenizers library's DecodeStream alone gives, token by token (no lookups)."""
+    step = tokenizer.decode_stream(list(prompt_ids), skip_special).step
+    return [step(token_id) or "" for token_id in ids]
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_looked_up_texts_are_what_the_decode_stream_gives(smollm: Tokenizer, skip_special: bool):
+    """Whole tokens are looked up, pieces of characters and special tokens go through the
+    DecodeStream: the texts are the same as the stream's alone, token by token."""
+    import random
+
+    assert len(smollm.whole_token_texts) > 40_000  # most of the vocabulary takes the lookup
+    pieces = [i for i in range(smollm.vocab_size) if i not in smollm.whole_token_texts][:400]
+    rng = random.Random(7)
+    vocab = range(smollm.vocab_size)
+    for _ in range(40):
+        ids = [rng.choice(pieces) if rng.random() < 0.3 else rng.choice(vocab) for _ in range(60)]
+        ids += smollm.encode("naïve café 日本語 🎉 done", add_special_tokens=False)
+        prompt = smollm.encode("The prompt:", add_special_tokens=False)
+        detokenizer = IncrementalDetokenizer(smollm, prompt, skip_special)
+        assert [detokenizer.add(i) for i in ids] == reference_texts(smollm, prompt, ids, skip_special)
+
+
+def test_a_sentencepiece_decoder_looks_nothing_up(sentencepiece: Tokenizer, metaspace: Tokenizer):
+    assert sentencepiece.whole_token_texts == {} and metaspace.whole_token_texts == {}
