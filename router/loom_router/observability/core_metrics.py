@@ -90,6 +90,7 @@ class CoreMetrics:
         r = self.registry
         self.shard_step = Histogram("loom_shard_step_seconds", "One step on one shard rank, as the router waits",
                                     ["rank"], buckets=TOKEN_LATENCY_BUCKETS + (10.24, 30.0), registry=r)
+        self._shard_step_by_rank: list[Any] = []
         self.tgi = TgiBatchMetrics(r)
         if read_stats is not None:
             r.register(EngineStatsCollector(read_stats))
@@ -102,8 +103,11 @@ class CoreMetrics:
 
     def on_step(self, step: StepRecord) -> None:
         self.tgi.on_batch(step.method, step.ok, step.duration_s, step.forward_s)
-        for rank, seconds in enumerate(step.rank_total_s):
-            self.shard_step.labels(rank=str(rank)).observe(seconds)
+        by_rank = self._shard_step_by_rank
+        while len(by_rank) < len(step.rank_total_s):  # each rank's child, looked up once
+            by_rank.append(self.shard_step.labels(rank=str(len(by_rank))))
+        for child, seconds in zip(by_rank, step.rank_total_s):
+            child.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition of every process's metrics and its content type."""

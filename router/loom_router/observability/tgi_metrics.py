@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -139,15 +140,31 @@ class TgiBatchMetrics:
         self.forward_duration = _duration(r, "tgi_batch_forward_duration", "Batch forward time on the shards (s)",
                                           ["method"])
 
+        # Each method's children, looked up once: `labels()` costs more than the update it serves.
+        self._by_method = {method: _MethodMetrics(self.count.labels(method), self.success.labels(method),
+                                                  self.failure.labels(method), self.inference_duration.labels(method),
+                                                  self.forward_duration.labels(method))
+                           for method in BATCH_METHODS}
+
     def on_batch(self, method: str, ok: bool, duration_s: float, forward_s: float | None) -> None:
-        self.count.labels(method).inc()
+        metrics = self._by_method[method]
+        metrics.count.inc()
         if not ok:
-            self.failure.labels(method).inc()
+            metrics.failure.inc()
             return
-        self.success.labels(method).inc()
-        self.inference_duration.labels(method=method).observe(duration_s)
+        metrics.success.inc()
+        metrics.inference_duration.observe(duration_s)
         if forward_s is not None:
-            self.forward_duration.labels(method=method).observe(forward_s)
+            metrics.forward_duration.observe(forward_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _MethodMetrics:
+    count: Any
+    success: Any
+    failure: Any
+    inference_duration: Any
+    forward_duration: Any
 
 
 def tgi_gauges(num_running: int, num_waiting: int, batch_max_tokens: int,
