@@ -29,10 +29,9 @@ from pathlib import Path
 from statistics import median
 
 import aiohttp
-from common import free_port, machine, percentile, serving
+from common import cpu_s, descendants, free_port, machine, percentile, serving
 
 BENCH = Path(__file__).resolve().parent
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SHARD_MODULE = "zero_cost_shard"
 # The launcher, with the zero-cost shard in place of loom_shard.server; every other process
 # (router, or engine core and frontends) is started exactly as `loom-launcher` starts it.
@@ -130,18 +129,6 @@ def client_process(url: str, endpoint: str, stream_ids: list[int], num_requests:
 # ---- processes and their CPU time ------------------------------------------------------------
 
 
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            children = (task / "children").read_text().split() if (task / "children").exists() else []
-            for child in map(int, children):
-                found.append(child)
-                todo.append(child)
-    return found
-
-
 def process_label(pid: int) -> str:
     """`-m module` of a process's command line (the launcher's children are started that way)."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -154,9 +141,8 @@ def cpu_by_label(launcher_pid: int) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     for pid in descendants(launcher_pid):
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            totals[process_label(pid)] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-        except (OSError, IndexError):
+            totals[process_label(pid)] += cpu_s(pid)
+        except OSError:
             continue  # it exited meanwhile
     return dict(totals)
 

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-from common import REPO, free_port, launcher, machine, serving
+from common import REPO, ServerURL, free_port, launcher, machine, serving, tree_cpu_s
 
 from loom_bench import datasets
 from loom_bench.backends import BACKENDS, BackendOptions
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, args: list[str], timeout_s: float = 300.0) -> Iterator[str]:
+def llama_server(binary: Path, args: list[str], timeout_s: float = 300.0) -> Iterator[ServerURL]:
     """Start llama-server with the embedded GGUF on a free port; yield its base URL once healthy."""
     port = free_port()
     cmd = [str(binary), "-m", str(embedded_model_path()), *args, "--host", "127.0.0.1", "--port", str(port)]
@@ -96,7 +96,7 @@ async def measure(url: str, requests: list[datasets.BenchRequest], concurrency: 
     return summary
 
 
-async def compare(args: argparse.Namespace, urls: dict[str, str]) -> tuple[list[Pair], list[dict]]:
+async def compare(args: argparse.Namespace, urls: dict[str, ServerURL]) -> tuple[list[Pair], list[dict]]:
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     for name, url in urls.items():  # first requests pay one-time costs (allocations, caches)
         await measure(url, run_requests(args, 1, WARMUP_SEED)[:2], 1, f"{name} warmup")
@@ -104,14 +104,16 @@ async def compare(args: argparse.Namespace, urls: dict[str, str]) -> tuple[list[
     for spec in schedule(concurrencies, args.rounds):
         measures = {}
         for name in spec.order:
-            load_before = os.getloadavg()[0]
+            load_before, cpu_before = os.getloadavg()[0], tree_cpu_s(urls[name].pid)
             summary = await measure(urls[name], run_requests(args, spec.concurrency, spec.seed), spec.concurrency, name)
-            measures[name] = m = Measure.of(summary, spec.concurrency, spec.round)
+            cpu = tree_cpu_s(urls[name].pid) - cpu_before
+            measures[name] = m = Measure.of(summary, spec.concurrency, spec.round, cpu)
             log.append({"server": name, "concurrency": spec.concurrency, "round": spec.round,
                         "load_avg_1m_before": load_before, "summary": summary.to_json()})
             print(f"round {spec.round + 1}/{args.rounds} concurrency {spec.concurrency} {name}: "
                   f"{m.output_tok_s:.1f} tok/s, TTFT p50 {m.ttft_p50_ms or 0:.0f} ms, "
-                  f"ITL p50 {m.itl_p50_ms or 0:.1f} ms, load avg before {load_before:.2f}", flush=True)
+                  f"ITL p50 {m.itl_p50_ms or 0:.1f} ms, CPU {m.cpu_ms_per_token or 0:.2f} ms/token, "
+                  f"load avg before {load_before:.2f}", flush=True)
         pairs.append(Pair(measures[LOOM], measures[PEER]))
     return pairs, log
 

@@ -26,6 +26,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerURL(str):
+    """A served base URL that knows its server's process id."""
+
+    pid: int
+
+    def __new__(cls, url: str, pid: int) -> ServerURL:
+        self = super().__new__(cls, url)
+        self.pid = pid
+        return self
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid (children of all its threads, recursively)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                for child in map(int, (task / "children").read_text().split()):
+                    found.append(child)
+                    todo.append(child)
+    return found
+
+
+def cpu_s(pid: int) -> float:
+    """A live process's CPU seconds so far (utime + stime from /proc); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of pid and every process below it."""
+    return sum(cpu_s(p) for p in [pid, *descendants(pid)])
+
+
 def machine() -> str:
     """One line naming the machine the numbers were measured on."""
     cpu = platform.processor() or platform.machine()
@@ -40,7 +81,7 @@ def machine() -> str:
 
 
 @contextlib.contextmanager
-def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[str]:
+def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[ServerURL]:
     """Start `loom-launcher` on a free port with `flags`; yield its base URL."""
     port = free_port()
     uds = tempfile.mktemp(prefix="loom-bench-")
@@ -51,13 +92,13 @@ def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], port: int, name: str, timeout_s: float) -> Iterator[str]:
+def serving(cmd: list[str], port: int, name: str, timeout_s: float) -> Iterator[ServerURL]:
     """Run a server process (output to a log file) until its /health answers 200; yield its base
     URL, then stop it. Raises, with the log's tail, when it exits or times out first."""
     log_path = Path(tempfile.mktemp(prefix=f"loom-bench-{name}-", suffix=".log"))
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        url = f"http://127.0.0.1:{port}"
+        url = ServerURL(f"http://127.0.0.1:{port}", proc.pid)
         try:
             deadline = time.monotonic() + timeout_s
             while not _healthy(url):

@@ -25,11 +25,16 @@ class Measure:
     ttft_p50_ms: float | None
     itl_p50_ms: float | None
     failed: int
+    # The server's CPU time (every process of it, from /proc) over the output tokens: steadier
+    # than tokens/s on a shared machine, where others' load takes wall time but not this.
+    cpu_ms_per_token: float | None = None
 
     @classmethod
-    def of(cls, summary: Summary, concurrency: int, round_: int) -> Measure:
+    def of(cls, summary: Summary, concurrency: int, round_: int, cpu_s: float | None = None) -> Measure:
+        tokens = summary.total_output_tokens
+        cpu_ms = cpu_s * 1000.0 / tokens if cpu_s is not None and tokens > 0 else None
         return cls(concurrency, round_, summary.output_throughput, summary.ttft_ms.get("p50"),
-                   summary.itl_ms.get("p50"), summary.failed)
+                   summary.itl_ms.get("p50"), summary.failed, cpu_ms)
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +51,11 @@ class Pair:
     def throughput_ratio(self) -> float | None:
         """Loom's output tokens/s over llama.cpp's: above 1, Loom is faster."""
         return _ratio(self.loom.output_tok_s, self.peer.output_tok_s)
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """llama.cpp's CPU ms per output token over Loom's: above 1, Loom spends less."""
+        return _ratio(self.peer.cpu_ms_per_token, self.loom.cpu_ms_per_token)
 
     @property
     def ttft_ratio(self) -> float | None:
@@ -122,8 +132,9 @@ def render_table(pairs: list[Pair]) -> str:
     """The issue's markdown table, one row per concurrency, each cell the range over rounds."""
     lines = [
         "| concurrency | llama.cpp out tokens/s | Loom out tokens/s | Loom / llama.cpp "
-        "| TTFT p50 llama.cpp / Loom | ITL p50 llama.cpp / Loom |",
-        "|---|---|---|---|---|---|",
+        "| TTFT p50 llama.cpp / Loom | ITL p50 llama.cpp / Loom "
+        "| CPU ms per token llama.cpp / Loom | CPU ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for concurrency, rows in by_concurrency(pairs).items():
         peer, loom = [p.peer for p in rows], [p.loom for p in rows]
@@ -132,7 +143,9 @@ def render_table(pairs: list[Pair]) -> str:
             f"| {span([m.output_tok_s for m in loom], '.1f')} "
             f"| {span([p.throughput_ratio for p in rows], '.2f')}x "
             f"| {span([m.ttft_p50_ms for m in peer], '.0f')} ms / {span([m.ttft_p50_ms for m in loom], '.0f')} ms "
-            f"| {span([m.itl_p50_ms for m in peer], '.1f')} ms / {span([m.itl_p50_ms for m in loom], '.1f')} ms |"
+            f"| {span([m.itl_p50_ms for m in peer], '.1f')} ms / {span([m.itl_p50_ms for m in loom], '.1f')} ms "
+            f"| {span([m.cpu_ms_per_token for m in peer], '.2f')} / {span([m.cpu_ms_per_token for m in loom], '.2f')} "
+            f"| {span([p.cpu_ratio for p in rows], '.2f')}x |"
         )
     return "\n".join(lines)
 

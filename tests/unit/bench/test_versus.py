@@ -21,14 +21,16 @@ from loom_bench.versus import (
 )
 
 
-def _pair(concurrency: int, round_: int, loom: tuple[float, float, float], peer: tuple[float, float, float]) -> Pair:
-    """(tokens/s, TTFT p50 ms, ITL p50 ms) for each server."""
-    return Pair(Measure(concurrency, round_, *loom, failed=0), Measure(concurrency, round_, *peer, failed=0))
+def _pair(concurrency: int, round_: int, loom: tuple[float, ...], peer: tuple[float, ...]) -> Pair:
+    """(tokens/s, TTFT p50 ms, ITL p50 ms[, CPU ms per token]) for each server."""
+    def measure(values: tuple[float, ...]) -> Measure:
+        return Measure(concurrency, round_, *values[:3], failed=0, cpu_ms_per_token=(values[3:] or (None,))[0])
+    return Pair(measure(loom), measure(peer))
 
 
 PAIRS = [
-    _pair(1, 0, (100.0, 100.0, 7.0), (80.0, 450.0, 8.0)),  # 1.25x tokens/s, 4.5x TTFT
-    _pair(1, 1, (90.0, 150.0, 7.5), (80.0, 420.0, 8.5)),  # 1.125x: below 1.2x, 2.8x TTFT
+    _pair(1, 0, (100.0, 100.0, 7.0, 10.0), (80.0, 450.0, 8.0, 25.0)),  # 1.25x tokens/s, 4.5x TTFT, 2.5x CPU
+    _pair(1, 1, (90.0, 150.0, 7.5, 12.5), (80.0, 420.0, 8.5, 25.0)),  # 1.125x: below 1.2x, 2.8x TTFT, 2x CPU
     _pair(8, 0, (400.0, 500.0, 20.0), (120.0, 3600.0, 40.0)),  # 3.33x
     _pair(8, 1, (390.0, 520.0, 21.0), (125.0, 3400.0, 39.0)),  # 3.12x
 ]
@@ -44,8 +46,10 @@ def test_span_is_the_range_of_defined_values() -> None:
 def test_table_has_one_row_per_concurrency_with_ranges_over_rounds() -> None:
     lines = render_table(PAIRS).splitlines()
     assert lines[0].startswith("| concurrency | llama.cpp out tokens/s | Loom out tokens/s | Loom / llama.cpp")
-    assert lines[2] == "| 1 | 80.0 | 90.0-100.0 | 1.12-1.25x | 420-450 ms / 100-150 ms | 8.0-8.5 ms / 7.0-7.5 ms |"
+    assert lines[2] == ("| 1 | 80.0 | 90.0-100.0 | 1.12-1.25x | 420-450 ms / 100-150 ms | 8.0-8.5 ms / 7.0-7.5 ms "
+                        "| 25.00 / 10.00-12.50 | 2.00-2.50x |")
     assert lines[3].startswith("| 8 | 120.0-125.0 | 390.0-400.0 | 3.12-3.33x | 3400-3600 ms / 500-520 ms |")
+    assert lines[3].endswith("| - / - | -x |")  # no CPU times measured
     assert len(lines) == 4
 
 
@@ -75,6 +79,9 @@ def test_measure_takes_throughput_and_medians_from_a_summary() -> None:
     assert (measure.concurrency, measure.round, measure.failed) == (8, 1, 0)
     assert measure.output_tok_s == 5.0  # 10 tokens in 2 s
     assert abs(measure.ttft_p50_ms - 200.0) < 1e-9 and abs(measure.itl_p50_ms - 20.0) < 1e-9
+    assert measure.cpu_ms_per_token is None
+    with_cpu = Measure.of(summarize("loom", results, duration_s=2.0, slo_ms=None), 8, 1, cpu_s=0.5)
+    assert with_cpu.cpu_ms_per_token == 50.0  # 500 ms over 10 tokens
 
 
 def test_schedule_alternates_the_servers_and_never_repeats_prompts() -> None:
