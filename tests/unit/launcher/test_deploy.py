@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import get_origin
 
 import yaml
 
-from loom_proto.config import LauncherSettings, env_var, option
+from loom_proto.config import LauncherSettings, env_var, option, singular
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
@@ -128,10 +129,12 @@ def test_readme_documents_every_flag_and_the_ci_command() -> None:
     readme = (ROOT / "README.md").read_text()
     rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines()
             if line.startswith("| `--")}
-    assert set(rows) == {option(name) for name in LauncherSettings.model_fields}
+    flags = {name: option(singular(name)) if get_origin(field.annotation) is tuple else option(name)
+             for name, field in LauncherSettings.model_fields.items()}
+    assert set(rows) == set(flags.values())
     for name, field in LauncherSettings.model_fields.items():
-        assert f"`{env_var(name)}`" in rows[option(name)]
+        assert f"`{env_var(name)}`" in rows[flags[name]]
         if field.default not in (None, "", ()):  # () : a list flag given no value
-            assert f"`{field.default}`" in rows[option(name)]
+            assert f"`{field.default}`" in rows[flags[name]]
     ci = (ROOT / ".ci/run").read_text()
     assert "make test" in ci and "make test" in readme and "make serve" in readme
