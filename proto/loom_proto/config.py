@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -240,9 +240,12 @@ class RouterConfig(RouterFlags):
 
     shard_uds_paths: tuple[str, ...] = Field((), description="unix socket of a shard rank, once per rank in "
                                              "rank order")
+    drives_shards: ClassVar[bool] = True  # the engine core does; its frontends never talk to a shard
 
     @model_validator(mode="after")
     def _one_kind_of_shard(self) -> RouterConfig:
+        if not self.drives_shards:
+            return self
         if bool(self.shard_uds_paths) == bool(self.shard_addresses):
             raise ValueError("give the shards' unix sockets (--shard-uds-path) or their TCP addresses "
                              "(--shard-address), one of the two")
@@ -260,7 +263,12 @@ class RouterConfig(RouterFlags):
 
 
 class FrontendConfig(RouterConfig):
-    """One frontend process, started by the engine core with its own index and sockets."""
+    """One frontend process, started by the engine core with its own index and sockets. It knows
+    nothing of the shards: neither where they are nor their secret."""
+
+    drives_shards: ClassVar[bool] = False
+    SHARD_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"shard_uds_paths", "shard_addresses", "shard_secret", "shard_secret_file"})
 
     frontend_index: int = Field(0, ge=0, description="this frontend's number (its socket's name)")
     ipc_folder: str = Field(description="the router's private folder of sockets (the engine core's and "

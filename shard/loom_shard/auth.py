@@ -1,8 +1,8 @@
 """The shard's door: every call must carry the router's shared secret (loom_proto.shard_auth).
 
 A call without it is refused with UNAUTHENTICATED before any handler runs, and the first refusal
-from each peer is logged as one line naming it, so an operator sees a stranger knocking without a
-flood of lines from one that keeps trying.
+from each host is logged as one line naming it, so an operator sees a stranger knocking without a
+flood of lines from one that keeps trying (each try is a new connection, a new port).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import grpc
 from loom_proto.shard_auth import presented_secret, secret_matches
 
 log = logging.getLogger("loom_shard.auth")
-MAX_PEERS_REMEMBERED = 1024  # bounded: a scan from many addresses cannot grow memory
+MAX_HOSTS_REMEMBERED = 1024  # bounded: a scan from many addresses cannot grow memory
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, secret: str, rank: int) -> None:
         self._secret = secret
         self._rank = rank
-        self._refused_peers: set[str] = set()
+        self._refused_hosts: set[str] = set()
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -43,9 +43,10 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
     def note_stranger(self, peer: str, method: str) -> None:
-        if peer in self._refused_peers:
+        host = peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer  # "ipv4:10.0.0.9:51234" -> "ipv4:10.0.0.9"
+        if host in self._refused_hosts:
             return
-        if len(self._refused_peers) < MAX_PEERS_REMEMBERED:
-            self._refused_peers.add(peer)
+        if len(self._refused_hosts) < MAX_HOSTS_REMEMBERED:
+            self._refused_hosts.add(host)
         log.warning("rank %d refused a connection from %s (%s): wrong or missing shard secret",
                     self._rank, peer, method)

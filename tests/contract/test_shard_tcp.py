@@ -63,7 +63,7 @@ async def test_a_stranger_is_refused_and_logged_once(tcp_shards: list[str],
             await shard_pb2_grpc.ShardStub(channel).Info(pb.InfoRequest())
         assert bare.value.code() == grpc.StatusCode.UNAUTHENTICATED
     lines = [r.getMessage() for r in caplog.records if r.name == "loom_shard.auth"]
-    assert len(lines) == 2, lines  # one per peer (two connections), not one per call
+    assert len(lines) == 1, lines  # one per stranger's host: not per call, nor per connection
     assert all("rank 0 refused a connection from ipv4:127.0.0.1:" in line for line in lines)
 
 
@@ -84,3 +84,13 @@ def test_router_targets_in_rank_order() -> None:
         RouterConfig(shard_uds_paths=("/tmp/s-0",), shard_addresses=("a:7000",), shard_secret=SECRET)
     with pytest.raises(ValueError, match="not host:port"):
         RouterConfig(shard_addresses=("no-port",), shard_secret=SECRET)
+
+
+def test_frontends_get_no_shard_address_nor_secret() -> None:
+    from loom_proto.config import FrontendConfig, public_json, secrets_json
+
+    router = RouterConfig(shard_addresses=("10.0.0.2:7000",), shard_secret=SECRET)
+    frontend = FrontendConfig(**router.model_dump(exclude=FrontendConfig.SHARD_FIELDS), ipc_folder="/tmp/x",
+                              listen_fd=3)
+    assert frontend.shard_secret is None and frontend.shard_addresses == () and frontend.shard_uds_paths == ()
+    assert secrets_json(frontend) is None and SECRET not in public_json(frontend)
