@@ -175,8 +175,13 @@ def supervise(settings: LauncherSettings, shards: RayShards, addresses: Sequence
 def serve_on_ray(settings: LauncherSettings, stop: threading.Event, log: Log = log_to_stderr) -> int:
     import ray
 
-    if settings.resolved_shard_secret() is None:
-        settings = settings.model_copy(update={"shard_secret": SecretStr(secrets.token_urlsafe(32))})
+    try:
+        secret = settings.resolved_shard_secret() or secrets.token_urlsafe(32)
+    except ValueError as error:  # an unreadable --shard-secret-file
+        log(f"[launcher] error: {error}")
+        return int(ExitStatus.CHILD_FAILED)
+    # The secret itself travels to the actors (a secret file on this node is not on theirs).
+    settings = settings.model_copy(update={"shard_secret": SecretStr(secret), "shard_secret_file": None})
     ray.init(address=settings.ray_address, log_to_driver=True, namespace="loom")
     supervisor = Supervisor(stop, log)
     shards: RayShards | None = None
