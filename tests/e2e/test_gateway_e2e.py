@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -178,8 +179,9 @@ def wait_until_admitted(replicas: list[Launcher], num_requests: int) -> int:
         time.sleep(0.05)
 
 
-def stream_completion(base_url: str, prompt: str, max_tokens: int) -> tuple[int, str]:
-    """A streamed completion: (status, the last event or the transport error that ended it)."""
+def stream_completion(base_url: str, prompt: str, max_tokens: int, started: threading.Event) -> tuple[int, str]:
+    """A streamed completion: (status, the last event or the transport error that ended it);
+    `started` is set at its first event."""
     body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     last = ""
     try:
@@ -187,6 +189,7 @@ def stream_completion(base_url: str, prompt: str, max_tokens: int) -> tuple[int,
             for line in response.iter_lines():
                 if line.strip():
                     last = line
+                    started.set()
             return response.status_code, last
     except httpx.HTTPError as error:
         return -1, f"{type(error).__name__}: {error} (after {last!r})"
@@ -199,8 +202,11 @@ def test_a_dead_replica_fails_only_its_in_flight_requests(
     prompts = [f"{word} {i}: count from one to one hundred in words:"
                for i, word in enumerate(["Apples", "Rivers", "Mountains", "Violins", "Engines", "Clouds"])]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        in_flight = [pool.submit(stream_completion, gateway.base_url, prompt, 200) for prompt in prompts]
+        started = [threading.Event() for _ in prompts]
+        in_flight = [pool.submit(stream_completion, gateway.base_url, prompt, 200, event)
+                     for prompt, event in zip(prompts, started, strict=True)]
         held = wait_until_admitted(replicas, len(prompts))
+        assert all(event.wait(120) for event in started)  # every stream is under way: cut mid-stream
         for pid in process_tree(victim.process.pid):  # a crash: no drain, no goodbye
             os.kill(pid, signal.SIGKILL)
         after = [completion(gateway.base_url, f"After the crash {i}: name a colour.", 8) for i in range(6)]
@@ -208,7 +214,7 @@ def test_a_dead_replica_fails_only_its_in_flight_requests(
     failed = [detail for status, detail in before if status != 200 or not detail.endswith("[DONE]")]
     print(f"{held} of {len(prompts)} streams on the dead replica; failed: {failed}")
     assert 1 <= len(failed) <= held, failed  # the survivor's streams finished
-    for detail in failed:  # a stream cut short says so: the gateway closes it unfinished
-        assert "incomplete chunked read" in detail, detail
+    for detail in failed:  # a stream cut short says so: the gateway closes it unfinished, after tokens
+        assert "incomplete chunked read" in detail and "after 'data: {" in detail, detail
     assert [status for status, _ in after] == [200] * len(after), after  # new traffic: the survivor
     assert httpx.get(f"{survivor.base_url}/get_load", timeout=10).status_code == 200
