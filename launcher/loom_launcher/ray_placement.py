@@ -73,7 +73,9 @@ def reserve(settings: LauncherSettings, log: Log) -> RayShards:
     bundles = [bundle(settings, gpus) for _ in range(settings.num_shard)]
     log(f"[launcher] asking Ray for a placement group of {len(bundles)} bundle(s) {bundles[0]} "
         f"({settings.ray_placement_strategy})")
-    return RayShards(placement_group(bundles, strategy=settings.ray_placement_strategy, name="loom-shards"))
+    # A name of its own: several Loom deployments may share one cluster.
+    name = f"loom-shards-{secrets.token_hex(4)}"
+    return RayShards(placement_group(bundles, strategy=settings.ray_placement_strategy, name=name))
 
 
 def place(settings: LauncherSettings, shards: RayShards, log: Log) -> None:
