@@ -118,11 +118,6 @@ class ShardConfig(ShardFlags):
     def gpu_index(self) -> int:
         return self.rank if self.local_rank is None else self.local_rank
 
-    @property
-    def listen_target(self) -> str:
-        """The gRPC address this shard binds."""
-        return f"unix://{self.uds_path}" if self.uds_path is not None else str(self.tcp_address)
-
 
 class RouterFlags(ModelFlags):
     hostname: str = Field("0.0.0.0", description="address the HTTP server binds")
