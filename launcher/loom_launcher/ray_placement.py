@@ -174,8 +174,15 @@ def supervise(settings: LauncherSettings, shards: RayShards, addresses: Sequence
         supervisor.stop.wait(POLL_INTERVAL_S)
 
 
+MISSING_RAY_STATUS = 2  # as a usage error
+
+
 def serve_on_ray(settings: LauncherSettings, stop: threading.Event, log: Log = log_to_stderr) -> int:
-    import ray
+    try:
+        import ray
+    except ImportError:
+        log("[launcher] error: --placement ray needs Ray: pip install 'loom-launcher[ray]'")
+        return MISSING_RAY_STATUS
 
     try:
         secret = settings.resolved_shard_secret() or secrets.token_urlsafe(32)

@@ -40,3 +40,16 @@ def test_a_shard_host_reports_its_shards_exit(tmp_path) -> None:
 def test_ray_placement_starts_everything_itself() -> None:
     with pytest.raises(SystemExit):
         load_settings(["--placement", "ray", "--role", "shards", "--shard-port", "7000"])
+
+
+def test_without_ray_the_launcher_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import threading
+
+    from loom_launcher.ray_placement import serve_on_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    lines: list[str] = []
+    settings = load_settings(["--placement", "ray"])
+    assert serve_on_ray(settings, threading.Event(), log=lines.append) == 2
+    assert lines == ["[launcher] error: --placement ray needs Ray: pip install 'loom-launcher[ray]'"]
