@@ -6,9 +6,12 @@ supervise them (see supervisor.py). Each child gets its config as JSON, not as f
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+
+from pydantic import SecretStr
 
 from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, serve
 from loom_proto.config import (
@@ -35,25 +38,38 @@ def load_settings(argv: Sequence[str] | None) -> LauncherSettings:
     return parse_config(LauncherSettings, argv, "loom-launcher", DESCRIPTION)
 
 
+def child_argv(module: str, config: ShardConfig | RouterConfig) -> tuple[tuple[str, ...], str | None]:
+    """A child's argv and what goes to its stdin: the argv holds no secret (any user may read a
+    command line), the API keys and the shard secret go to its stdin."""
+    argv = (sys.executable, "-m", module, "--config-json", public_json(config))
+    hidden = secrets_json(config)
+    if hidden is None:
+        return argv, None
+    return (*argv, "--secrets-on-stdin"), hidden + "\n"
+
+
 def shard_spec(config: ShardConfig, env: Mapping[str, str]) -> ProcessSpec:
-    argv = (sys.executable, "-m", SHARD_MODULE, "--config-json", public_json(config))
-    return ProcessSpec(f"shard {config.rank}", argv, env, ready_marker=SHARD_READY_MARKER)
+    argv, stdin_text = child_argv(SHARD_MODULE, config)
+    return ProcessSpec(f"shard {config.rank}", argv, env, ready_marker=SHARD_READY_MARKER, stdin_text=stdin_text)
 
 
 def router_spec(config: RouterConfig, env: Mapping[str, str]) -> ProcessSpec:
-    """The router's argv holds no secret (any user may read a command line): the API keys
-    go to its stdin."""
-    argv = (sys.executable, "-m", ROUTER_MODULE, "--config-json", public_json(config))
-    secrets = secrets_json(config)
-    if secrets is None:
-        return ProcessSpec("router", argv, env)
-    return ProcessSpec("router", (*argv, "--secrets-on-stdin"), env, stdin_text=secrets + "\n")
+    argv, stdin_text = child_argv(ROUTER_MODULE, config)
+    return ProcessSpec("router", argv, env, stdin_text=stdin_text)
+
+
+def with_shard_secret(settings: LauncherSettings) -> LauncherSettings:
+    """Shards on TCP started here with their router: a fresh secret unless the operator gave one
+    (nodes of a multi-node deployment must share the operator's)."""
+    if settings.shard_port is None or settings.role != "all" or settings.resolved_shard_secret() is not None:
+        return settings
+    return settings.model_copy(update={"shard_secret": SecretStr(secrets.token_urlsafe(32))})
 
 
 def threads_per_shard(settings: LauncherSettings, num_cpus: int) -> int:
     if settings.num_threads is not None:
         return settings.num_threads
-    return max(1, num_cpus // settings.num_shard)
+    return max(1, num_cpus // settings.shards_per_node)
 
 
 def child_env(environ: Mapping[str, str], num_threads: int) -> dict[str, str]:
@@ -79,13 +95,24 @@ def available_cpus() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(argv)
-    env = child_env(os.environ, threads_per_shard(settings, available_cpus()))
-    router = settings.router_config()
+    try:
+        settings = with_shard_secret(settings)
+    except ValueError as error:  # an unreadable --shard-secret-file
+        print(f"loom-launcher: error: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     install_signal_handlers(stop)
+    if settings.placement == "ray":
+        from loom_launcher.ray_placement import serve_on_ray  # the ray extra: imported only here
+
+        return serve_on_ray(settings, stop)
+    env = child_env(os.environ, threads_per_shard(settings, available_cpus()))
+    shards = [] if settings.role == "router" else [shard_spec(settings.shard_config(rank), env)
+                                                   for rank in settings.local_ranks()]
+    router = None if settings.role == "shards" else settings.router_config()
     # The router drains within its own timeout; the margin lets it exit before a SIGKILL.
-    return serve(shards=[shard_spec(settings.shard_config(rank), env) for rank in range(settings.num_shard)],
-                 router=router_spec(router, env), health_url=health_url(router),
+    return serve(shards=shards, router=None if router is None else router_spec(router, env),
+                 health_url=None if router is None else health_url(router),
                  startup_timeout=settings.startup_timeout,
                  shutdown_timeout=settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S, stop=stop)
 

@@ -195,13 +195,15 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def serve(shards: Sequence[ProcessSpec], router: ProcessSpec, health_url: str,
+def serve(shards: Sequence[ProcessSpec], router: ProcessSpec | None, health_url: str | None,
           startup_timeout: float, shutdown_timeout: float, stop: threading.Event,
           log: Log = log_to_stderr) -> int:
     """Starts the shards, waits for them, starts the router, supervises until stop or a death.
 
-    On stop the router goes first (it drains in-flight requests within `shutdown_timeout`),
-    then the shards. Returns the launcher's exit status.
+    Either part may be absent: a node of a multi-node deployment runs only its shards (no
+    router), the router's node only the router (its shards are elsewhere). On stop the router
+    goes first (it drains in-flight requests within `shutdown_timeout`), then the shards.
+    Returns the launcher's exit status.
     """
     supervisor = Supervisor(stop, log)
     deadline = time.monotonic() + startup_timeout
@@ -209,11 +211,15 @@ def serve(shards: Sequence[ProcessSpec], router: ProcessSpec, health_url: str,
     status = ExitStatus.OK
     try:
         shard_children = [supervisor.spawn(spec) for spec in shards]
-        supervisor.wait_ready(shard_children, deadline, f"{len(shard_children)} shard(s)")
-        router_children = [supervisor.spawn(router)]
-        supervisor.wait_ready([], deadline, f"router at {health_url}",
-                              is_ready=lambda: http_ok(health_url))
-        log(f"[launcher] Loom is serving; health at {health_url}")
+        if shard_children:
+            supervisor.wait_ready(shard_children, deadline, f"{len(shard_children)} shard(s)")
+        if router is not None and health_url is not None:
+            router_children = [supervisor.spawn(router)]
+            supervisor.wait_ready([], deadline, f"router at {health_url}",
+                                  is_ready=lambda: http_ok(health_url))
+            log(f"[launcher] Loom is serving; health at {health_url}")
+        else:
+            log("[launcher] this node's shards are serving; waiting for their router")
         supervisor.wait_until_stop_or_exit()
     except StopRequested:
         pass

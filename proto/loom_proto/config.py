@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -32,7 +32,7 @@ Seconds = Annotated[float, Field(gt=0)]
 StrList = Annotated[tuple[str, ...], NoDecode]
 SecretList = Annotated[tuple[SecretStr, ...], NoDecode]
 # Never on a command line (`ps` shows it to every user): the launcher hands these on stdin.
-SECRET_FIELDS = frozenset({"api_key"})
+SECRET_FIELDS = frozenset({"api_key", "shard_secret"})
 DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, as TGI
 
 
@@ -48,6 +48,25 @@ class ModelFlags(Frozen):
     otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
                                       "http://collector:4318): spans per request and per step, router and "
                                       "shards; needs the SDK installed (the otel extras)")
+    shard_secret: SecretStr | None = Field(
+        None, description="shared secret the router presents to every shard and a shard demands of every "
+        "call (required for shards on TCP); env or --shard-secret-file, never on a command line")
+    shard_secret_file: str | None = Field(None, description="file holding the shard secret (its first line)")
+
+    @field_validator("shard_secret")
+    @classmethod
+    def _no_blank_secret(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None and not secret.get_secret_value().strip():
+            raise ValueError("a blank shard secret (from an empty or unset variable?) is refused")
+        return secret
+
+    def resolved_shard_secret(self) -> str | None:
+        """The secret from the flag or the environment, else the file's first line; None: no secret."""
+        if self.shard_secret is not None:
+            return self.shard_secret.get_secret_value()
+        if self.shard_secret_file is None:
+            return None
+        return read_secret_file(self.shard_secret_file)
 
 
 class ShardFlags(ModelFlags):
@@ -73,17 +92,31 @@ class ShardFlags(ModelFlags):
 
 
 class ShardConfig(ShardFlags):
-    """One shard process (one tensor-parallel rank)."""
+    """One shard process (one tensor-parallel rank), serving on a unix socket or on TCP."""
 
-    uds_path: str = Field(description="unix socket this shard serves on")
-    rank: int = Field(0, ge=0, description="tensor-parallel rank (shard i uses GPU i)")
+    uds_path: str | None = Field(None, description="unix socket this shard serves on")
+    tcp_address: str | None = Field(None, description="host:port this shard serves on over TCP (needs the "
+                                    "shard secret)")
+    rank: int = Field(0, ge=0, description="tensor-parallel rank")
+    local_rank: int | None = Field(None, ge=0, description="this rank's GPU index on its node; default: rank")
     world_size: Positive = Field(1, description="tensor-parallel ranks in all")
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> ShardConfig:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if (self.uds_path is None) == (self.tcp_address is None):
+            raise ValueError("a shard serves on exactly one of uds_path and tcp_address")
+        if self.tcp_address is not None:
+            split_host_port(self.tcp_address)
+            if self.shard_secret is None and self.shard_secret_file is None:
+                raise ValueError("a shard on TCP needs the shard secret (LOOM_SHARD_SECRET or "
+                                 "--shard-secret-file): its port must accept only its router")
         return self
+
+    @property
+    def gpu_index(self) -> int:
+        return self.rank if self.local_rank is None else self.local_rank
 
 
 class RouterFlags(ModelFlags):
@@ -146,8 +179,11 @@ class RouterFlags(ModelFlags):
                            "with --overlap-steps (speculation then stays off)")
     speculate_ngram_max: Positive = Field(3, description="longest n-gram looked up for drafts (--speculate)")
     speculate_ngram_min: Positive = Field(1, description="shortest n-gram looked up for drafts (--speculate)")
+    shard_addresses: StrList = Field((), description="host:port of a shard rank on TCP (repeat the flag, in rank "
+                                     "order; env: comma-separated): drive shards on other hosts instead of "
+                                     "starting them here")
 
-    @field_validator("cors_allow_origin", mode="before")
+    @field_validator("cors_allow_origin", "shard_addresses", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):  # from an environment variable
@@ -194,14 +230,40 @@ class RouterFlags(ModelFlags):
 
 
 class RouterConfig(RouterFlags):
-    """The router: its engine core process (`loom-router`), which starts its frontends."""
+    """The router: its engine core process (`loom-router`), which starts its frontends. Its shards
+    are on unix sockets (`shard_uds_paths`) or on TCP (`shard_addresses`), in rank order."""
 
-    shard_uds_paths: tuple[str, ...] = Field(min_length=1, description="unix socket of a shard rank, "
-                                             "once per rank in rank order")
+    shard_uds_paths: tuple[str, ...] = Field((), description="unix socket of a shard rank, once per rank in "
+                                             "rank order")
+    drives_shards: ClassVar[bool] = True  # the engine core does; its frontends never talk to a shard
+
+    @model_validator(mode="after")
+    def _one_kind_of_shard(self) -> RouterConfig:
+        if not self.drives_shards:
+            return self
+        if bool(self.shard_uds_paths) == bool(self.shard_addresses):
+            raise ValueError("give the shards' unix sockets (--shard-uds-path) or their TCP addresses "
+                             "(--shard-address), one of the two")
+        for address in self.shard_addresses:
+            split_host_port(address)
+        if self.shard_addresses and self.shard_secret is None and self.shard_secret_file is None:
+            raise ValueError("shards on TCP need the shard secret (LOOM_SHARD_SECRET or --shard-secret-file)")
+        return self
+
+    def shard_targets(self) -> tuple[str, ...]:
+        """The gRPC target of each rank, in rank order."""
+        if self.shard_addresses:
+            return self.shard_addresses
+        return tuple(f"unix://{path}" for path in self.shard_uds_paths)
 
 
 class FrontendConfig(RouterConfig):
-    """One frontend process, started by the engine core with its own index and sockets."""
+    """One frontend process, started by the engine core with its own index and sockets. It knows
+    nothing of the shards: neither where they are nor their secret."""
+
+    drives_shards: ClassVar[bool] = False
+    SHARD_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"shard_uds_paths", "shard_addresses", "shard_secret", "shard_secret_file"})
 
     frontend_index: int = Field(0, ge=0, description="this frontend's number (its socket's name)")
     ipc_folder: str = Field(description="the router's private folder of sockets (the engine core's and "
@@ -216,20 +278,101 @@ class LauncherSettings(BaseSettings, ShardFlags, RouterFlags):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
 
-    num_shard: Positive = Field(1, description="tensor-parallel shards (processes)")
+    num_shard: Positive = Field(1, description="tensor-parallel shards (processes) in all, on every node")
     shard_uds_path: str = Field("/tmp/loom-server", description="unix socket prefix; rank r serves on <path>-<r>")
     num_threads: Positive | None = Field(None, description="torch threads per shard; default: cores / num-shard")
     startup_timeout: Seconds = Field(600.0, description="seconds to wait for shards and router to be ready")
+    role: Literal["all", "shards", "router"] = Field(
+        "all", description="all: shards and router here; shards: only this node's shards (--nnodes, --node-rank, "
+        "TCP on --shard-port); router: only the router, driving the shards at --shard-address")
+    nnodes: Positive = Field(1, description="nodes the shards are spread over (--role shards), num-shard / nnodes each")
+    node_rank: int = Field(0, ge=0, description="this node's number, 0 to nnodes - 1: it runs ranks "
+                           "node-rank x (num-shard / nnodes) onward")
+    shard_host: str = Field("127.0.0.1", description="address shards on TCP bind (0.0.0.0: every interface)")
+    shard_port: int | None = Field(None, gt=0, lt=65536, description="shards serve on TCP: rank r on shard-port + r "
+                                   "(with the shard secret); unset: unix sockets")
+    placement: Literal["local", "ray"] = Field("local", description="local: shards are processes on this host; ray: "
+                                               "Ray actors in a placement group on a Ray cluster (the ray extra)")
+    ray_address: str = Field("auto", description="the Ray cluster to join (--placement ray)")
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how the placement group's bundles (one per rank) land on nodes (--placement ray)")
+
+    @model_validator(mode="after")
+    def _topology(self) -> LauncherSettings:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} outside nnodes {self.nnodes}")
+        if self.num_shard % self.nnodes:
+            raise ValueError(f"num_shard ({self.num_shard}) must be a multiple of nnodes ({self.nnodes})")
+        if self.role == "shards" and self.shard_port is None:
+            raise ValueError("--role shards serves the shards on TCP: give --shard-port")
+        if self.role == "router" and not self.shard_addresses:
+            raise ValueError("--role router drives remote shards: give --shard-address once per rank")
+        if self.role != "router" and self.shard_addresses:
+            raise ValueError("--shard-address is for --role router (shards started elsewhere)")
+        if self.role == "all" and self.nnodes > 1:
+            raise ValueError("--nnodes > 1 needs --role shards on every node and --role router once "
+                             "(or --placement ray)")
+        if self.placement == "ray" and self.role != "all":
+            raise ValueError("--placement ray starts every part itself: leave --role at all")
+        return self
+
+    @property
+    def shards_per_node(self) -> int:
+        return self.num_shard // self.nnodes
+
+    def local_ranks(self) -> range:
+        """The ranks this node starts."""
+        first = self.node_rank * self.shards_per_node
+        return range(first, first + self.shards_per_node)
 
     def socket_paths(self) -> tuple[str, ...]:
         return tuple(f"{self.shard_uds_path}-{rank}" for rank in range(self.num_shard))
 
-    def shard_config(self, rank: int) -> ShardConfig:
-        return ShardConfig(**_values(self, ShardFlags), uds_path=self.socket_paths()[rank], rank=rank,
-                           world_size=self.num_shard)
+    def tcp_address(self, rank: int, host: str | None = None) -> str:
+        assert self.shard_port is not None
+        return f"{host or self.shard_host}:{self.shard_port + rank}"
 
-    def router_config(self) -> RouterConfig:
-        return RouterConfig(**_values(self, RouterFlags), shard_uds_paths=self.socket_paths())
+    def shard_config(self, rank: int, tcp_address: str | None = None) -> ShardConfig:
+        """Rank `rank`'s config: on TCP at `tcp_address` (default: from --shard-port), else a unix socket."""
+        if tcp_address is None and self.shard_port is not None:
+            tcp_address = self.tcp_address(rank)
+        where = {"tcp_address": tcp_address} if tcp_address else {"uds_path": self.socket_paths()[rank]}
+        return ShardConfig(**_values(self, ShardFlags), **where, rank=rank, world_size=self.num_shard,
+                           local_rank=rank - self.local_ranks().start)
+
+    def router_config(self, shard_addresses: tuple[str, ...] | None = None) -> RouterConfig:
+        """The router's config: the shards at `shard_addresses` (default: --shard-address, or this host's
+        TCP ports with --shard-port, else the unix sockets)."""
+        values = _values(self, RouterFlags)
+        if shard_addresses is None and self.shard_port is not None and not self.shard_addresses:
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.shard_host, self.shard_host)
+            shard_addresses = tuple(self.tcp_address(rank, host) for rank in range(self.num_shard))
+        if shard_addresses is not None:
+            values["shard_addresses"] = shard_addresses
+        if values["shard_addresses"]:
+            return RouterConfig(**values)
+        return RouterConfig(**values, shard_uds_paths=self.socket_paths())
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) into its parts; ValueError with the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
+
+
+def read_secret_file(path: str) -> str:
+    """A secret file's first line; ValueError when it is missing or blank."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            secret = file.readline().strip()
+    except OSError as error:
+        raise ValueError(f"cannot read the secret file {path}: {error.strerror}") from None
+    if not secret:
+        raise ValueError(f"the secret file {path} is empty")
+    return secret
 
 
 def child_environment(extra: dict[str, str]) -> dict[str, str]:
@@ -277,7 +420,7 @@ def build_parser(model: type[BaseModel], prog: str, description: str) -> argpars
         env = f"env {env_var(name)}; " if settings else ""
         help_text = f"{field.description} [{env}default {default}]"
         if get_origin(field.annotation) is tuple:
-            parser.add_argument(option(name.removesuffix("s")), dest=name, action="append",
+            parser.add_argument(option(singular(name)), dest=name, action="append",
                                 default=argparse.SUPPRESS, help=help_text)
         elif field.annotation is bool:  # a switch, as TGI's: `--json-output` or `--json-output false`
             parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS, nargs="?", const="true",
@@ -288,6 +431,11 @@ def build_parser(model: type[BaseModel], prog: str, description: str) -> argpars
     return parser
 
 
+def singular(name: str) -> str:
+    """A repeatable flag's name: shard_uds_paths -> shard_uds_path, shard_addresses -> shard_address."""
+    return name[:-2] if name.endswith("sses") else name.removesuffix("s")
+
+
 def public_json(config: BaseModel) -> str:
     """The config as JSON for a child's argv: every field but the secrets."""
     return config.model_dump_json(exclude=set(SECRET_FIELDS))
@@ -295,8 +443,13 @@ def public_json(config: BaseModel) -> str:
 
 def secrets_json(config: BaseModel) -> str | None:
     """The secrets the argv leaves out, as JSON for the child's stdin; None when there are none."""
-    secrets = {name: [item.get_secret_value() for item in getattr(config, name)]
-               for name in sorted(SECRET_FIELDS) if getattr(config, name, ())}
+    secrets: dict[str, Any] = {}
+    for name in sorted(SECRET_FIELDS):
+        value = getattr(config, name, None)
+        if isinstance(value, SecretStr):
+            secrets[name] = value.get_secret_value()
+        elif value:
+            secrets[name] = [item.get_secret_value() for item in value]
     return json.dumps(secrets) if secrets else None
 
 

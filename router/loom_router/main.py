@@ -63,7 +63,7 @@ class Stop:
 async def serve(config: RouterConfig) -> int:
     """Runs the router until a signal stops it; returns the exit status."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model_id)
-    client = ShardClient(config.shard_uds_paths)
+    client = ShardClient(config.shard_targets(), config.resolved_shard_secret())
     folder = private_folder()
     stop = Stop()
     try:

@@ -24,6 +24,7 @@ from loom_proto.config import ShardConfig
 from loom_proto.event_loop import run_event_loop
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom_shard.auth import SecretInterceptor
 from loom_shard.runtime.snapshot import PartStore, clean_leftovers
 from loom_shard.tracing import ShardTracer, StepPhases, configure_tracing
 
@@ -286,20 +287,30 @@ def new_worker() -> ThreadPoolExecutor:
 
 
 async def start_server(
-    runner: Runner, uds_path: str, snapshot_dir: str | None = None, worker: ThreadPoolExecutor | None = None,
-    tracer: ShardTracer | None = None,
+    runner: Runner, uds_path: str | None = None, snapshot_dir: str | None = None,
+    worker: ThreadPoolExecutor | None = None, tracer: ShardTracer | None = None, *,
+    tcp_address: str | None = None, secret: str | None = None,
 ) -> tuple[grpc.aio.Server, ShardServicer]:
     """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced),
-    and Step also on its step socket (loom_proto.step_channel), closed with the servicer."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    with Step also on its step socket (loom_proto.step_channel, closed with the servicer), or on
+    TCP at `tcp_address` (host:port; steps over gRPC). With `secret`, every call must carry it
+    (loom_shard.auth); TCP without one is refused: anyone on the network could drive the model."""
+    if (uds_path is None) == (tcp_address is None):
+        raise ValueError("serve on exactly one of a unix socket and a TCP address")
+    if tcp_address is not None and secret is None:
+        raise ValueError(f"refusing to serve on tcp {tcp_address} without the shard secret")
+    interceptors = [] if secret is None else [SecretInterceptor(secret, runner.info().rank)]
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     servicer = ShardServicer(runner, snapshot_dir, worker, tracer)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
+    target = f"unix://{uds_path}" if uds_path is not None else str(tcp_address)
     try:
-        server.add_insecure_port(f"unix://{uds_path}")
+        server.add_insecure_port(target)
     except RuntimeError as error:  # grpc's way of saying bind() failed
-        raise OSError(f"cannot serve on unix://{uds_path}: {error}") from None
+        raise OSError(f"cannot serve on {target}: {error}") from None
     await server.start()
-    servicer.step_server = await step_channel.serve(step_channel.socket_path(uds_path), servicer.step_frame)
+    if uds_path is not None:
+        servicer.step_server = await step_channel.serve(step_channel.socket_path(uds_path), servicer.step_frame)
     return server, servicer
 
 
@@ -314,8 +325,10 @@ async def serve(runner: Runner, config: ShardConfig, worker: ThreadPoolExecutor 
         if config.rank == 0:
             clean_leftovers(Path(config.snapshot_dir))  # staging and trash folders of a crash
     tracer = configure_tracing(config.otlp_endpoint, config.rank)
-    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker, tracer)
-    print(f"loom-shard ready rank={config.rank} uds={config.uds_path}", flush=True)
+    server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker, tracer,
+                                          tcp_address=config.tcp_address, secret=config.resolved_shard_secret())
+    where = f"uds={config.uds_path}" if config.uds_path is not None else f"tcp={config.tcp_address}"
+    print(f"loom-shard ready rank={config.rank} {where}", flush=True)
     await stop.wait()
     log.info("stopping rank %d", config.rank)
     await server.stop(STOP_GRACE_S)
@@ -337,7 +350,7 @@ def init_distributed(config: ShardConfig) -> None:
     from loom_shard.runtime.model_setup import resolve_device
 
     backend = "gloo"
-    device = resolve_device(config.device, config.rank)
+    device = resolve_device(config.device, config.gpu_index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -378,6 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loom_shard.loading.loader import ModelLoadError
     from loom_shard.runtime.model_setup import ShardSetupError
 
+    try:
+        config.resolved_shard_secret()  # a missing secret file fails now, not after the model loads
+    except ValueError as error:
+        return fail(str(error), EXIT_SERVE_ERROR)
     worker = new_worker()
 
     def load() -> Runner:

@@ -36,7 +36,7 @@ from loom_router.core.engine import Engine
 from loom_router.core.outbox import Outbox
 from loom_router.ipc import Inbox, Sender, ipc_address, pull_socket, push_socket
 from loom_router.structured.spec import ConstraintSpec
-from loom_router.types import ERROR_STATUS, SnapshotHTTPError, status_of
+from loom_router.types import ERROR_STATUS, EngineStats, SnapshotHTTPError, status_of
 
 log = logging.getLogger("loom.core")
 
@@ -162,6 +162,8 @@ class EngineCoreServer:
             return await self.engine.health()
         if call.method == "metrics":
             return await self._render_metrics()
+        if call.method == "load":
+            return load_report(self.engine.stats())
         if call.method.startswith("snapshot_"):
             return await snapshots.run(self._snapshots, call.method, call.name, call.token_ids)
         raise ValueError(f"unknown call {call.method!r}")
@@ -174,3 +176,12 @@ class EngineCoreServer:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def load_report(stats: EngineStats) -> dict[str, int]:
+    """What a gateway balances on: queue depth, running requests and KV tokens in use (the
+    frontend turns it into the gateway's shapes, loom_router.frontend.gateway)."""
+    return {"num_waiting": stats.num_waiting, "num_running": stats.num_running,
+            "num_tokens_used": stats.num_blocks_used * stats.block_size,
+            "num_tokens_total": stats.num_blocks_total * stats.block_size}
+

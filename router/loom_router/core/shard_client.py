@@ -17,6 +17,7 @@ import grpc
 
 from loom_proto import shard_pb2_grpc, step_channel
 from loom_proto.codec import from_pb, pb, snapshot_entry_from_pb, snapshot_reply_from_pb
+from loom_proto.shard_auth import secret_metadata
 from loom_proto.snapshot import SnapshotEntry, SnapshotReply
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_proto.wire import encode_plan
@@ -59,8 +60,15 @@ class _Rank:
     step: Callable[[bytes], Awaitable[Any]]  # takes the serialized plan
 
 
-def _open_rank(uds_path: str, is_rank0: bool) -> _Rank:
-    channel = grpc.aio.insecure_channel(f"unix://{uds_path}", options=CHANNEL_OPTIONS)
+def grpc_target(where: str) -> str:
+    """A gRPC target: `unix://path` and `host:port` as given, a bare path as a unix socket."""
+    if "://" in where or (":" in where and not where.startswith(("/", "."))):
+        return where
+    return f"unix://{where}"
+
+
+def _open_rank(where: str, is_rank0: bool) -> _Rank:
+    channel = grpc.aio.insecure_channel(grpc_target(where), options=CHANNEL_OPTIONS)
     # Step sends pre-serialized bytes (serialized once for all ranks) and only
     # rank 0's reply is parsed; the other ranks' replies stay bytes.
     step = channel.unary_unary(
@@ -72,32 +80,40 @@ def _open_rank(uds_path: str, is_rank0: bool) -> _Rank:
 
 
 class ShardClient:
-    """Talks to all ranks of one model over their unix sockets (rank order = `uds_paths` order)."""
+    """Talks to all ranks of one model over unix sockets or TCP (rank order = `targets` order).
 
-    def __init__(self, uds_paths: Sequence[str]) -> None:
-        if not uds_paths:
+    With `secret`, every call carries it (loom_proto.shard_auth): shards on TCP demand it.
+    """
+
+    def __init__(self, targets: Sequence[str], secret: str | None = None) -> None:
+        if not targets:
             raise ValueError("ShardClient needs at least one shard socket")
+        self._auth: Metadata = () if secret is None else (secret_metadata(secret),)
         self.healthy_by_rank: list[bool] = []  # the last health check's answers
         self.last_step_ms_by_rank: list[float] = []  # the last step's wall time per rank, for the metrics
         # --otlp-endpoint: the current span's trace context as call metadata (RequestTracer.grpc_metadata),
         # sent with Step and the snapshot calls so that the shards' spans join the router's trace.
         self.trace_metadata: Callable[[], Metadata | None] | None = None
-        self._uds_paths = list(uds_paths)
+        self._targets = list(targets)
         # Channels bind to the event loop they are made in: open them on first use.
         self._ranks: list[_Rank] | None = None
         # Each rank's step socket, connected on the first step (None: not tried yet; []: gRPC).
         self._step_channels: list[step_channel.ClientProtocol] | None = None
 
     def _metadata(self) -> Metadata | None:
-        return None if self.trace_metadata is None else self.trace_metadata()
+        """Every call's metadata: the secret, and the trace context when tracing."""
+        trace = None if self.trace_metadata is None else self.trace_metadata()
+        if trace is None:
+            return self._auth or None
+        return (*self._auth, *trace)
 
     @property
     def world_size(self) -> int:
-        return len(self._uds_paths)
+        return len(self._targets)
 
     def _all_ranks(self) -> list[_Rank]:
         if self._ranks is None:
-            self._ranks = [_open_rank(path, rank == 0) for rank, path in enumerate(self._uds_paths)]
+            self._ranks = [_open_rank(target, rank == 0) for rank, target in enumerate(self._targets)]
         return self._ranks
 
     async def _on_all(self, call: Callable[[_Rank], Awaitable[T]]) -> list[T]:
@@ -131,7 +147,8 @@ class ShardClient:
         for rank, r in enumerate(self._all_ranks()):
             try:
                 await asyncio.wait_for(r.channel.channel_ready(), max(deadline - loop.time(), 0.0))
-                await r.stub.Health(pb.HealthRequest(), timeout=max(deadline - loop.time(), 0.001))
+                await r.stub.Health(pb.HealthRequest(), timeout=max(deadline - loop.time(), 0.001),
+                                    metadata=self._auth)
             except (TimeoutError, grpc.aio.AioRpcError) as error:
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else "no answer"
                 raise ShardError(rank, "UNAVAILABLE", f"not ready after {timeout_s:g} s ({detail})") from None
@@ -144,7 +161,7 @@ class ShardClient:
 
     async def info(self) -> ModelInfo:
         """Rank 0's model fingerprint."""
-        return from_pb(await self._on_rank0(lambda r: r.stub.Info(pb.InfoRequest())))
+        return from_pb(await self._on_rank0(lambda r: r.stub.Info(pb.InfoRequest(), metadata=self._auth)))
 
     async def health(self) -> bool:
         """True when every rank answers Health in time; each rank's answer stays in
@@ -152,7 +169,8 @@ class ShardClient:
 
         async def ask(r: _Rank) -> bool:
             try:
-                return bool((await r.stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_S)).ok)
+                return bool((await r.stub.Health(pb.HealthRequest(), timeout=HEALTH_TIMEOUT_S,
+                                                     metadata=self._auth)).ok)
             except grpc.aio.AioRpcError:
                 return False
 
@@ -164,7 +182,8 @@ class ShardClient:
         request = pb.WarmupRequest(
             max_prefill_tokens=max_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens
         )
-        results: list[WarmupResult] = [from_pb(m) for m in await self._on_all(lambda r: r.stub.Warmup(request))]
+        replies = await self._on_all(lambda r: r.stub.Warmup(request, metadata=self._auth))
+        results: list[WarmupResult] = [from_pb(m) for m in replies]
         return WarmupResult(
             num_blocks=min(w.num_blocks for w in results),
             num_host_blocks=min(w.num_host_blocks for w in results),
@@ -227,9 +246,13 @@ class ShardClient:
         return pb.StepResult.FromString(payload) if rank == 0 else payload
 
     async def _connect_step_channels(self) -> list[step_channel.ClientProtocol]:
-        """Every rank's step socket, or [] (steps over gRPC) when any rank serves none."""
+        """Every rank's step socket, or [] (steps over gRPC) when any rank serves none (a shard
+        on TCP never does: the step socket is a local unix socket beside the gRPC one)."""
+        targets = [grpc_target(target) for target in self._targets]
+        if not all(target.startswith("unix://") for target in targets):
+            return []
         channels = []
-        for path in self._uds_paths:
+        for path in (target.removeprefix("unix://") for target in targets):
             try:
                 channels.append(await step_channel.connect(step_channel.socket_path(path)))
             except OSError:
@@ -240,10 +263,10 @@ class ShardClient:
 
     async def release(self, request_ids: Sequence[int]) -> None:
         request = pb.ReleaseRequest(request_ids=request_ids)
-        await self._on_all(lambda r: r.stub.Release(request))
+        await self._on_all(lambda r: r.stub.Release(request, metadata=self._auth))
 
     async def clear_cache(self) -> None:
-        await self._on_all(lambda r: r.stub.ClearCache(pb.ClearCacheRequest()))
+        await self._on_all(lambda r: r.stub.ClearCache(pb.ClearCacheRequest(), metadata=self._auth))
 
     # ---- snapshots: every rank handles its own part; the replies come back in rank order ----
 
@@ -284,13 +307,15 @@ class ShardClient:
 
     async def list_snapshots(self, name: str = "") -> tuple[SnapshotReply, list[SnapshotEntry]]:
         """Every snapshot's manifest (or one, by name), each with its status."""
-        reply = await self._on_rank0(lambda r: r.stub.ListSnapshots(pb.ListSnapshotsRequest(name=name)))
+        reply = await self._on_rank0(lambda r: r.stub.ListSnapshots(pb.ListSnapshotsRequest(name=name),
+                                                                 metadata=self._auth))
         return snapshot_reply_from_pb(reply), [snapshot_entry_from_pb(e) for e in reply.entries]
 
     async def delete_snapshot(self, name: str) -> SnapshotReply:
         """Rank 0 removes the folder; the reply carries the snapshot's token ids."""
         request = pb.DeleteSnapshotRequest(name=name)
-        return snapshot_reply_from_pb(await self._on_rank0(lambda r: r.stub.DeleteSnapshot(request)))
+        reply = await self._on_rank0(lambda r: r.stub.DeleteSnapshot(request, metadata=self._auth))
+        return snapshot_reply_from_pb(reply)
 
     async def close(self) -> None:
         for channel in self._step_channels or ():

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
 from loom_router.frontend import guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend.gateway import add_gateway_routes
 from loom_router.frontend.http_common import (
     AppState,
     ChoiceResult,
@@ -79,6 +80,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     openapi_errors.install(app)  # documents every error status; FastAPI's own errors in Loom's shapes
     _add_tgi_routes(app)
     add_readiness_routes(app)
+    add_gateway_routes(app, VERSION)
     app.include_router(openai_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())

@@ -70,7 +70,7 @@ class ModelRunner:
 
     def __init__(self, config: ShardConfig, model: DecoderModel | None = None) -> None:
         self.config = config
-        self.device = resolve_device(config.device, config.rank)
+        self.device = resolve_device(config.device, config.gpu_index)
         if self.device.type == "cpu":
             self.kernels = select_cpu_kernels(config.cpu_kernels)
         self.dtype, why = choose_dtype(config.dtype, self.device)

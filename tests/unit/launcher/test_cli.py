@@ -12,12 +12,22 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import get_origin
 
 import pytest
 
 from loom_launcher.cli import child_env, health_url, load_settings, router_spec, shard_spec, threads_per_shard
 from loom_launcher.supervisor import ExitStatus, ProcessSpec, serve
-from loom_proto.config import LauncherSettings, RouterConfig, ShardConfig, build_parser, env_var, option, parse_config
+from loom_proto.config import (
+    LauncherSettings,
+    RouterConfig,
+    ShardConfig,
+    build_parser,
+    env_var,
+    option,
+    parse_config,
+    singular,
+)
 from tests.net import free_port
 
 # One fake child for every role. argv: name notes_path mode [port].
@@ -133,7 +143,8 @@ def test_every_flag_has_its_variable_and_help() -> None:
     parser_help = build_parser(LauncherSettings, "loom-launcher", "").format_help()
     for name, field in LauncherSettings.model_fields.items():
         assert env_var(name) == "LOOM_" + option(name)[2:].replace("-", "_").upper()
-        assert option(name) in parser_help and env_var(name) in parser_help
+        flag = option(singular(name)) if get_origin(field.annotation) is tuple else option(name)
+        assert flag in parser_help and env_var(name) in parser_help
         assert field.description, f"{name} has no help"
 
 

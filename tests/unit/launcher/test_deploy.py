@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import get_origin
 
 import yaml
 
-from loom_proto.config import LauncherSettings, env_var, option
+from loom_proto.config import LauncherSettings, env_var, option, singular
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
@@ -128,10 +129,56 @@ def test_readme_documents_every_flag_and_the_ci_command() -> None:
     readme = (ROOT / "README.md").read_text()
     rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines()
             if line.startswith("| `--")}
-    assert set(rows) == {option(name) for name in LauncherSettings.model_fields}
+    flags = {name: option(singular(name)) if get_origin(field.annotation) is tuple else option(name)
+             for name, field in LauncherSettings.model_fields.items()}
+    assert set(rows) == set(flags.values())
     for name, field in LauncherSettings.model_fields.items():
-        assert f"`{env_var(name)}`" in rows[option(name)]
+        assert f"`{env_var(name)}`" in rows[flags[name]]
         if field.default not in (None, "", ()):  # () : a list flag given no value
-            assert f"`{field.default}`" in rows[option(name)]
+            assert f"`{field.default}`" in rows[flags[name]]
     ci = (ROOT / ".ci/run").read_text()
     assert "make test" in ci and "make test" in readme and "make serve" in readme
+
+
+def test_gateway_compose_puts_two_replicas_behind_the_unchanged_gateway() -> None:
+    services = load_yaml("docker-compose.gateway.yml")["services"]
+    replicas = {name for name, service in services.items() if service.get("build", {}).get("dockerfile")
+                == "deploy/Dockerfile"}
+    assert len(replicas) == 2
+    gateway = services["gateway"]
+    assert gateway["build"]["dockerfile"] == "deploy/Dockerfile.gateway"
+    urls = gateway["command"][gateway["command"].index("--worker-urls") + 1:][:2]
+    assert urls == [f"http://{name}:3000" for name in sorted(replicas)]
+    assert "--policy=cache_aware" in gateway["command"]
+    assert set(gateway["depends_on"]) == replicas
+    env_vars = {env_var(name) for name in LauncherSettings.model_fields}
+    assert all(set(services[name]["environment"]) <= env_vars for name in replicas)
+    assert "pip install \"sglang-router" in (DEPLOY / "Dockerfile.gateway").read_text()
+
+
+def test_gateway_manifest_discovers_the_replica_pods() -> None:
+    docs = [doc for doc in yaml.safe_load_all((DEPLOY / "kubernetes/loom-gateway.yaml").read_text()) if doc]
+    deployments = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "Deployment"}
+    labels = deployments["loom-replica"]["spec"]["template"]["metadata"]["labels"]
+    args = deployments["loom-gateway"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    selector = args[args.index("--selector") + 1]
+    assert "--service-discovery" in args and selector == "=".join(next(iter(labels.items())))
+    assert "--service-discovery-port=3000" in args
+    role = next(doc for doc in docs if doc["kind"] == "Role")
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
+
+
+def test_kuberay_job_runs_the_launcher_on_ray_one_gpu_per_rank() -> None:
+    docs = [doc for doc in yaml.safe_load_all((DEPLOY / "kubernetes/loom-kuberay.yaml").read_text()) if doc]
+    job = next(doc for doc in docs if doc["kind"] == "RayJob")
+    argv = job["spec"]["entrypoint"].split()
+    settings = LauncherSettings(**{argv[i][2:].replace("-", "_"): argv[i + 1] for i in range(1, len(argv) - 1, 2)
+                                   if argv[i].startswith("--")})
+    assert argv[0] == "loom-launcher" and settings.placement == "ray" and settings.device == "cuda"
+    workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    gpus = workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert workers["replicas"] * gpus == settings.num_shard and settings.ray_placement_strategy == "STRICT_SPREAD"
+    service = next(doc for doc in docs if doc["kind"] == "Service")
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"] == head and service["spec"]["ports"][0]["port"] == settings.port
+    assert "launcher[ray]" in (DEPLOY / "Dockerfile.cuda").read_text()

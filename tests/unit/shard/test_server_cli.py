@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import SecretStr
 
 from loom_proto.config import ShardConfig, option
 from loom_shard.server import parse_config
@@ -13,6 +14,8 @@ def as_flags(config: ShardConfig) -> list[str]:
     flags: list[str] = []
     for name in ShardConfig.model_fields:
         value = getattr(config, name)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
         if value is not None:
             flags += [option(name), str(value)]
     return flags
@@ -22,14 +25,20 @@ CONFIG = ShardConfig(
     model_id="/models/x.gguf", uds_path="/tmp/s-1", dtype="bfloat16", device="cuda", rank=1, world_size=2,
     master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
     memory_fraction=0.5, cuda_graphs=False, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
-    otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2",
+    otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2", local_rank=0,
+    shard_secret_file="/etc/loom/secret",
 )
+# A shard serves on a unix socket or on TCP, never both: the TCP fields in a config of their own.
+TCP_CONFIG = CONFIG.model_copy(update={"uds_path": None, "tcp_address": "0.0.0.0:7001",
+                                       "shard_secret": SecretStr("s3cret"), "shard_secret_file": None})
 
 
 def test_every_field_round_trips_through_the_flags():
-    changed = [name for name, field in ShardConfig.model_fields.items() if getattr(CONFIG, name) != field.default]
-    assert len(changed) == len(ShardConfig.model_fields), "give every field a non-default value"
-    assert parse_config(as_flags(CONFIG)) == CONFIG
+    changed = {name for config in (CONFIG, TCP_CONFIG)
+               for name, field in ShardConfig.model_fields.items() if getattr(config, name) != field.default}
+    assert changed == set(ShardConfig.model_fields), "give every field a non-default value"
+    for config in (CONFIG, TCP_CONFIG):
+        assert parse_config(as_flags(config)) == config
     assert parse_config(["--config-json", CONFIG.model_dump_json()]) == CONFIG
 
 
