@@ -25,7 +25,7 @@ Serve = Callable[..., Any]
 async def serve(backend: FakeShardClient, tokenizer: Tokenizer,
                 monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Serve]:
     """serve(**flags) -> the port of a router served by loom_router.main."""
-    monkeypatch.setattr(main, "ShardClient", lambda paths: backend)
+    monkeypatch.setattr(main, "ShardClient", lambda targets, secret=None: backend)
     monkeypatch.setattr(main, "load_tokenizer", lambda model_id: tokenizer)
     servers: list[asyncio.Task[int]] = []
 

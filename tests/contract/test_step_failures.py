@@ -129,7 +129,7 @@ async def test_router_exits_non_zero_when_ranks_diverge(tokenizer: Tokenizer, mo
         raise ShardDivergence("tensor-parallel ranks diverged on a step (ranks [1] ran it; rank 0: boom)")
 
     backend.step = diverging_step  # type: ignore[method-assign]
-    monkeypatch.setattr(main, "ShardClient", lambda paths: backend)
+    monkeypatch.setattr(main, "ShardClient", lambda targets, secret=None: backend)
     monkeypatch.setattr(main, "load_tokenizer", lambda model_id: tokenizer)
     config = router_config(hostname="127.0.0.1", port=free_port())
     serving = asyncio.create_task(main.serve(config))
