@@ -130,6 +130,9 @@ class PromptInfo(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     prompt_logprobs: list[float | None]
     scheduled_at: float  # the first step that ran it (TGI's queue time ends there)
+    # With prompt logprobs and top_n_tokens: (token id, logprob) alternatives per prompt position
+    # (None where prompt_logprobs has None).
+    prompt_top_tokens: list[list[tuple[int, float]] | None] = []
 
 
 class Output(msgspec.Struct, array_like=True):
