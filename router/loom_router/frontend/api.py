@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
-from loom_router.frontend import guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend import completions, guard, openai_api, openapi_errors, playground, snapshots
 from loom_router.frontend.http_common import (
     AppState,
     ChoiceResult,
@@ -45,6 +45,7 @@ from loom_router.observability.metrics import FrontendMetrics, MetricsMiddleware
 from loom_router.structured.fields import tgi_constraint_spec
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
+    APIError,
     ChoiceEvent,
     GeneratedToken,
     GenerationError,
@@ -79,6 +80,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     openapi_errors.install(app)  # documents every error status; FastAPI's own errors in Loom's shapes
     _add_tgi_routes(app)
     add_readiness_routes(app)
+    app.include_router(completions.router)
     app.include_router(openai_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
@@ -150,6 +152,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     for error_type, (status, kind) in ENGINE_ERRORS.items():
         app.add_exception_handler(error_type, _engine_error_handler(status, kind))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if openai_api.is_openai_path(request.url.path):
+            return openai_api.error_response(exc.status, str(exc), exc.param, exc.code)
+        return error_response(request, 422, _validation_message(str(exc)), "validation")
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -349,7 +357,7 @@ def _info(state: AppState) -> dict[str, Any]:
         "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
         "max_top_n_tokens": config.max_top_n_tokens,
         "max_n": config.max_n,
-        "max_client_batch_size": 1,
+        "max_client_batch_size": config.max_client_batch_size,
         "validation_workers": 1,
         "block_size": model.block_size if model else None,
         "world_size": model.world_size if model else None,
