@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
-from loom_router.frontend import completions, guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend import anthropic_api, completions, guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend.api_errors import api_error_response
 from loom_router.frontend.http_common import (
     AppState,
     ChoiceResult,
@@ -82,6 +83,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     add_readiness_routes(app)
     app.include_router(completions.router)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
     app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
@@ -96,8 +98,9 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
 
 def error_response(request: Request, status: int, message: str, error_type: str) -> JSONResponse:
     """TGI's `{"error", "error_type"}`, or OpenAI's `{"error": {...}}` on the /v1 routes."""
-    if openai_api.is_openai_path(request.url.path):
-        return openai_api.error_response(status, message)
+    response = api_error_response(request.url.path, status, message)
+    if response is not None:
+        return response
     return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
 
 
@@ -146,8 +149,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(exc.errors())
-        if openai_api.is_openai_path(request.url.path):
-            return openai_api.error_response(422, message, param)
+        response = api_error_response(request.url.path, 422, message, param)
+        if response is not None:
+            return response
         return error_response(request, 422, _validation_message(message), "validation")
 
     for error_type, (status, kind) in ENGINE_ERRORS.items():
@@ -155,8 +159,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        if openai_api.is_openai_path(request.url.path):
-            return openai_api.error_response(exc.status, str(exc), exc.param, exc.code)
+        response = api_error_response(request.url.path, exc.status, str(exc), exc.param, exc.code)
+        if response is not None:
+            return response
         return error_response(request, 422, _validation_message(str(exc)), "validation")
 
     @app.exception_handler(ClientDisconnected)

@@ -29,6 +29,7 @@ class Delta:
     index: int
     delta: dict[str, Any]
     finish: str | None = None
+    reason: FinishReason | None = None  # why the choice finished (with `finish`)
 
 
 @dataclass(slots=True)
@@ -115,7 +116,7 @@ def _final_deltas(state: _ChoiceText, plan: ToolPlan, index: int, reason: Finish
     rest = state.text[state.num_sent :]
     if plan.mode is ToolMode.NONE:
         pieces = [Delta(index, {"content": rest})] if rest else []
-        return pieces + [Delta(index, {}, reason.openai)]
+        return pieces + [Delta(index, {}, reason.openai, reason)]
     parsed = parse_output(rest, plan.tools, plan.format, reason)
     pieces = []
     if parsed.content:
@@ -125,5 +126,5 @@ def _final_deltas(state: _ChoiceText, plan: ToolPlan, index: int, reason: Finish
         pieces.append(Delta(index, {"tool_calls": [
             {"index": i, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}]}))
         pieces.append(Delta(index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
-    pieces.append(Delta(index, {}, finish_reason(parsed, reason)))
+    pieces.append(Delta(index, {}, finish_reason(parsed, reason), reason))
     return pieces
