@@ -76,9 +76,12 @@ class Call(msgspec.Struct, tag=True, array_like=True):
 
     frontend: int
     call_id: int
-    method: str  # "health", "metrics", "snapshot_save", "snapshot_restore", "snapshot_delete", "snapshot_list"
+    # "health", "metrics", "snapshot_save", "snapshot_restore", "snapshot_delete", "snapshot_list",
+    # "response_put", "response_get", "response_delete" (the Responses API's stored responses)
+    method: str
     name: str = ""
     token_ids: list[int] = []
+    payload: bytes = b""  # response_put: the record to store
 
 
 ToCore = Hello | Submit | Cancel | StopChoice | Call

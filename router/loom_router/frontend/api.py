@@ -15,7 +15,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
-from loom_router.frontend import anthropic_api, completions, guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend import (
+    anthropic_api,
+    completions,
+    guard,
+    openai_api,
+    openapi_errors,
+    playground,
+    responses_api,
+    snapshots,
+)
 from loom_router.frontend.api_errors import api_error_response
 from loom_router.frontend.http_common import (
     AppState,
@@ -84,6 +93,7 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     app.include_router(completions.router)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
     app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
