@@ -179,3 +179,23 @@ def test_the_store_drops_the_least_recently_used_past_its_bounds() -> None:
     assert store.get("c") is None and store.get("e") is None and store.num_bytes == 9
     assert not store.put("big", b"x" * 11) and store.get("big") is None
     assert store.delete("f") and not store.delete("f") and store.num_bytes == 0
+
+
+async def test_an_openai_agents_agent_runs_a_tool_end_to_end(harness: Harness, client: openai.AsyncOpenAI) -> None:
+    agents = pytest.importorskip("agents")  # openai-agents: its default model is the Responses API
+    agents.set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        script(harness, "It is sunny in Paris.")  # the model's next answer, once it has the result
+        return "sunny, 21 C"
+
+    script(harness, CALL)
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
+                         model=agents.OpenAIResponsesModel(model="default", openai_client=client))
+    result = await agents.Runner.run(agent, "Weather in Paris?")
+    assert asked == ["Paris"] and result.final_output == "It is sunny in Paris."
+    assert "sunny, 21 C" in last_prompt(harness)
