@@ -7,6 +7,7 @@ responses (`store`, default true) live in the engine core's bounded store, so
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -22,8 +23,9 @@ from loom_router.frontend.responses_stream import ResponseEvents, finished_respo
 from loom_router.frontend.tool_stream import chat_deltas
 from loom_router.frontend.tools import chat_message
 from loom_router.frontend.validation import ChatCompletionRequest, Positive, Seed
-from loom_router.types import APIError, ValidationError
+from loom_router.types import APIError, GenerationError, ValidationError
 
+log = logging.getLogger("loom.responses")
 router = APIRouter(prefix="/v1", tags=["OpenAI Responses"], route_class=UnicodeJSONRoute)
 
 
@@ -202,11 +204,15 @@ def _response_head(state: AppState, body: ResponsesRequest) -> dict[str, Any]:
 
 async def _store(state: AppState, body: ResponsesRequest, conversation: list[dict[str, Any]],
                  response: dict[str, Any]) -> None:
-    """Keeps the response (and the conversation it continues) unless `store` is false."""
+    """Keeps the response (and the conversation it continues) unless `store` is false. A failure
+    to store is logged: the answer still goes out (a later GET of it is a 404)."""
     if not body.store:
         return
     record = {"response": response, "conversation": conversation + _as_messages(response["output"])}
-    await state.engine.call("response_put", response["id"], timeout_s=10.0, payload=orjson.dumps(record))
+    try:
+        await state.engine.call("response_put", response["id"], timeout_s=10.0, payload=orjson.dumps(record))
+    except (GenerationError, TimeoutError) as error:
+        log.warning("response %s not stored: %s", response["id"], error)
 
 
 async def _record(state: AppState, response_id: str) -> dict[str, Any]:
