@@ -261,6 +261,7 @@ class Driver:
         self.max_new_tokens = max_new_tokens
         self.max_new_tokens_of: dict[int, int] = {}  # per group id, overrides max_new_tokens
         self.prompt_logprobs: dict[int, list[float]] = {}  # per seq id, as the engine sees them
+        self.prompt_top_tokens: dict[int, list[list[TokenLogprob]]] = {}  # their alternatives, the same way
         self.num_steps = 0
 
     def step(self) -> StepPlan | None:
@@ -276,6 +277,7 @@ class Driver:
 
     def _maybe_finish(self, seq: Sequence, out: SeqOutput) -> None:
         self.prompt_logprobs.setdefault(seq.seq_id, []).extend(out.prompt_logprobs)
+        self.prompt_top_tokens.setdefault(seq.seq_id, []).extend(out.prompt_top_tokens)
         limit = self.max_new_tokens_of.get(seq.group.group_id, self.max_new_tokens)
         if out.token_id is not None and seq.num_generated >= limit:
             self.scheduler.finish(seq)
