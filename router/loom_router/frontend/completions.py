@@ -19,7 +19,7 @@ from loom_router.frontend.http_common import (
     Generation,
     batches,
     encode,
-    generate,
+    generate_all,
     get_state,
     submit,
 )
@@ -52,23 +52,12 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
         reply.echoes = [Echo(ids, await asyncio.to_thread(token_texts, state.tokenizer, ids)) for ids in prompts]
     if body.stream:
         return await _stream(state, reply, prompts, params)
-    generations = await _generate_all(state, request, prompts, params)
+    generations = await generate_all(state, request, list(zip(prompts, params)))
     scores_only = body.max_tokens == 0
     choices = [_text_choice(state, reply, _scored(c, scores_only, i * body.n), g.prompt)
                for i, g in enumerate(generations) for c in g.choices]
     num_generated = 0 if scores_only else sum(g.num_generated for g in generations)
     return {**reply.envelope("text_completion", choices), "usage": _usage(generations, num_generated)}
-
-
-async def _generate_all(state: AppState, request: Request, prompts: list[list[int]],
-                        params: list[GenerationParams]) -> list[Generation]:
-    """Every prompt's generation, concurrently; the first error is raised and cancels the rest."""
-    tasks = [asyncio.create_task(generate(state, request, ids, p)) for ids, p in zip(prompts, params)]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _check_completion(state: AppState, body: CompletionRequest) -> None:
