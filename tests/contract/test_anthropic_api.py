@@ -136,3 +136,22 @@ async def test_errors_in_anthropics_shape(harness: Harness, client: anthropic.As
                                      messages=[{"role": "user", "content": "word " * MAX_TOTAL_TOKENS * 4}])
     response = await harness.client.post("/v1/messages", json={"model": "default", "messages": []})
     assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
+
+
+async def test_a_reasoning_models_thinking_is_a_thinking_block(backend: FakeShardClient, tokenizer: Tokenizer) -> None:
+    from test_reasoning_tools import THINKING, _with_template
+
+    thinking = _with_template(tokenizer, THINKING)
+    backend.script = tokenizer.encode("<think>It is Oslo.</think>Snow.", add_special_tokens=False)
+    backend.eos_at = len(backend.script)
+    config = router_config(max_total_tokens=256, hostname="127.0.0.1", port=free_port())
+    async with served_router(config, backend, thinking) as (url, _, _):
+        client = anthropic.AsyncAnthropic(base_url=url, api_key="-", max_retries=0)
+        ask = [{"role": "user", "content": "Weather in Oslo?"}]
+        out = await client.messages.create(model="default", max_tokens=30, messages=ask)
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in out.content] == [
+            ("thinking", "It is Oslo."), ("text", "Snow.")]
+        async with client.messages.stream(model="default", max_tokens=30, messages=ask) as stream:
+            final = await stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == "Snow."
+        await client.close()

@@ -199,3 +199,19 @@ async def test_an_openai_agents_agent_runs_a_tool_end_to_end(harness: Harness, c
     result = await agents.Runner.run(agent, "Weather in Paris?")
     assert asked == ["Paris"] and result.final_output == "It is sunny in Paris."
     assert "sunny, 21 C" in last_prompt(harness)
+
+
+async def test_a_reasoning_models_thinking_is_a_reasoning_item(tokenizer: Tokenizer) -> None:
+    from test_reasoning_tools import THINKING, _harness, _with_template
+
+    async for h in _harness(_with_template(tokenizer, THINKING), "<think>It is Oslo.</think>Snow."):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=h.router.app), base_url="http://loom/v1")
+        client = openai.AsyncOpenAI(base_url="http://loom/v1", api_key="-", http_client=http, max_retries=0)
+        out = await client.responses.create(model="default", input="Weather in Oslo?")
+        assert [item.type for item in out.output] == ["reasoning", "message"]
+        assert out.output[0].content[0].text == "It is Oslo." and out.output_text == "Snow."
+        async with client.responses.stream(model="default", input="Weather in Oslo?") as stream:
+            kinds = [event.type async for event in stream]
+            final = await stream.get_final_response()
+        assert "response.reasoning_text.delta" in kinds
+        assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "Snow."
