@@ -1,5 +1,5 @@
-"""A frontend's HTTP app: error handling, the text-generation-inference routes, and the
-OpenAI routes (loom_router.frontend.openai_api) mounted beside them."""
+"""A frontend's HTTP app: error handling, the text-generation-inference routes, and beside them
+OpenAI's (completions, openai_api, responses_api) and Anthropic's (anthropic_api) routes."""
 
 from __future__ import annotations
 

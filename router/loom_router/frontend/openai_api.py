@@ -1,5 +1,6 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (with the model's chat
-template) and /v1/models, streaming or not, in the shapes the official `openai` client reads."""
+"""OpenAI-compatible routes: /v1/chat/completions (with the model's chat template) and /v1/models,
+streaming or not, in the shapes the official `openai` client reads; and what the other /v1 APIs
+share: the chat path (`prepare_chat`), `model` and context checks, OpenAI's errors and chunks."""
 
 from __future__ import annotations
 
