@@ -156,7 +156,7 @@ class _Streams:
                         break
                     if isinstance(item, BaseException):
                         raise item
-                    yield [replace(event, index=i * self.n + event.index) for event in item]
+                    yield [replace(event, index=i * self.n + event.index) for event in item] if i else item
         finally:
             for task in tasks:
                 task.cancel()
@@ -185,7 +185,11 @@ async def _stream(state: AppState, reply: Reply, prompts: list[list[int]], param
         offsets[one.index] += sum(len(token.text) for token in one.tokens)
         return _text_choice(state, reply, one, None, offset)
 
-    events = streams.events([timer for _, timer in submitted])
+    if len(submitted) == 1:  # the common case: its batches as they are (no queue, no copies)
+        stream, timer = submitted[0]
+        events = batches(stream, timer)
+    else:
+        events = streams.events([timer for _, timer in submitted])
     return EventStreamResponse(stream_chunks(reply, num_choices, streams, events, opening, choice), streams.cancel)
 
 
