@@ -193,12 +193,17 @@ async def test_an_openai_agents_agent_runs_a_tool_end_to_end(harness: Harness, c
         script(harness, "It is sunny in Paris.")  # the model's next answer, once it has the result
         return "sunny, 21 C"
 
-    script(harness, CALL)
     agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
                          model=agents.OpenAIResponsesModel(model="default", openai_client=client))
+    script(harness, CALL)
     result = await agents.Runner.run(agent, "Weather in Paris?")
     assert asked == ["Paris"] and result.final_output == "It is sunny in Paris."
     assert "sunny, 21 C" in last_prompt(harness)
+    script(harness, CALL)  # the same, streamed
+    streamed = agents.Runner.run_streamed(agent, "Weather in Paris?")
+    async for _ in streamed.stream_events():
+        pass
+    assert asked == ["Paris", "Paris"] and streamed.final_output == "It is sunny in Paris."
 
 
 async def test_a_reasoning_models_thinking_is_a_reasoning_item(tokenizer: Tokenizer) -> None:
