@@ -67,7 +67,7 @@ def in_process_step_ms(runner: ModelRunner, batch: int, steps: int) -> float:
 async def full_stack_step_ms(url: str, batch: int, steps: int, vocab: int) -> float:
     """Median time between streamed tokens with `batch` requests decoding together."""
     async def one(client: httpx.AsyncClient, i: int) -> list[float]:
-        body = {"model": "loom", "prompt": prompt_ids(i, vocab), "max_tokens": steps, "temperature": 0,
+        body = {"prompt": prompt_ids(i, vocab), "max_tokens": steps, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         stamps: list[float] = []
         async with client.stream("POST", "/v1/completions", json=body) as resp:

@@ -169,6 +169,7 @@ def _seq_output_to_pb(o: SeqOutput) -> pb.SeqOutput:
         draft_samples=[pb.TokenSample(token_id=d.token_id, logprob=d.logprob,
                                       top_tokens=[_flat_to_pb(t) for t in d.top_tokens])
                        for d in o.draft_samples],
+        prompt_top_tokens=[pb.TokenList(tokens=[_flat_to_pb(t) for t in top]) for top in o.prompt_top_tokens],
     )
 
 
@@ -254,12 +255,14 @@ def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
     if logprob == 0.0 and not m.HasField("logprob"):
         logprob = None
     top_tokens, prompt_logprobs, draft_samples = m.top_tokens, m.prompt_logprobs, m.draft_samples
+    prompt_top = m.prompt_top_tokens
     return SeqOutput(
         m.request_id, token_id, logprob,
         [TokenLogprob(t.token_id, t.logprob) for t in top_tokens] if top_tokens else [],
         list(prompt_logprobs) if prompt_logprobs else [],
         [TokenSample(d.token_id, d.logprob, [TokenLogprob(t.token_id, t.logprob) for t in d.top_tokens])
          for d in draft_samples] if draft_samples else [],
+        [[TokenLogprob(t.token_id, t.logprob) for t in top.tokens] for top in prompt_top] if prompt_top else [],
     )
 
 

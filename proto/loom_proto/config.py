@@ -135,6 +135,8 @@ class RouterFlags(ModelFlags):
     max_stop_sequences: int = Field(4, ge=0, description="stop sequences per request")
     max_n: Positive = Field(16, description="completions per request (n / best_of)")
     max_top_n_tokens: int = Field(5, ge=0, description="alternatives per token (top_n_tokens / top_logprobs)")
+    max_client_batch_size: Positive = Field(32, description="prompts in one /v1/completions request (`prompt` "
+                                            "as a list), computed concurrently")
     served_model_name: str | None = Field(None, description="model name in OpenAI responses; "
                                           "default: derived from model-id")
     shard_ready_timeout: Seconds = Field(600.0, description="seconds the router waits for every shard's Health")

@@ -145,6 +145,8 @@ class SeqOutput:
     # With draft_token_ids: the sample after each draft, in order (one per draft). token_id is the
     # sample before the first draft; samples after the first rejected draft mean nothing.
     draft_samples: list[TokenSample] = field(default_factory=list)
+    # With prompt_logprobs and top_n_tokens: the alternatives at each position of prompt_logprobs.
+    prompt_top_tokens: list[list[TokenLogprob]] = field(default_factory=list)
 
 
 def accepted_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:

@@ -76,9 +76,12 @@ class Call(msgspec.Struct, tag=True, array_like=True):
 
     frontend: int
     call_id: int
-    method: str  # "health", "metrics", "snapshot_save", "snapshot_restore", "snapshot_delete", "snapshot_list"
+    # "health", "metrics", "snapshot_save", "snapshot_restore", "snapshot_delete", "snapshot_list",
+    # "response_put", "response_get", "response_delete" (the Responses API's stored responses)
+    method: str
     name: str = ""
     token_ids: list[int] = []
+    payload: bytes = b""  # response_put: the record to store
 
 
 ToCore = Hello | Submit | Cancel | StopChoice | Call
@@ -130,6 +133,9 @@ class PromptInfo(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     prompt_logprobs: list[float | None]
     scheduled_at: float  # the first step that ran it (TGI's queue time ends there)
+    # With prompt logprobs and top_n_tokens: (token id, logprob) alternatives per prompt position
+    # (None where prompt_logprobs has None).
+    prompt_top_tokens: list[list[tuple[int, float]] | None] = []
 
 
 class Output(msgspec.Struct, array_like=True):

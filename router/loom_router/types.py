@@ -77,6 +77,8 @@ class PromptInfo:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first token
+    # With top_n_tokens: the alternatives at each prompt position (None where its logprob is None)
+    prompt_top_tokens: list[list[TokenLogprob] | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -135,6 +137,17 @@ class GenerationError(RuntimeError):
 
 class UnavailableError(GenerationError):
     """A shard is down: the request cannot run here (HTTP 503; retry on another replica)."""
+
+
+class APIError(ValidationError):
+    """A refusal of an API's own, with its status and machine-readable `code` (OpenAI's
+    model_not_found, context_length_exceeded); 422 where an API has no shape for it."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
 
 
 class SnapshotHTTPError(Exception):

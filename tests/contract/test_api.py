@@ -274,7 +274,7 @@ async def test_models(harness: Harness) -> None:
 
 
 async def test_completion(harness: Harness) -> None:
-    body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "seed": 8}
+    body = {"model": "default", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "seed": 8}
     out = (await harness.client.post("/v1/completions", json=body)).json()
     assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
     (choice,) = out["choices"]
@@ -293,8 +293,15 @@ async def test_completion_prompt_as_token_ids_with_echo_and_logprobs(harness: Ha
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) + 2
     assert logprobs["token_logprobs"][0] is None and all(lp is not None for lp in logprobs["token_logprobs"][1:])
-    assert logprobs["top_logprobs"][:len(ids)] == [None] * len(ids)
-    assert all(len(top) == 2 for top in logprobs["top_logprobs"][len(ids):])
+    # From the prompt's second token on: the token's own logprob and the top alternatives (the
+    # fake shard puts the next token id first, more likely than the prompt's own).
+    tops = logprobs["top_logprobs"]
+    assert tops[0] is None
+    for i in range(1, len(ids)):
+        own = harness.tokenizer.decode([ids[i]])
+        assert tops[i] == {harness.tokenizer.decode([ids[i] + 1]): 0.05, own: logprobs["token_logprobs"][i]}
+    for top, logprob in zip(tops[len(ids):], logprobs["token_logprobs"][len(ids):]):
+        assert 2 <= len(top) <= 3 and logprob in top.values()  # the alternatives and the token itself
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
     assert "".join(logprobs["tokens"]) == choice["text"]
 
@@ -321,12 +328,13 @@ async def test_completion_stream_with_echo_and_logprobs(harness: Harness) -> Non
     tokens = [token for lp in logprobs for token in lp["tokens"]]
     offsets = [offset for lp in logprobs for offset in lp["text_offset"]]
     assert offsets == [len("Hello"), len("Hello") + len(tokens[0])]
-    assert [len(top) for lp in logprobs for top in lp["top_logprobs"]] == [1, 1]
+    tops = [top for lp in logprobs for top in lp["top_logprobs"]]  # the alternative, and the token itself
+    assert len(tops) == 2 and all(1 <= len(top) <= 2 and token in top for top, token in zip(tops, tokens))
     assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(tokens) == expected_text(harness, "Hello", 3, 2)
 
 
 async def test_chat_completion_with_logprobs(harness: Harness) -> None:
-    body = {"model": "m", "messages": CHAT, "max_completion_tokens": 3, "temperature": 0,
+    body = {"model": "default", "messages": CHAT, "max_completion_tokens": 3, "temperature": 0,
             "logprobs": True, "top_logprobs": 2, "seed": 6}
     out = (await harness.client.post("/v1/chat/completions", json=body)).json()
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
@@ -378,9 +386,8 @@ async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatc
     ("/v1/completions", {"prompt": "x", "n": 5}, None, "`n` must be <= 4"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature"),
     ("/v1/completions", {"prompt": ""}, "prompt", "`prompt` cannot be empty"),
-    ("/v1/completions", {"prompt": [[1], [2]]}, "prompt", "batches are not supported"),
+    ("/v1/completions", {"prompt": [[1]] * 33}, None, "at most 32 prompts (--max-client-batch-size)"),
     ("/v1/completions", {"prompt": [10**9]}, None, "token ids must be in"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": MAX_TOTAL_TOKENS}, None, f"<= {MAX_TOTAL_TOKENS}"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
     ("/v1/chat/completions", {"messages": CHAT, "choice_params": [{}, {}]}, None, "more than `n`"),
 ])

@@ -113,6 +113,21 @@ async def test_non_streaming_disconnect_cancels_the_request(served: Served) -> N
     assert served.engine.stats().generated_tokens < 100
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_cancels_every_prompt_of_a_list(served: Served, stream: bool) -> None:
+    served.backend.step_delay_s = 0.01
+    body = {"prompt": ["x", "y z", "w"], "max_tokens": 200, "stream": stream}
+    async with httpx.AsyncClient(base_url=served.url) as client:
+        request = asyncio.create_task(client.post("/v1/completions", json=body))
+        while served.engine.stats().generated_tokens < 9:
+            await asyncio.sleep(0.01)
+        request.cancel()  # closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    await wait_cancelled(served.engine, 3)
+    assert served.engine.stats().generated_tokens < 300
+
+
 async def test_shutdown_lets_in_flight_streams_finish(tokenizer: Tokenizer) -> None:
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0])
     backend.step_delay_s = 0.01

@@ -428,3 +428,15 @@ async def test_after_a_failed_step_a_failing_health_check_turns_new_requests_awa
     backend.fail_steps = False
     assert (await client.post("/generate", json=GENERATE)).status_code == (200 if healthy else 503)
     assert engine.accepting is healthy
+
+
+async def test_the_guard_answers_each_api_in_its_own_error_shape(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS, payload_limit=1000)
+    message = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    anthropic_401 = await client.post("/v1/messages", json=message)
+    assert anthropic_401.status_code == 401
+    assert anthropic_401.json()["type"] == "error" and anthropic_401.json()["error"]["type"] == "authentication_error"
+    too_large = await client.post("/v1/messages", json={**message, "system": "x" * 2000}, headers=bearer(KEYS[0]))
+    assert too_large.status_code == 413 and too_large.json()["error"]["type"] == "request_too_large"
+    openai_401 = await client.post("/v1/responses", json={"input": "Hi"})
+    assert openai_401.status_code == 401 and "message" in openai_401.json()["error"]

@@ -137,7 +137,7 @@ async def test_streams_usage_and_metrics_count_every_accepted_token(tokenizer: T
     router = await start_router(router_config(speculate=4), backend, tokenizer)
     try:
         async with router.http as client:
-            body = {"model": "x", "prompt": "the quick", "max_tokens": 30, "stream": True, "seed": 3,
+            body = {"model": "default", "prompt": "the quick", "max_tokens": 30, "stream": True, "seed": 3,
                     "stream_options": {"include_usage": True}}
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]

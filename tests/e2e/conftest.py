@@ -28,10 +28,11 @@ from tests.otlp_collector import collector  # noqa: F401 (a fixture: the stand-i
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 # Small limits keep warmup (one step of max-batch-prefill-tokens) and the KV pool small, so a
-# launcher starts quickly on 2 cores. A test's own flags win (see `launcher_argv`).
+# launcher starts quickly on 2 cores; "loom" is the `model` the tests send. A test's own flags
+# win (see `launcher_argv`).
 SMALL_LIMITS = {"--max-total-tokens": "512", "--max-input-tokens": "384",
                 "--max-batch-total-tokens": "4096", "--max-batch-prefill-tokens": "512",
-                "--host-kv-cache-bytes": str(64 << 20)}
+                "--host-kv-cache-bytes": str(64 << 20), "--served-model-name": "loom"}
 
 
 

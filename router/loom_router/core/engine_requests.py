@@ -49,6 +49,7 @@ class _Active:
     hold_blocks: bool = False  # keep the finished sequence's blocks (Engine.held)
     matchers: dict[int, Matcher] = field(default_factory=dict)  # by seq_id, for constrained requests
     scheduled_at: float | None = None  # the first step that ran it (time.monotonic)
+    prompt_top_tokens: list[list[tuple[int, float]] | None] = field(default_factory=list)  # with top_n_tokens
 
 
 class RequestBook:
@@ -113,6 +114,7 @@ class RequestBook:
             num_generated = seq.num_generated
         if active.request.prompt_logprobs and seq.index == 0:
             active.prompt_logprobs.extend(out.prompt_logprobs)
+            active.prompt_top_tokens.extend([(t.token_id, t.logprob) for t in top] for top in out.prompt_top_tokens)
         token_id = out.token_id
         if token_id is None:
             return
@@ -172,12 +174,16 @@ class RequestBook:
 
     def _prompt_info(self, active: _Active) -> PromptInfo:
         prompt_logprobs: list[float | None] = []
+        prompt_top: list[list[tuple[int, float]] | None] = []
         if active.request.prompt_logprobs:
             # Prompt positions served from the prefix cache have no logprob.
             missing = len(active.request.prompt_ids) - len(active.prompt_logprobs)
             prompt_logprobs = [None] * missing + active.prompt_logprobs
+            if active.prompt_top_tokens:
+                prompt_top = [None] * (len(active.request.prompt_ids) - len(active.prompt_top_tokens))
+                prompt_top += active.prompt_top_tokens
         scheduled = active.scheduled_at if active.scheduled_at is not None else time.monotonic()
-        return PromptInfo(active.group.num_cached_prompt_tokens, prompt_logprobs, scheduled)
+        return PromptInfo(active.group.num_cached_prompt_tokens, prompt_logprobs, scheduled, prompt_top)
 
     def _finish(self, active: _Active, seq: Sequence, reason: FinishReason) -> None:
         assert self.scheduler is not None

@@ -519,6 +519,7 @@ class Scheduler:
         skip = max(0, group.num_prompt_logprobs_sent + 1 - first)
         if skip:
             out.prompt_logprobs = out.prompt_logprobs[skip:]
+            out.prompt_top_tokens = out.prompt_top_tokens[skip:]
         group.num_prompt_logprobs_sent = max(group.num_prompt_logprobs_sent,
                                              first + skip + len(out.prompt_logprobs) - 1)
 

@@ -35,6 +35,7 @@ from loom_router.core import snapshots
 from loom_router.core.engine import Engine
 from loom_router.core.outbox import Outbox
 from loom_router.ipc import Inbox, Sender, ipc_address, pull_socket, push_socket
+from loom_router.response_store import ResponseStore
 from loom_router.structured.spec import ConstraintSpec
 from loom_router.types import ERROR_STATUS, EngineStats, SnapshotHTTPError, status_of
 
@@ -59,6 +60,7 @@ class EngineCoreServer:
         self._inbox: Inbox | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snapshots = snapshots.Snapshots(engine)
+        self.responses = ResponseStore()
         engine.status_observers.append(self._broadcast)
 
     def start(self) -> None:
@@ -166,6 +168,8 @@ class EngineCoreServer:
             return load_report(self.engine.stats())
         if call.method.startswith("snapshot_"):
             return await snapshots.run(self._snapshots, call.method, call.name, call.token_ids)
+        if call.method.startswith("response_"):  # one store for every frontend
+            return self.responses.run(call.method, call.name, call.payload)
         raise ValueError(f"unknown call {call.method!r}")
 
     def _broadcast(self, status: Status) -> None:

@@ -1,5 +1,5 @@
-"""A frontend's HTTP app: error handling, the text-generation-inference routes, and the
-OpenAI routes (loom_router.frontend.openai_api) mounted beside them."""
+"""A frontend's HTTP app: error handling, the text-generation-inference routes, and beside them
+OpenAI's (completions, openai_api, responses_api) and Anthropic's (anthropic_api) routes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
-from loom_router.frontend import guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend import (
+    anthropic_api,
+    completions,
+    guard,
+    openai_api,
+    openapi_errors,
+    playground,
+    responses_api,
+    snapshots,
+)
+from loom_router.frontend.api_errors import api_error_response
 from loom_router.frontend.gateway import add_gateway_routes
 from loom_router.frontend.http_common import (
     AppState,
@@ -46,6 +56,7 @@ from loom_router.observability.metrics import FrontendMetrics, MetricsMiddleware
 from loom_router.structured.fields import tgi_constraint_spec
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
+    APIError,
     ChoiceEvent,
     GeneratedToken,
     GenerationError,
@@ -81,7 +92,10 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     _add_tgi_routes(app)
     add_readiness_routes(app)
     add_gateway_routes(app, VERSION)
+    app.include_router(completions.router)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
     app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
@@ -96,8 +110,9 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
 
 def error_response(request: Request, status: int, message: str, error_type: str) -> JSONResponse:
     """TGI's `{"error", "error_type"}`, or OpenAI's `{"error": {...}}` on the /v1 routes."""
-    if openai_api.is_openai_path(request.url.path):
-        return openai_api.error_response(status, message)
+    response = api_error_response(request.url.path, status, message)
+    if response is not None:
+        return response
     return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
 
 
@@ -146,12 +161,20 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(exc.errors())
-        if openai_api.is_openai_path(request.url.path):
-            return openai_api.error_response(422, message, param)
+        response = api_error_response(request.url.path, 422, message, param)
+        if response is not None:
+            return response
         return error_response(request, 422, _validation_message(message), "validation")
 
     for error_type, (status, kind) in ENGINE_ERRORS.items():
         app.add_exception_handler(error_type, _engine_error_handler(status, kind))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        response = api_error_response(request.url.path, exc.status, str(exc), exc.param, exc.code)
+        if response is not None:
+            return response
+        return error_response(request, 422, _validation_message(str(exc)), "validation")
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -351,7 +374,7 @@ def _info(state: AppState) -> dict[str, Any]:
         "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
         "max_top_n_tokens": config.max_top_n_tokens,
         "max_n": config.max_n,
-        "max_client_batch_size": 1,
+        "max_client_batch_size": config.max_client_batch_size,
         "validation_workers": 1,
         "block_size": model.block_size if model else None,
         "world_size": model.world_size if model else None,

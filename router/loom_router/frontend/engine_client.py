@@ -171,12 +171,12 @@ class EngineClient:
             return False
 
     async def call(self, method: str, name: str = "", token_ids: list[int] | None = None,
-                   timeout_s: float = CALL_TIMEOUT_S) -> Any:
+                   timeout_s: float = CALL_TIMEOUT_S, payload: bytes = b"") -> Any:
         """One answer from the core. Raises SnapshotHTTPError or the engine error it failed with."""
         call_id = next(self._numbers)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(Call(self.frontend, call_id, method, name, token_ids or []))
+        self._send(Call(self.frontend, call_id, method, name, token_ids or [], payload))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:

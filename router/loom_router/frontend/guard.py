@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loom_proto.config import RouterConfig
-from loom_router.frontend import openai_api
+from loom_router.frontend.api_errors import api_error_response
 from loom_router.frontend.playground import is_public
 
 HEALTH_PATHS = frozenset({"/health", "/ready", "/v2/health/ready"})  # always open: orchestrators probe them
@@ -158,10 +158,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, error_type: str,
                   headers: dict[str, str] | None = None) -> None:
-    """TGI's error body, or OpenAI's on the /v1 routes."""
-    if openai_api.is_openai_path(scope["path"]):
-        response = openai_api.error_response(status, message)
-    else:
+    """TGI's error body, or OpenAI's or Anthropic's on their routes."""
+    response = api_error_response(scope["path"], status, message)
+    if response is None:
         response = JSONResponse({"error": message, "error_type": error_type}, status_code=status)
     response.headers.update(headers or {})
     await response(scope, receive, send)

@@ -138,26 +138,38 @@ async def generate(state: AppState, request: Request, prompt_ids: list[int],
     Raises the engine's errors (ValidationError, OverloadedError, GenerationError)
     and ClientDisconnected.
     """
-    stream, timer = await submit(state, prompt_ids, params)
-    choices = [ChoiceResult(i) for i in range(params.n)]
+    (generation,) = await generate_all(state, request, [(prompt_ids, params)])
+    return generation
 
-    async def consume() -> None:
-        async for event in stream:
-            choices[event.index].add(event)
 
-    consumer = asyncio.create_task(consume())
+async def generate_all(state: AppState, request: Request,
+                       jobs: list[tuple[list[int], GenerationParams]]) -> list[Generation]:
+    """Runs requests (prompt ids, params) concurrently to their end, as `generate`: the first
+    error, or the client leaving, cancels every one of them."""
+    consumers = [asyncio.create_task(_run(state, ids, params)) for ids, params in jobs]
     watcher = asyncio.create_task(wait_for_disconnect(request))
     try:
-        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not consumer.done():
+        gathered = asyncio.gather(*consumers)
+        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not gathered.done():
             raise ClientDisconnected()
-        consumer.result()  # re-raises a GenerationError
+        return gathered.result()  # re-raises the first error
+    finally:
+        watcher.cancel()
+        for consumer in consumers:
+            consumer.cancel()
+
+
+async def _run(state: AppState, prompt_ids: list[int], params: GenerationParams) -> Generation:
+    """One request's events gathered into its choices; cancelled, it cancels the request."""
+    stream, timer = await submit(state, prompt_ids, params)
+    choices = [ChoiceResult(i) for i in range(params.n)]
+    try:
+        async for event in stream:
+            choices[event.index].add(event)
         return Generation(choices, stream.prompt)
     finally:
         timer.finish()
-        watcher.cancel()
-        if not consumer.done():
-            consumer.cancel()
         stream.cancel()  # a no-op once the request finished
 
 

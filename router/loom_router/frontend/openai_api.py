@@ -1,13 +1,15 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (with the model's chat
-template) and /v1/models, streaming or not, in the shapes the official `openai` client reads."""
+"""OpenAI-compatible routes: /v1/chat/completions (with the model's chat template) and /v1/models,
+streaming or not, in the shapes the official `openai` client reads; and what the other /v1 APIs
+share: the chat path (`prepare_chat`), `model` and context checks, OpenAI's errors and chunks."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -28,7 +30,6 @@ from loom_router.frontend.http_common import (
     submit,
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
-from loom_router.frontend.text import token_texts
 from loom_router.frontend.tool_stream import tool_chunks
 from loom_router.frontend.tools import (
     AnswerFormat,
@@ -42,22 +43,22 @@ from loom_router.frontend.tools import (
 )
 from loom_router.frontend.validation import (
     ChatCompletionRequest,
-    CompletionRequest,
     check_openai,
     openai_generation_params,
 )
 from loom_router.types import (
+    APIError,
     ChoiceEvent,
     GeneratedToken,
     GenerationError,
     GenerationParams,
     PromptInfo,
-    ValidationError,
 )
 
 SYSTEM_FINGERPRINT = "loom"
 MARK = "\ue000loom-choice\ue000"  # stands for a chunk's choice while its framing is cut out
-ERROR_TYPES = {422: "invalid_request_error", 429: "rate_limit_error", 424: "server_error", 503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 424: "server_error", 503: "server_error"}
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=UnicodeJSONRoute)
 
@@ -66,25 +67,64 @@ def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     error = {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-             "param": param, "code": None}
+             "param": param, "code": code}
     return JSONResponse({"error": error}, status_code=status)
 
 
+def model_names(state: AppState) -> set[str]:
+    """The names `model` may give: the served name, and the model id with its file name."""
+    model_id = state.config.model_id
+    names = {state.model_name, model_id, Path(model_id).name, Path(model_id).name.removesuffix(".gguf")}
+    return {name for name in names if name}
+
+
+def check_model(state: AppState, model: str | None) -> None:
+    """An unknown `model` is OpenAI's 404 model_not_found; none means the served one."""
+    if model is not None and model not in model_names(state):
+        raise APIError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+
+
+def check_context(state: AppState, num_input_tokens: int, max_tokens: int | None) -> None:
+    """A prompt (with max_tokens) past the context is OpenAI's 400 context_length_exceeded."""
+    context = state.engine.max_total_tokens
+    requested = num_input_tokens + (max_tokens or 0)
+    if num_input_tokens > state.engine.max_input_tokens or requested > context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{requested} tokens ({num_input_tokens} in the prompt, {max_tokens or 0} for the "
+                       f"completion; at most {state.engine.max_input_tokens} prompt tokens). Please reduce the "
+                       "length of the prompt or of the completion.", "context_length_exceeded", "messages")
+
+
+@dataclass(slots=True, frozen=True)
+class Echo:
+    """A completion's prompt, written back before its text (`echo`)."""
+
+    ids: list[int]
+    texts: list[str]  # the text each prompt token adds
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
 @dataclass(slots=True)
-class _Reply:
+class Reply:
     """What every response of one request shares."""
 
     kind: str  # "chat" or "text"
     model: str
     logprobs: bool
     include_usage: bool
-    echo_ids: list[int] | None = None  # completions with echo: the prompt, written before the text
-    echo_text: str = ""
-    echo_texts: list[str] = field(default_factory=list)  # the text each echoed prompt token adds
+    n: int = 1  # choices per prompt
+    echoes: list[Echo] = field(default_factory=list)  # completions with echo: one per prompt
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def echo(self, index: int) -> Echo | None:
+        """The echoed prompt of choice `index` (prompt index * n + choice), if any."""
+        return self.echoes[index // self.n] if self.echoes else None
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -104,36 +144,55 @@ class _Reply:
 
 @router.get("/models", summary="The served model")
 async def models_route(request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "loom",
-             "root": state.config.model_id, "max_model_len": state.engine.max_total_tokens}
-    return {"object": "list", "data": [model]}
+    return {"object": "list", "data": [_model_card(get_state(request))]}
 
 
-@router.post("/completions", summary="Text completion")
-async def completions_route(body: CompletionRequest, request: Request) -> Any:
+@router.get("/models/{model_id:path}", summary="The served model, by name (404 model_not_found for others)")
+async def model_route(model_id: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
-    limits = state.limits()
-    check_openai(body, limits)
-    ids = await _completion_prompt_ids(state, body)
-    max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
-    params = openai_generation_params(body, max_new_tokens, limits)
-    params.constraint = body.constraint_spec()  # compiled by the engine core
-    reply = _Reply("text", state.model_name, body.logprobs is not None, body.include_usage)
-    if body.echo:  # the prompt's token texts, off the loop (a long prompt is many tokens)
-        reply.echo_ids = ids
-        reply.echo_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)
-        reply.echo_text = "".join(reply.echo_texts)
-    if body.stream:
-        return await _stream(state, reply, ids, params)
-    generation = await generate(state, request, ids, params)
-    choices = [_text_choice(state, reply, c, generation.prompt) for c in generation.choices]
-    return {**reply.envelope("text_completion", choices), "usage": _usage(generation.prompt, generation)}
+    check_model(state, model_id)
+    return _model_card(state)
+
+
+def _model_card(state: AppState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "loom",
+            "root": state.config.model_id, "max_model_len": state.engine.max_total_tokens}
 
 
 @router.post("/chat/completions", summary="Chat completion with the model's chat template")
 async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
+    check_model(state, body.model)
+    job = await prepare_chat(state, body)
+    reply = Reply("chat", state.model_name, body.logprobs, body.include_usage)
+    if body.stream:
+        return await _stream(state, reply, job.ids, job.params, job.answer)
+    generation = await generate(state, request, job.ids, job.params)
+    choices = []
+    for c in generation.choices:
+        message, finish = chat_message(job.answer, c.text, c.finish_reason)
+        choices.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": {"content": [_chat_logprob(state, t) for t in c.tokens]} if reply.logprobs else None,
+            "finish_reason": finish,
+        })
+    return {**reply.envelope("chat.completion", choices), "usage": _usage(generation.prompt, generation)}
+
+
+@dataclass(slots=True)
+class ChatJob:
+    """A chat request made ready to run: its prompt ids, parameters and how to read its answer
+    (shared by the chat, Responses and Anthropic Messages routes)."""
+
+    ids: list[int]
+    params: GenerationParams
+    answer: AnswerFormat
+
+
+async def prepare_chat(state: AppState, body: ChatCompletionRequest) -> ChatJob:
+    """Validates a chat request, renders its template (tools, reasoning) and tokenizes it.
+    Raises ValidationError (422) or APIError (context_length_exceeded)."""
     limits = state.limits()
     check_openai(body, limits)
     template = state.tokenizer.chat_template
@@ -144,92 +203,60 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     extra = {**(body.chat_template_kwargs or {}), **extra}  # vLLM's: e.g. Qwen3's enable_thinking
     prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True, **extra)
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
+    check_context(state, len(ids), body.requested_max_tokens)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     params.constraint = spec
     answer = answer_format(tool_plan, template, prompt)
     params.skip_special_tokens = not answer.keeps_special_tokens
-    reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
-    if body.stream:
-        return await _stream(state, reply, ids, params, answer)
-    generation = await generate(state, request, ids, params)
-    choices = []
-    for c in generation.choices:
-        message, finish = chat_message(answer, c.text, c.finish_reason)
-        choices.append({
-            "index": c.index,
-            "message": message,
-            "logprobs": {"content": [_chat_logprob(state, t) for t in c.tokens]} if reply.logprobs else None,
-            "finish_reason": finish,
-        })
-    return {**reply.envelope("chat.completion", choices), "usage": _usage(generation.prompt, generation)}
-
-
-async def _completion_prompt_ids(state: AppState, body: CompletionRequest) -> list[int]:
-    """A prompt is a string, a list of token ids, or a list holding one of those."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ValidationError(f"`prompt` must be a single prompt; batches are not supported. Given: {len(prompt)}")
-        prompt = prompt[0]
-    if not prompt:
-        raise ValidationError("`prompt` cannot be empty")
-    if isinstance(prompt, str):
-        return await encode(state, prompt)
-    vocab_size = state.engine.model_info.vocab_size
-    bad = [i for i in prompt if not 0 <= i < vocab_size]
-    if bad:
-        raise ValidationError(f"`prompt` token ids must be in 0..{vocab_size - 1}. Given: {bad[0]}")
-    return list(prompt)
+    return ChatJob(ids, params, answer)
 
 
 # ---- streaming --------------------------------------------------------------------------
 
 
-async def _stream(state: AppState, reply: _Reply, ids: list[int], params: GenerationParams,
-                  answer: AnswerFormat | None = None) -> Response:
+async def _stream(state: AppState, reply: Reply, ids: list[int], params: GenerationParams,
+                  answer: AnswerFormat) -> Response:
     stream, timer = await submit(state, ids, params)
-    if answer is not None and (answer.tools.mode is not ToolMode.NONE or answer.reasoning is not None):
-        chunks = tool_chunks(reply, answer, params.n, stream, batches(stream, timer), _usage_counts)
+    if answer.tools.mode is not ToolMode.NONE or answer.reasoning is not None:
+        chunks = tool_chunks(reply, answer, params.n, stream, batches(stream, timer), usage_counts)
         return EventStreamResponse(chunks, stream.cancel)
-    return EventStreamResponse(_chunks(state, reply, params.n, stream, batches(stream, timer)), stream.cancel)
+
+    def opening(index: int) -> dict[str, Any]:  # OpenAI opens every chat choice with the role
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    chunks = stream_chunks(reply, params.n, stream, batches(stream, timer), opening,
+                           lambda one: _chat_chunk_choice(state, reply, one))
+    return EventStreamResponse(chunks, stream.cancel)
 
 
-async def _chunks(state: AppState, reply: _Reply, n: int, stream: Any,
-                  events: AsyncIterator[list[ChoiceEvent]]) -> AsyncIterator[bytes]:
-    """OpenAI's chunks: the tokens of one choice that wait together go in one chunk (their text
-    and logprobs joined), and every waiting chunk in one write."""
+async def stream_chunks(reply: Reply, n: int, stream: Any, events: AsyncIterator[list[ChoiceEvent]],
+                        opening: Callable[[int], dict[str, Any] | None],
+                        choice: Callable[[ChoiceResult], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """OpenAI's chunks: `opening(index)` first for each choice (None: none), then the tokens of
+    one choice that wait together in one chunk (`choice` of them joined), every waiting chunk in
+    one write; `stream.prompt` counts the usage."""
     obj = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
     extra = {"usage": None} if reply.include_usage else {}
-    for index in range(n):  # OpenAI opens every chat choice with the role; echo opens text ones
-        if reply.kind == "chat":
-            opening = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                       "finish_reason": None}
-        elif reply.echo_text:
-            opening = {"index": index, "text": reply.echo_text, "logprobs": None, "finish_reason": None}
-        else:
-            continue
-        yield sse({**reply.envelope(obj, [opening]), **extra})
+    for index in range(n):
+        first = opening(index)
+        if first is not None:
+            yield sse({**reply.envelope(obj, [first]), **extra})
     num_generated = 0
-    offsets = [len(reply.echo_text)] * n  # text_offset of each choice's next token
     prefix, suffix = reply.chunk_framing(obj, extra)
     try:
         async for batch in events:
             num_generated += len(batch)
             chunks = []
             for one in _by_choice(batch):
-                if reply.kind == "chat":
-                    choice = _chat_chunk_choice(state, reply, one)
-                else:
-                    choice = _text_choice(state, reply, one, None, offsets[one.index])
-                    offsets[one.index] += sum(len(token.text) for token in one.tokens)
-                chunks += (prefix, orjson.dumps(choice), suffix)
+                chunks += (prefix, orjson.dumps(choice(one)), suffix)
             yield b"".join(chunks)
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         return
     if reply.include_usage:
-        usage = _usage_counts(stream.prompt, num_generated)
+        usage = usage_counts(stream.prompt, num_generated)
         yield sse({**reply.envelope(obj, []), "usage": usage})
     yield sse("[DONE]")
 
@@ -245,54 +272,13 @@ def _by_choice(batch: list[ChoiceEvent]) -> list[ChoiceResult]:
     return list(joined.values())
 
 
-def _chat_chunk_choice(state: AppState, reply: _Reply, one: ChoiceResult) -> dict[str, Any]:
+def _chat_chunk_choice(state: AppState, reply: Reply, one: ChoiceResult) -> dict[str, Any]:
     logprobs = {"content": [_chat_logprob(state, token) for token in one.tokens]} if reply.logprobs else None
     return {"index": one.index, "delta": {"content": one.text}, "logprobs": logprobs,
             "finish_reason": one.finish_reason.openai if one.finish_reason else None}
 
 
 # ---- response pieces ---------------------------------------------------------------------
-
-
-def _text_choice(state: AppState, reply: _Reply, choice: ChoiceResult, prompt: PromptInfo | None,
-                 first_offset: int = 0) -> dict[str, Any]:
-    """A completion choice. With `prompt` (a whole response) the echo comes first; a stream
-    chunk (prompt None) carries only its own tokens, starting at `first_offset` in the text."""
-    echo_ids = reply.echo_ids if prompt is not None else None
-    logprobs = None
-    if reply.logprobs:
-        echo = (echo_ids, reply.echo_texts) if echo_ids is not None else None
-        logprobs = _completion_logprobs(state, choice.tokens, echo, prompt, first_offset)
-    text = (reply.echo_text if echo_ids is not None else "") + choice.text
-    finish = choice.finish_reason
-    return {"index": choice.index, "text": text, "logprobs": logprobs,
-            "finish_reason": finish.openai if finish else None}
-
-
-def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: tuple[list[int], list[str]] | None,
-                         prompt: PromptInfo | None, first_offset: int) -> dict[str, Any]:
-    """The legacy completions logprobs: parallel lists, echoed prompt tokens (ids, texts) first.
-    Each token's text is what it adds to the output, so text_offset follows the text."""
-    decode = state.tokenizer.decode
-    texts: list[str] = []
-    token_logprobs: list[float | None] = []
-    top: list[dict[str, float] | None] = []
-    if echo is not None:
-        prompt_ids, prompt_texts = echo
-        prompt_logprobs = list(prompt.prompt_logprobs) if prompt is not None else []
-        prompt_logprobs += [None] * (len(prompt_ids) - len(prompt_logprobs))
-        texts += prompt_texts
-        token_logprobs += prompt_logprobs
-        top += [None] * len(prompt_ids)
-    for token in tokens:
-        texts.append(token.text)
-        token_logprobs.append(token.logprob)
-        top.append({decode([t.token_id]): t.logprob for t in token.top_tokens})
-    offsets, position = [], first_offset
-    for text in texts:
-        offsets.append(position)
-        position += len(text)
-    return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def _chat_logprob(state: AppState, token: GeneratedToken) -> dict[str, Any]:
@@ -306,10 +292,10 @@ def _chat_logprob(state: AppState, token: GeneratedToken) -> dict[str, Any]:
 
 
 def _usage(prompt: PromptInfo, generation: Generation) -> dict[str, Any]:
-    return _usage_counts(prompt, generation.num_generated)
+    return usage_counts(prompt, generation.num_generated)
 
 
-def _usage_counts(prompt: PromptInfo, num_generated: int) -> dict[str, Any]:
+def usage_counts(prompt: PromptInfo, num_generated: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt.num_prompt_tokens,
         "completion_tokens": num_generated,

@@ -120,6 +120,8 @@ class GenerationStream:
         assert prompt is not None
         self.prompt.num_cached_tokens = prompt.num_cached_tokens
         self.prompt.prompt_logprobs = prompt.prompt_logprobs
+        self.prompt.prompt_top_tokens = [None if top is None else [TokenLogprob(t, lp) for t, lp in top]
+                                         for top in prompt.prompt_top_tokens]
         self.scheduled_at = prompt.scheduled_at
 
     def _event(self, choice: _Choice, index: int, token_id: int, logprob: float,

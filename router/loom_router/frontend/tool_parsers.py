@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec
+from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec, strict_schema
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -54,18 +54,38 @@ class ParsedOutput:
     tool_calls: list[dict[str, Any]]  # OpenAI's message.tool_calls entries
 
 
-def parse(fmt: ToolFormat, text: str, names: set[str]) -> ParsedOutput:
-    """Split an answer into content and calls to the tools named `names`."""
+def parse(fmt: ToolFormat, text: str, names: set[str], cut_off: bool = False) -> ParsedOutput:
+    """Split an answer into content and calls to the tools named `names`. With `cut_off` (the
+    answer ended at max_tokens) a call left open is returned as it stands: a partial call whose
+    name and arguments are what was written of them, never markup in the content."""
     if fmt is ToolFormat.HERMES:
         calls = [c for body in _HERMES_RE.findall(text) if (c := _call(_json(body), "arguments", names))]
         start = text.find(HERMES_OPEN)
+        last = text.rfind(HERMES_OPEN)
+        if cut_off and last >= 0 and HERMES_CLOSE not in text[last:]:
+            calls.append(_partial_call(text[last + len(HERMES_OPEN):]))
     elif fmt is ToolFormat.LLAMA3_JSON:
         calls, start = _llama3_calls(text, names), 0
     else:
         calls, start = _mistral_calls(text, names)
+    if not calls and cut_off and (begun := call_start(fmt, text)) is not None:
+        calls, start = [_partial_call(text[begun:])], begun
     if not calls:
         return ParsedOutput(text, [])
     return ParsedOutput(text[:start].strip() or None, calls)
+
+
+_PARTIAL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_PARTIAL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def _partial_call(body: str) -> dict[str, Any]:
+    """A call cut off while written: its name if complete, and its arguments' JSON so far."""
+    name = _PARTIAL_NAME.search(body)
+    arguments = _PARTIAL_ARGUMENTS.search(body)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name.group(1) if name else "",
+                         "arguments": body[arguments.end():] if arguments else ""}}
 
 
 def call_start(fmt: ToolFormat, text: str) -> int | None:
@@ -95,10 +115,11 @@ def held_tail(fmt: ToolFormat, text: str) -> int:
 
 def grammar(fmt: ToolFormat, schemas: list[tuple[str, dict[str, Any]]], parallel: bool) -> ConstraintSpec:
     """A Lark grammar forcing calls (one, or several when parallel) whose JSON matches a tool:
-    schemas lists (name, parameters schema)."""
+    schemas lists (name, parameters schema); the arguments admit only the keys a schema lists
+    (`strict_schema`), as OpenAI's strict function calling."""
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
-    variants = [{"type": "object", "properties": {"name": {"const": name}, key: params}, "required": ["name", key],
-                 "additionalProperties": False} for name, params in schemas]
+    variants = [{"type": "object", "properties": {"name": {"const": name}, key: strict_schema(params)},
+                 "required": ["name", key], "additionalProperties": False} for name, params in schemas]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     call_json = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
     if fmt is ToolFormat.HERMES:

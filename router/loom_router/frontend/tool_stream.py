@@ -20,7 +20,16 @@ from loom_router.frontend.tools import AnswerFormat, ToolMode, ToolPlan, finish_
 from loom_router.types import ChoiceEvent, FinishReason, GenerationError, PromptInfo
 
 UsageFn = Callable[[PromptInfo, int], dict[str, Any]]
-Chunk = Callable[..., bytes]
+
+
+@dataclass(slots=True, frozen=True)
+class Delta:
+    """One piece of a chat choice, in OpenAI's chunk terms: a `delta` and maybe its finish_reason."""
+
+    index: int
+    delta: dict[str, Any]
+    finish: str | None = None
+    reason: FinishReason | None = None  # why the choice finished (with `finish`)
 
 
 @dataclass(slots=True)
@@ -31,27 +40,35 @@ class _ChoiceText:
     in_calls: bool = False  # a tool call started: hold everything from here
 
 
-async def tool_chunks(reply: Any, answer: AnswerFormat | ToolPlan, n: int, stream: Any,
-                      events: AsyncIterator[list[ChoiceEvent]], usage: UsageFn) -> AsyncIterator[bytes]:
-    """SSE events of a chat stream with tools or reasoning; `reply` is openai_api's _Reply."""
+async def chat_deltas(answer: AnswerFormat | ToolPlan, n: int,
+                      events: AsyncIterator[list[ChoiceEvent]]) -> AsyncIterator[tuple[int, list[Delta]]]:
+    """A chat stream's pieces (content, reasoning, tool calls, finish), read in the answer's
+    format: per batch of events, (number of tokens, deltas). Raises the stream's GenerationError.
+    The OpenAI chunks below and the other APIs' events (Responses, Anthropic) are written from these."""
     if isinstance(answer, ToolPlan):
         answer = AnswerFormat(answer)
+    texts = [_ChoiceText(answer.reasoning_stream()) for _ in range(n)]
+    async for batch in events:
+        yield len(batch), [d for event in batch for d in _event_deltas(texts[event.index], answer.tools, event)]
+
+
+async def tool_chunks(reply: Any, answer: AnswerFormat | ToolPlan, n: int, stream: Any,
+                      events: AsyncIterator[list[ChoiceEvent]], usage: UsageFn) -> AsyncIterator[bytes]:
+    """SSE events of a chat stream with tools or reasoning; `reply` is openai_api's Reply."""
     extra = {"usage": None} if reply.include_usage else {}
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(delta: Delta) -> bytes:
+        choice = {"index": delta.index, "delta": delta.delta, "logprobs": None, "finish_reason": delta.finish}
         return sse({**reply.envelope("chat.completion.chunk", [choice]), **extra})
 
     for index in range(n):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    texts = [_ChoiceText(answer.reasoning_stream()) for _ in range(n)]
+        yield chunk(Delta(index, {"role": "assistant", "content": ""}))
     num_generated = 0
     try:
-        async for batch in events:
-            num_generated += len(batch)
-            pieces = [piece for event in batch for piece in _event_chunks(texts[event.index], answer.tools, event, chunk)]
-            if pieces:
-                yield b"".join(pieces)
+        async for num_tokens, deltas in chat_deltas(answer, n, events):
+            num_generated += num_tokens
+            if deltas:
+                yield b"".join(chunk(delta) for delta in deltas)
     except GenerationError as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         return
@@ -60,21 +77,21 @@ async def tool_chunks(reply: Any, answer: AnswerFormat | ToolPlan, n: int, strea
     yield sse("[DONE]")
 
 
-def _event_chunks(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent, chunk: Chunk) -> list[bytes]:
+def _event_deltas(state: _ChoiceText, plan: ToolPlan, event: ChoiceEvent) -> list[Delta]:
     pieces = [(Part.CONTENT, event.text)] if state.reasoning is None else state.reasoning.feed(event.text)
     if event.finish_reason is not None and state.reasoning is not None:
         pieces += state.reasoning.finish()
     out = []
     for part, text in pieces:
         if part is Part.REASONING:
-            out.append(chunk(event.index, {"reasoning_content": text}))
+            out.append(Delta(event.index, {"reasoning_content": text}))
             continue
         state.text += text
         content = _releasable(state, plan) if plan.mode is not ToolMode.FORCED else ""
         if content:
-            out.append(chunk(event.index, {"content": content}))
+            out.append(Delta(event.index, {"content": content}))
     if event.finish_reason is not None:
-        out += _final_chunks(state, plan, event.index, event.finish_reason, chunk)
+        out += _final_deltas(state, plan, event.index, event.finish_reason)
     return out
 
 
@@ -95,19 +112,19 @@ def _releasable(state: _ChoiceText, plan: ToolPlan) -> str:
     return content
 
 
-def _final_chunks(state: _ChoiceText, plan: ToolPlan, index: int, reason: FinishReason, chunk: Chunk) -> list[bytes]:
+def _final_deltas(state: _ChoiceText, plan: ToolPlan, index: int, reason: FinishReason) -> list[Delta]:
     rest = state.text[state.num_sent :]
     if plan.mode is ToolMode.NONE:
-        pieces = [chunk(index, {"content": rest})] if rest else []
-        return pieces + [chunk(index, {}, reason.openai)]
-    parsed = parse_output(rest, plan.tools, plan.format)
+        pieces = [Delta(index, {"content": rest})] if rest else []
+        return pieces + [Delta(index, {}, reason.openai, reason)]
+    parsed = parse_output(rest, plan.tools, plan.format, reason)
     pieces = []
     if parsed.content:
-        pieces.append(chunk(index, {"content": parsed.content}))
+        pieces.append(Delta(index, {"content": parsed.content}))
     for i, call in enumerate(parsed.tool_calls):
         function = call["function"]
-        pieces.append(chunk(index, {"tool_calls": [
+        pieces.append(Delta(index, {"tool_calls": [
             {"index": i, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}]}))
-        pieces.append(chunk(index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
-    pieces.append(chunk(index, {}, finish_reason(parsed, reason)))
+        pieces.append(Delta(index, {"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}))
+    pieces.append(Delta(index, {}, finish_reason(parsed, reason), reason))
     return pieces

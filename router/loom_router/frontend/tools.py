@@ -3,8 +3,10 @@
 apart as `reasoning_content` (`reasoning`).
 
 `tool_choice` "required" or a named function forces calls through a grammar (each call's JSON
-validated against the tool's parameters); "auto" lets the model choose and parses what it wrote;
-"none" ignores the tools. Responses carry `message.tool_calls` with JSON `arguments` and
+validated against the tool's parameters, admitting only their listed keys): a named function gets
+exactly one call; "required" one call, or with `parallel_tool_calls: true` one or more, the answer
+free to end after any of them. "auto" lets the model choose and parses what it wrote; "none"
+ignores the tools. A call cut off by max_tokens comes back as a partial call. Responses carry `message.tool_calls` with JSON `arguments` and
 `finish_reason: "tool_calls"`.
 """
 
@@ -55,7 +57,8 @@ class ToolFields(_Model):
 
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    # None (unset): a model may write several calls under "auto", one when forced ("required")
+    parallel_tool_calls: bool | None = None
 
 
 class ToolMode(enum.Enum):
@@ -99,7 +102,10 @@ def plan_tools(fields: ToolFields, fmt: ToolFormat = ToolFormat.HERMES) -> ToolP
         if not chosen:
             raise ValidationError(f"`tool_choice` names {choice.function.name!r}, which is not in `tools`")
     schemas = [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen]
-    return ToolPlan(ToolMode.FORCED, tools, tool_parsers.grammar(fmt, schemas, fields.parallel_tool_calls), fmt)
+    # A named function is called once; "required" writes more calls only when asked to, since a
+    # model free to go on after a complete call often does, until max_tokens.
+    parallel = choice == "required" and fields.parallel_tool_calls is True
+    return ToolPlan(ToolMode.FORCED, tools, tool_parsers.grammar(fmt, schemas, parallel), fmt)
 
 
 # ---- the prompt ---------------------------------------------------------------------------
@@ -164,10 +170,13 @@ def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
 # ---- the answer ---------------------------------------------------------------------------
 
 
-def parse_output(text: str, tools: list[Tool], fmt: ToolFormat = ToolFormat.HERMES) -> ParsedOutput:
+def parse_output(text: str, tools: list[Tool], fmt: ToolFormat = ToolFormat.HERMES,
+                 reason: FinishReason | None = None) -> ParsedOutput:
     """Split an answer into content and tool calls (to known tools, with a JSON object of
-    arguments). With no valid call the whole text stays content."""
-    return tool_parsers.parse(fmt, text, {tool.function.name for tool in tools})
+    arguments). With no valid call the whole text stays content, except a call cut off by
+    max_tokens (`reason` LENGTH): that one is a partial call."""
+    cut_off = reason is FinishReason.LENGTH
+    return tool_parsers.parse(fmt, text, {tool.function.name for tool in tools}, cut_off)
 
 
 def finish_reason(parsed: ParsedOutput, reason: FinishReason | None) -> str | None:
@@ -233,7 +242,7 @@ def chat_message(answer: AnswerFormat | ToolPlan, text: str,
     if plan.mode is ToolMode.NONE:
         message["content"] = text if text or reasoning_text is None else None
         return message, reason.openai if reason else None
-    parsed = parse_output(text, plan.tools, plan.format)
+    parsed = parse_output(text, plan.tools, plan.format, reason)
     message["content"] = parsed.content
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls

@@ -219,21 +219,19 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
 
 
 class CompletionRequest(OpenAISampling):
-    # One prompt: text or token ids, alone or in a list of one (batches are not supported).
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)]
+    # One prompt (text or token ids), or a list of them (at most --max-client-batch-size).
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: Count | None = None  # 0 with echo: score the prompt, generate nothing
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # refused (400): no fill-in-the-middle
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        """The common mistakes, in words rather than as a union's every branch."""
+    def _no_empty_prompt(cls, prompt: Any) -> Any:
+        """The common mistake, in words rather than as a union's every branch."""
         if prompt == "" or prompt == [] or prompt == [""] or prompt == [[]]:
             raise ValueError("`prompt` cannot be empty")
-        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
-            raise ValueError(f"`prompt` must be a single prompt; batches are not supported. Given: {len(prompt)}")
         return prompt
 
     @property

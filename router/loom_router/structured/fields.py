@@ -1,6 +1,8 @@
 """Constraint fields of the APIs, and their reduction to one `ConstraintSpec`.
 
-- OpenAI: `response_format` {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}.
+- OpenAI: `response_format` {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+  (with `strict: true` only the keys a schema lists; without, JSON Schema's rules: other keys too);
+  TGI's on chat: {"type": "json", "value": schema} or {"type": "regex", "value": regex}.
 - vLLM extras: `structured_outputs` {json | regex | choice | grammar | json_object}, and the
   older top-level `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 - TGI: `parameters.grammar` {"type": "json" | "json_object" | "regex", "value": ...}.
@@ -15,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loom_router.structured.spec import MAX_CHOICES, ConstraintKind, ConstraintSpec
+from loom_router.structured.spec import MAX_CHOICES, ConstraintKind, ConstraintSpec, strict_schema
 from loom_router.types import ValidationError
 
 Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
@@ -31,12 +33,13 @@ class JsonSchemaFormat(_Model):
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # always enforced here: the grammar allows nothing else
+    strict: bool | None = None  # true: objects admit only their listed keys (strict_schema)
 
 
 class ResponseFormat(_Model):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]  # json, regex: TGI's
     json_schema: JsonSchemaFormat | None = None
+    value: dict[str, Any] | str | None = None  # TGI's: the schema (or its JSON text), or the regex
 
 
 class StructuredOutputs(_Model):
@@ -72,11 +75,14 @@ class ConstraintFields(_Model):
 def _response_format_spec(fmt: ResponseFormat | None) -> ConstraintSpec | None:
     if fmt is None or fmt.type == "text":
         return None
+    if fmt.type in ("json", "regex"):
+        return tgi_constraint_spec(TGIGrammar(type=fmt.type, value=fmt.value))
     if fmt.type == "json_object":
         return ConstraintSpec.json_schema(True)
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
         raise ValidationError("`response_format.json_schema.schema` is required for type json_schema")
-    return ConstraintSpec.json_schema(fmt.json_schema.json_schema)
+    schema = fmt.json_schema.json_schema
+    return ConstraintSpec.json_schema(strict_schema(schema) if fmt.json_schema.strict else schema)
 
 
 def _structured_outputs_spec(so: StructuredOutputs | None) -> ConstraintSpec | None:

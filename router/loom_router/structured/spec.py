@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from loom_router.contract import Constraint
 from loom_router.types import ValidationError
@@ -16,6 +17,36 @@ MAX_CHOICES = 10_000
 # JSON as json.dumps writes it: free whitespace lets a small model loop on blank lines until
 # max_tokens; a schema's own "x-guidance" options still override this.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+# Where a schema nests other schemas (JSON Schema 2020-12 and draft 7 names).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: a branch closed alone would refuse its siblings' keys
+_SCHEMA_ONES = ("items", "additionalItems", "not", "if", "then", "else", "contains", "additionalProperties",
+                "unevaluatedProperties", "propertyNames")
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with its objects closed: an object schema that lists `properties` and says
+    nothing of other keys gets `additionalProperties: false`, so only its listed keys are admitted
+    (OpenAI's strict mode; JSON Schema's own default admits any other key). An object that lists
+    no properties stays free-form, and `allOf` branches are left as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if "properties" in out and not any(key in out for key in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 class ConstraintKind(enum.Enum):

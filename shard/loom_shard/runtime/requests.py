@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom_proto.step import Fork, NewRequest, SamplingParams
+from loom_proto.step import Fork, NewRequest, SamplingParams, TokenLogprob
 from loom_shard.attention.metadata import SeqSpan
 
 
@@ -91,14 +91,28 @@ def logit_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int | None],
     return rows, sample_rows, logprob_rows
 
 
-def prompt_logprobs(logits: torch.Tensor, scheduled: list[Scheduled], logprob_rows: list[list[int]]) -> list[list[float]]:
+def prompt_logprobs(logits: torch.Tensor, scheduled: list[Scheduled],
+                    logprob_rows: list[list[int]]) -> tuple[list[list[float]], list[list[list[TokenLogprob]]]]:
+    """Per sequence: the logprob of each scored prompt token, and (with top_n_tokens) the
+    top_n_tokens alternatives at each of those positions."""
     result: list[list[float]] = []
+    tops: list[list[list[TokenLogprob]]] = []
     for s, rows in zip(scheduled, logprob_rows):
         if not rows:
             result.append([])
+            tops.append([])
             continue
         first = s.state.num_computed
         targets = torch.tensor(s.state.token_ids[first + 1 : first + 1 + len(rows)], device=logits.device)
         logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
         result.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
-    return result
+        tops.append(_top_tokens(logprobs, s.state.sampling.top_n_tokens))
+    return result, tops
+
+
+def _top_tokens(logprobs: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
+    """The k most likely tokens of each row of logprobs; [] when k is 0."""
+    if k <= 0:
+        return []
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # [rows, k]
+    return [[TokenLogprob(int(t), float(v)) for v, t in zip(vs, ts)] for vs, ts in zip(values.tolist(), ids.tolist())]

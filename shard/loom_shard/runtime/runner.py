@@ -244,13 +244,15 @@ class ModelRunner:
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         if phases is not None:
             self._mark_sampling(phases)
-        logprobs = prompt_logprobs(logits, scheduled, logprob_rows)
+        logprobs, prompt_tops = prompt_logprobs(logits, scheduled, logprob_rows)
         finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
         samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
         outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=logprobs[i]) for i, s in enumerate(scheduled)]
         for (i, s), smps in zip(finishing, samples):
             outputs[i] = _output(s.state.request_id, smps[0], logprobs[i])
             outputs[i].draft_samples = draft_samples(smps)
+        for output, tops in zip(outputs, prompt_tops):
+            output.prompt_top_tokens = tops
         for s in scheduled:
             s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
         fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)

@@ -21,6 +21,7 @@ from loom_proto.step import (
     SeqOutput,
     StepPlan,
     StepResult,
+    TokenLogprob,
     TokenSample,
     accepted_drafts,
     blocks_after_verify,
@@ -46,6 +47,14 @@ def fake_constrained_sample(seed: int, context: list[int], mask: bytes) -> int:
 
 def fake_prompt_logprob(token_id: int) -> float:
     return -(token_id % 10) / 10
+
+
+def fake_prompt_top(token_id: int, k: int) -> list[TokenLogprob]:
+    """The k alternatives at a prompt position scoring token_id: a token one higher, more likely
+    than it, then the token itself, then lower ones."""
+    top = [TokenLogprob(token_id + 1, 0.05), TokenLogprob(token_id, fake_prompt_logprob(token_id))]
+    top += [TokenLogprob(token_id + 1 + j, -5.0 - j) for j in range(1, k)]
+    return top[:k]
 
 
 class FailAt(enum.Enum):
@@ -171,6 +180,9 @@ class FakeShard:
             end = min(state.num_computed + 1, state.num_prompt_tokens)
             out.prompt_logprobs = [fake_prompt_logprob(state.token_ids[pos])
                                    for pos in range(start + 1, end)]
+            if state.sampling.top_n_tokens:
+                out.prompt_top_tokens = [fake_prompt_top(state.token_ids[pos], state.sampling.top_n_tokens)
+                                         for pos in range(start + 1, end)]
         if state.num_computed < len(state.token_ids):
             return [out]
         context = self._read(state, state.num_computed)
@@ -249,6 +261,7 @@ class Driver:
         self.max_new_tokens = max_new_tokens
         self.max_new_tokens_of: dict[int, int] = {}  # per group id, overrides max_new_tokens
         self.prompt_logprobs: dict[int, list[float]] = {}  # per seq id, as the engine sees them
+        self.prompt_top_tokens: dict[int, list[list[TokenLogprob]]] = {}  # their alternatives, the same way
         self.num_steps = 0
 
     def step(self) -> StepPlan | None:
@@ -264,6 +277,7 @@ class Driver:
 
     def _maybe_finish(self, seq: Sequence, out: SeqOutput) -> None:
         self.prompt_logprobs.setdefault(seq.seq_id, []).extend(out.prompt_logprobs)
+        self.prompt_top_tokens.setdefault(seq.seq_id, []).extend(out.prompt_top_tokens)
         limit = self.max_new_tokens_of.get(seq.group.group_id, self.max_new_tokens)
         if out.token_id is not None and seq.num_generated >= limit:
             self.scheduler.finish(seq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from fake_shard import Driver, FakeShard, fake_prompt_logprob, reference_tokens
+from fake_shard import Driver, FakeShard, fake_prompt_logprob, fake_prompt_top, reference_tokens
 
 from loom_proto.step import SamplingParams, StepPlan
 from loom_router.core.request import SeqStatus, SequenceGroup
@@ -21,9 +21,9 @@ def setup(num_host_blocks: int = 0, budget: int = 8, max_new_tokens: int = 10, n
 
 
 def group(group_id: int, prompt: list[int], seeds: list[int] | None = None,
-          prompt_logprobs: bool = False) -> SequenceGroup:
+          prompt_logprobs: bool = False, top_n_tokens: int = 0) -> SequenceGroup:
     seeds = seeds if seeds is not None else [group_id]
-    return SequenceGroup.create(group_id, prompt, [SamplingParams(seed=s) for s in seeds],
+    return SequenceGroup.create(group_id, prompt, [SamplingParams(seed=s, top_n_tokens=top_n_tokens) for s in seeds],
                                 first_seq_id=group_id * 16, prompt_logprobs=prompt_logprobs)
 
 
@@ -317,7 +317,7 @@ def preempt_n_group_mid_prompt(num_host_blocks: int) -> tuple[Scheduler, Driver,
     scheduler, _, driver = setup(num_host_blocks=num_host_blocks, budget=2)
     driver.max_new_tokens_of = {0: 14, 1: 3}
     a = group(0, [1, 2])
-    b = group(1, list(range(20, 33)), seeds=[5, 6], prompt_logprobs=True)
+    b = group(1, list(range(20, 33)), seeds=[5, 6], prompt_logprobs=True, top_n_tokens=2)
     scheduler.add(a)
     driver.step()
     scheduler.add(b)
@@ -352,8 +352,9 @@ def test_n_group_recomputed_mid_prompt_forks_after_resume():
     assert scheduler.stats.prompt_tokens_computed > 2 + 13  # part of b's prompt ran twice
     assert_reference_outputs(a, 14)
     assert_reference_outputs(b, 3)
-    # Recomputed prompt positions are not reported twice.
+    # Recomputed prompt positions are not reported twice, nor their alternatives.
     assert driver.prompt_logprobs[16] == [fake_prompt_logprob(t) for t in range(21, 33)]
+    assert driver.prompt_top_tokens[16] == [fake_prompt_top(t, 2) for t in range(21, 33)]
 
 
 def test_max_batch_total_tokens_caps_the_pool():

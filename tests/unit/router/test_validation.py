@@ -114,7 +114,7 @@ def test_choice_seed_wraps_inside_63_bits() -> None:
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", 2.1), ("top_p", 0.0), ("top_p", 1.5), ("n", 0),
-    ("max_tokens", 0), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("min_p", 1.5),
+    ("max_tokens", -1), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("min_p", 1.5),
     ("logit_bias", {"5": 101.0}), ("min_tokens", -1), ("seed", -5),
 ])
 def test_openai_out_of_range_values_are_rejected_naming_the_field(field: str, value: object) -> None:

@@ -56,6 +56,11 @@ def test_outputs_logprob_and_top_tokens_from_raw_logits(runner, llama_pair) -> N
     assert [t.token_id for t in out.top_tokens] == ref[-1].topk(3).indices.tolist()
     expected = [ref[q, prompt[q + 1]].item() for q in range(len(prompt) - 1)]
     assert out.prompt_logprobs == pytest.approx(expected, abs=1e-4)
+    # each scored prompt position's top_n_tokens alternatives (lm-eval's greedy check reads them)
+    assert len(out.prompt_top_tokens) == len(prompt) - 1
+    for q, top in enumerate(out.prompt_top_tokens):
+        assert [t.token_id for t in top] == ref[q].topk(3).indices.tolist()
+        assert [t.logprob for t in top] == pytest.approx(ref[q].topk(3).values.tolist(), abs=1e-4)
 
 
 def test_fork_shares_prompt_and_copies_partial_block(runner, llama_pair) -> None:
