@@ -8,7 +8,9 @@ Chromium and installs Debian's `chromium` with apt-get when it runs as root and 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -21,15 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from loom_proto.config import RouterConfig
-from loom_router.core.engine import Engine
-from loom_router.frontend.api import create_app
 from loom_router.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
 from api_fakes import FakeShardClient  # noqa: E402
+from router_harness import served_router  # noqa: E402
 
 from tests.net import free_port
 
@@ -209,16 +209,20 @@ def start_scripted_router(**overrides: Any) -> Iterator[tuple[str, str, Scripted
     port = free_port()
     config = RouterConfig(model_id="", shard_uds_paths=("fake.sock",), hostname="127.0.0.1", port=port,
                           max_total_tokens=256, served_model_name="scripted", **overrides)
-    app = create_app(Engine(config, backend, tokenizer), config, manage_engine=True)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    urls: queue.Queue[str] = queue.Queue()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def serve() -> None:  # the engine core and a frontend in this thread's loop, uvicorn serving it
+        async with served_router(config, backend, tokenizer) as (url, _, _):
+            urls.put(url)
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", tokenizer.decode(words), backend
-    server.should_exit = True
+    url = urls.get(timeout=60)
+    yield url, tokenizer.decode(words), backend
+    loop.call_soon_threadsafe(stop.set)
     thread.join(30)
 
 
