@@ -162,6 +162,14 @@ class EngineCoreServer:
             return await self.engine.health()
         if call.method == "metrics":
             return await self._render_metrics()
+        adapters = self.engine.adapters
+        if call.method == "lora_load":
+            return (await adapters.load(call.name, call.path)).name
+        if call.method == "lora_unload":
+            await adapters.unload(call.name)
+            return call.name
+        if call.method == "lora_list":
+            return [[adapter.name, adapter.path] for adapter in adapters.list()]
         if call.method.startswith("snapshot_"):
             return await snapshots.run(self._snapshots, call.method, call.name, call.token_ids)
         raise ValueError(f"unknown call {call.method!r}")

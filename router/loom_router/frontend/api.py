@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loom_proto.config import RouterConfig
-from loom_router.frontend import guard, openai_api, openapi_errors, playground, snapshots
+from loom_router.frontend import embeddings, guard, lora_routes, openai_api, openapi_errors, playground, snapshots
 from loom_router.frontend.http_common import (
     AppState,
     ChoiceResult,
@@ -45,10 +45,12 @@ from loom_router.observability.metrics import FrontendMetrics, MetricsMiddleware
 from loom_router.structured.fields import tgi_constraint_spec
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
+    BadRequestError,
     ChoiceEvent,
     GeneratedToken,
     GenerationError,
     GenerationParams,
+    NotFoundError,
     OverloadedError,
     SnapshotHTTPError,
     UnavailableError,
@@ -80,6 +82,8 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     _add_tgi_routes(app)
     add_readiness_routes(app)
     app.include_router(openai_api.router)
+    app.include_router(embeddings.router)
+    app.include_router(lora_routes.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
     app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
@@ -125,6 +129,8 @@ ENGINE_ERRORS: dict[type[Exception], tuple[int, str]] = {
     OverloadedError: (429, "overloaded"),
     GenerationError: (424, "generation"),
     UnavailableError: (503, "unavailable"),
+    BadRequestError: (400, "bad_request"),
+    NotFoundError: (404, "not_found"),
 }
 
 

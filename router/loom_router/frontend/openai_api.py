@@ -28,6 +28,7 @@ from loom_router.frontend.http_common import (
     submit,
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
+from loom_router.frontend.lora_routes import adapter_models, requested_adapter
 from loom_router.frontend.text import token_texts
 from loom_router.frontend.tool_stream import tool_chunks
 from loom_router.frontend.tools import (
@@ -106,8 +107,8 @@ class _Reply:
 async def models_route(request: Request) -> dict[str, Any]:
     state = get_state(request)
     model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "loom",
-             "root": state.config.model_id, "max_model_len": state.engine.max_total_tokens}
-    return {"object": "list", "data": [model]}
+             "root": state.config.model_id, "parent": None, "max_model_len": state.engine.max_total_tokens}
+    return {"object": "list", "data": [model, *await adapter_models(state)]}
 
 
 @router.post("/completions", summary="Text completion")
@@ -119,7 +120,8 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     params.constraint = body.constraint_spec()  # compiled by the engine core
-    reply = _Reply("text", state.model_name, body.logprobs is not None, body.include_usage)
+    params.adapter = requested_adapter(state, body.model)
+    reply = _Reply("text", params.adapter or state.model_name, body.logprobs is not None, body.include_usage)
     if body.echo:  # the prompt's token texts, off the loop (a long prompt is many tokens)
         reply.echo_ids = ids
         reply.echo_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)
@@ -149,7 +151,8 @@ async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     params.constraint = spec
     answer = answer_format(tool_plan, template, prompt)
     params.skip_special_tokens = not answer.keeps_special_tokens
-    reply = _Reply("chat", state.model_name, body.logprobs, body.include_usage)
+    params.adapter = requested_adapter(state, body.model)
+    reply = _Reply("chat", params.adapter or state.model_name, body.logprobs, body.include_usage)
     if body.stream:
         return await _stream(state, reply, ids, params, answer)
     generation = await generate(state, request, ids, params)
