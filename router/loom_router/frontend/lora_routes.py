@@ -37,7 +37,7 @@ async def load_route(body: LoadLoraRequest, request: Request) -> PlainTextRespon
 
 
 @router.post("/unload_lora_adapter", summary="Unload a LoRA adapter (after the requests using it finish)",
-             response_class=PlainTextResponse)
+             response_class=PlainTextResponse, responses={404: {"description": "no adapter of that name"}})
 async def unload_route(body: UnloadLoraRequest, request: Request) -> PlainTextResponse:
     name = await get_state(request).engine.call("lora_unload", body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -44,11 +44,13 @@ def _from_modules(folder: Path, modules: list[dict]) -> EmbeddingSpec:
     if pooling is None:
         return EmbeddingSpec(Pooling.LAST, normalize)
     config = json.loads((folder / pooling.get("path", "") / "config.json").read_text())
-    if config.get("pooling_mode_lasttoken"):
+    mode = config.get("pooling_mode")  # sentence-transformers >= 6; before: one flag per mode
+    if mode == "lasttoken" or config.get("pooling_mode_lasttoken"):
         return EmbeddingSpec(Pooling.LAST, normalize)
-    if config.get("pooling_mode_mean_tokens"):
+    if mode == "mean" or config.get("pooling_mode_mean_tokens"):
         return EmbeddingSpec(Pooling.MEAN, normalize)
-    modes = sorted(key for key, on in config.items() if key.startswith("pooling_mode") and on)
+    modes = [mode] if isinstance(mode, str) else sorted(
+        key for key, on in config.items() if key.startswith("pooling_mode") and on)
     raise PoolingConfigError(f"sentence-transformers pooling {modes} is not supported: last-token or mean only")
 
 

@@ -55,8 +55,17 @@ class LoraSlots:
 
     def load(self, lora_id: int, path: str | Path) -> None:
         """Read and check the adapter, keep it in host memory. Raises AdapterError (nothing changed)."""
+        self.add(lora_id, self.read(path))
+
+    def add(self, lora_id: int, factors: HostFactors) -> None:
+        """Keep factors that `read` returned under lora_id."""
         if lora_id in self.host:
             raise AdapterError(f"adapter id {lora_id} is already loaded")
+        self.host[lora_id] = factors
+
+    def read(self, path: str | Path) -> HostFactors:
+        """The adapter's factors per LoraLinear, this rank's share, in host memory. Touches no state
+        (it may run beside a step). Raises AdapterError."""
         adapter = read_adapter(path, self.shapes, self.max_rank)
         pin = self.linears and self.linears[0][2].lora_a.device.type == "cuda"
         factors: HostFactors = []
@@ -65,7 +74,7 @@ class LoraSlots:
             if pair is not None and pin:  # copied to the device slot without a staging copy
                 pair = (pair[0].pin_memory(), pair[1].pin_memory())
             factors.append(pair)
-        self.host[lora_id] = factors
+        return factors
 
     def unload(self, lora_id: int) -> bool:
         """Forget the adapter (its slot becomes free); False when it was not loaded."""

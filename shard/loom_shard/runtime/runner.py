@@ -27,7 +27,8 @@ from loom_shard.attention.backend import BackendKind, select_backend
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.loading.quantize import quantized_summary
-from loom_shard.lora.slots import LoraSlots
+from loom_shard.lora.adapter import AdapterError
+from loom_shard.lora.slots import HostFactors, LoraSlots
 from loom_shard.models.decoder import DecoderModel
 from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
 from loom_shard.runtime.kv_cache import (
@@ -241,9 +242,17 @@ class ModelRunner:
 
     def load_lora(self, lora_id: int, path: str) -> None:
         """Read and keep an adapter (loom_shard.lora.adapter.AdapterError: a bad one, nothing changed)."""
+        self.add_lora(lora_id, self.read_lora(path))
+
+    def read_lora(self, path: str) -> HostFactors:
+        """An adapter's factors read and checked, touching no state (beside steps). Raises AdapterError."""
         if self.lora is None:
-            raise ValueError("LoRA is off on this shard (--enable-lora)")
-        self.lora.load(lora_id, path)
+            raise AdapterError("LoRA is off on this shard: start it with --enable-lora or --lora-adapter")
+        return self.lora.read(path)
+
+    def add_lora(self, lora_id: int, factors: HostFactors) -> None:
+        assert self.lora is not None
+        self.lora.add(lora_id, factors)
 
     def unload_lora(self, lora_id: int) -> bool:
         return self.lora is not None and self.lora.unload(lora_id)
