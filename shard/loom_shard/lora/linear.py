@@ -23,20 +23,30 @@ PAD_WASTE = 2  # pad to one bmm while slots * longest group <= PAD_WASTE * adapt
 
 @dataclass(slots=True)
 class LoraBatch:
-    """The step's grouping of adapter tokens, built once per step and read by every LoraLinear."""
+    """The step's grouping of adapter tokens, built once per step and read by every LoraLinear.
 
+    Every move of rows is an `index_select` (a row copy) rather than a scatter: the inputs are
+    gathered into their groups (with a zero row where a padded group has no token), and each
+    token's delta gathered back into batch order (a zero row for base-model tokens), then added.
+    """
+
+    num_tokens: int = 0
     token_index: torch.Tensor | None = None  # [num_lora_tokens] batch rows, grouped by slot
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) in token_index
-    pad_slot: torch.Tensor | None = None  # [num_lora_tokens] slot of each grouped row (padded path)
-    pad_pos: torch.Tensor | None = None  # [num_lora_tokens] its row within the slot's group
+    pad_rows: torch.Tensor | None = None  # [slots * longest group] batch row per padded row; num_tokens: none
     max_group: int = 0
+    delta_rows: torch.Tensor | None = None  # [num_tokens] each token's row of the deltas; the last: zeros
 
     @property
     def active(self) -> bool:
         return self.token_index is not None
 
+    @property
+    def padded(self) -> bool:
+        return self.pad_rows is not None
+
     def clear(self) -> None:
-        self.token_index = self.pad_slot = self.pad_pos = None
+        self.token_index = self.pad_rows = self.delta_rows = None
         self.segments = []
 
     def prepare(self, seq_slots: list[tuple[int | None, int]], num_slots: int, device: torch.device) -> None:
@@ -50,18 +60,29 @@ class LoraBatch:
             offset += num_tokens
         if not rows:
             return
-        order, slots, positions = [], [], []
+        self.num_tokens = offset
+        order: list[int] = []
         for slot in sorted(rows):
             start = len(order)
             order.extend(rows[slot])
             self.segments.append((slot, start, len(order)))
-            slots.extend([slot] * len(rows[slot]))
-            positions.extend(range(len(rows[slot])))
         self.token_index = torch.tensor(order, dtype=torch.long, device=device)
-        self.max_group = max(len(r) for r in rows.values())
-        if num_slots * self.max_group <= PAD_WASTE * len(order):
-            self.pad_slot = torch.tensor(slots, dtype=torch.long, device=device)
-            self.pad_pos = torch.tensor(positions, dtype=torch.long, device=device)
+        self.max_group = longest = max(len(r) for r in rows.values())
+        delta_row = [-1] * offset  # -1: a base-model token (the zero row)
+        if num_slots * longest <= PAD_WASTE * len(order):
+            pad_rows = [offset] * (num_slots * longest)
+            for slot, group in rows.items():
+                for pos, row in enumerate(group):
+                    pad_rows[slot * longest + pos] = row
+                    delta_row[row] = slot * longest + pos
+            self.pad_rows = torch.tensor(pad_rows, dtype=torch.long, device=device)
+            zero_row = num_slots * longest
+        else:
+            for grouped, row in enumerate(order):
+                delta_row[row] = grouped
+            zero_row = len(order)
+        self.delta_rows = torch.tensor([zero_row if r < 0 else r for r in delta_row], dtype=torch.long,
+                                       device=device)
 
 
 class LoraLinear(nn.Module):
@@ -88,28 +109,35 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.batch
-        if batch.token_index is None:
+        if batch.delta_rows is None:
             return out
-        xs = x.index_select(0, batch.token_index)  # [num_lora_tokens, in]
-        delta = self._padded(xs) if batch.pad_slot is not None else self._segmented(xs)
-        return out.index_add_(0, batch.token_index, delta.to(out.dtype))
+        deltas = self._padded(x) if batch.padded else self._segmented(x)  # [rows + 1, out], the last zeros
+        return out.add_(deltas.index_select(0, batch.delta_rows))
 
-    def _padded(self, xs: torch.Tensor) -> torch.Tensor:
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
-        num_slots = self.lora_a.shape[0]
-        padded = xs.new_zeros(num_slots, batch.max_group, xs.shape[1])  # [slots, longest group, in]
-        padded[batch.pad_slot, batch.pad_pos] = xs
-        shrunk = torch.bmm(padded, self.lora_a)  # [slots, longest group, P*R]
+        num_slots, longest = self.lora_a.shape[0], batch.max_group
+        with_zero = torch.cat([x, x.new_zeros(1, x.shape[1])])  # [tokens + 1, in]
+        padded = with_zero.index_select(0, batch.pad_rows).view(num_slots, longest, x.shape[1])
+        shrunk = torch.bmm(padded.to(self.lora_a.dtype), self.lora_a)  # [slots, longest, P*R]
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
-        return torch.bmm(shrunk, self.lora_b)[batch.pad_slot, batch.pad_pos]  # [num_lora_tokens, out]
+        deltas = shrunk.new_empty(num_slots * longest + 1, self.lora_b.shape[2])
+        torch.bmm(shrunk, self.lora_b, out=deltas[:-1].view(num_slots, longest, -1))
+        deltas[-1].zero_()
+        return deltas
 
-    def _segmented(self, xs: torch.Tensor) -> torch.Tensor:
+    def _segmented(self, x: torch.Tensor) -> torch.Tensor:
         segments = self.batch.segments
+        xs = x.index_select(0, self.batch.token_index).to(self.lora_a.dtype)  # [lora tokens, in], grouped
         shrunk = torch.cat([xs[start:end] @ self.lora_a[slot] for slot, start, end in segments])
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
-        return torch.cat([shrunk[start:end] @ self.lora_b[slot] for slot, start, end in segments])
+        deltas = shrunk.new_empty(xs.shape[0] + 1, self.lora_b.shape[2])
+        for slot, start, end in segments:
+            torch.mm(shrunk[start:end], self.lora_b[slot], out=deltas[start:end])
+        deltas[-1].zero_()
+        return deltas
 
 
 def unwrap(module: nn.Module) -> nn.Module:

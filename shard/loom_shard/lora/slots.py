@@ -37,6 +37,9 @@ class LoraSlots:
 
     def _install(self, model: nn.Module) -> None:
         param = next(model.parameters())
+        # CPU: float32 factors (MKL's batched GEMMs; torch's bfloat16 bmm on CPU is several times slower
+        # at these shapes, bench/BENCHMARKS.md); CUDA: the model's dtype.
+        self.dtype = param.dtype if param.device.type == "cuda" else torch.float32
         for index, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
                 if proj.parts[0] not in self.shapes.shapes:
@@ -47,8 +50,8 @@ class LoraSlots:
                 in_local = in_full // self.world_size if proj.row_parallel else in_full
                 out_local = sum(outs) // (1 if proj.row_parallel else self.world_size)
                 width = len(proj.parts) * self.max_rank
-                a = torch.zeros(self.num_slots, in_local, width, dtype=param.dtype, device=param.device)
-                b = torch.zeros(self.num_slots, width, out_local, dtype=param.dtype, device=param.device)
+                a = torch.zeros(self.num_slots, in_local, width, dtype=self.dtype, device=param.device)
+                b = torch.zeros(self.num_slots, width, out_local, dtype=self.dtype, device=param.device)
                 linear = LoraLinear(base, a, b, self.batch, proj.row_parallel and self.world_size > 1)
                 setattr(owner, proj.name, linear)
                 self.linears.append((index, proj, linear))
