@@ -4,10 +4,11 @@ takes the same share of each factor as of the base weight.
 
 For a projection of P parts, each part's rank padded to R (--max-lora-rank):
 
-    A: [in, P * R]     part p's lora_A.T in columns p*R .. p*R + r   (x @ A: the shrink)
-    B: [P * R, out]    part p's lora_B.T in rows p*R .. p*R + r, in the columns of p's outputs
+    A:   [in, P * R]     part p's lora_A.T in columns p*R .. p*R + r   (x @ A: every part's shrink)
+    B_p: [R, out_p]      part p's lora_B.T in rows 0 .. r              (its columns of the output)
 
-so B is block-diagonal over the parts and x @ A @ B is every part's delta at once. Column-parallel
+so one shrink serves every part and each part's expand reads only its own factor (a block-diagonal
+B would read P times the bytes, and at decode the factors' bytes are the LoRA step's cost). Column-parallel
 projections (qkv, gate_up) cut B's columns by rank; row-parallel ones (o, down) cut A's rows, and
 their partial shrinks are summed over ranks before the expand.
 """
@@ -54,18 +55,22 @@ def module_shapes(model: nn.Module) -> ModuleShapes:
     return ModuleShapes(c.num_layers, shapes)
 
 
-def projection_factors(adapter: LoraAdapter, layer: int, proj: Projection, shapes: ModuleShapes, max_rank: int,
-                       rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """This rank's (A [in_local, P*R], B [P*R, out_local]) of one projection, float32 on the host;
-    None when the adapter leaves every part of it alone."""
-    if not any((layer, part) in adapter.factors for part in proj.parts):
-        return None
+def local_sizes(proj: Projection, shapes: ModuleShapes, world_size: int) -> tuple[int, list[int]]:
+    """This rank's input features and each part's output features of a projection."""
     in_full = shapes.shapes[proj.parts[0]][0]
     in_local = in_full // world_size if proj.row_parallel else in_full
-    outs = [shapes.shapes[part][1] // (1 if proj.row_parallel else world_size) for part in proj.parts]
+    return in_local, [shapes.shapes[part][1] // (1 if proj.row_parallel else world_size) for part in proj.parts]
+
+
+def projection_factors(adapter: LoraAdapter, layer: int, proj: Projection, shapes: ModuleShapes, max_rank: int,
+                       rank: int, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """This rank's (A [in_local, P*R], [B_p [R, out_p] per part]) of one projection, float32 on the
+    host; None when the adapter leaves every part of it alone."""
+    if not any((layer, part) in adapter.factors for part in proj.parts):
+        return None
+    in_local, outs = local_sizes(proj, shapes, world_size)
     a_t = torch.zeros(in_local, len(proj.parts) * max_rank)
-    b_t = torch.zeros(len(proj.parts) * max_rank, sum(outs))
-    out_start = 0
+    b_parts = [torch.zeros(max_rank, out_local) for out_local in outs]
     for p, (part, out_local) in enumerate(zip(proj.parts, outs)):
         factors = adapter.factors.get((layer, part))
         if factors is not None:
@@ -76,6 +81,5 @@ def projection_factors(adapter: LoraAdapter, layer: int, proj: Projection, shape
                 b = b[rank * out_local : (rank + 1) * out_local]
             r = a.shape[0]
             a_t[:, p * max_rank : p * max_rank + r] = a.T
-            b_t[p * max_rank : p * max_rank + r, out_start : out_start + out_local] = b.T
-        out_start += out_local
-    return a_t, b_t
+            b_parts[p][:r] = b.T
+    return a_t, b_parts

@@ -35,6 +35,7 @@ class LoraBatch:
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) in token_index
     pad_rows: torch.Tensor | None = None  # [slots * longest group] batch row per padded row; num_tokens: none
     max_group: int = 0
+    pad_full: bool = False  # every padded row holds a token (even groups): no zero row to add
     delta_rows: torch.Tensor | None = None  # [num_tokens] each token's row of the deltas; the last: zeros
 
     @property
@@ -76,6 +77,7 @@ class LoraBatch:
                     pad_rows[slot * longest + pos] = row
                     delta_row[row] = slot * longest + pos
             self.pad_rows = torch.tensor(pad_rows, dtype=torch.long, device=device)
+            self.pad_full = offset not in pad_rows
             zero_row = num_slots * longest
         else:
             for grouped, row in enumerate(order):
@@ -88,17 +90,20 @@ class LoraBatch:
 class LoraLinear(nn.Module):
     """`base(x)` plus, for each adapter token, x @ A[slot] @ B[slot] (scaling folded into B).
 
-    lora_a [num_slots, in, P*R] and lora_b [num_slots, P*R, out] are device slots that
-    `loom_shard.lora.slots.LoraSlots` fills; `reduce_shrink`: a row-parallel projection under tensor
-    parallelism, whose partial shrinks are summed over the ranks before the expand.
+    lora_a [num_slots, in, P*R] and lora_b (one per fused part p: [num_slots, R, out_p]) are device
+    slots that `loom_shard.lora.slots.LoraSlots` fills (loom_shard.lora.layout); `reduce_shrink`: a
+    row-parallel projection under tensor parallelism, whose partial shrinks are summed over the ranks
+    before the expand.
     """
 
-    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, batch: LoraBatch,
+    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: list[torch.Tensor], batch: LoraBatch,
                  reduce_shrink: bool) -> None:
         super().__init__()
         self.base = base
-        self.register_buffer("lora_a", lora_a, persistent=False)
-        self.register_buffer("lora_b", lora_b, persistent=False)
+        self.lora_a = lora_a  # not buffers: made on the model's device, never moved, never saved
+        self.lora_b = lora_b
+        self.rank = lora_b[0].shape[1]
+        self.num_out = sum(b.shape[2] for b in lora_b)
         self.batch = batch
         self.reduce_shrink = reduce_shrink
 
@@ -117,13 +122,18 @@ class LoraLinear(nn.Module):
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         num_slots, longest = self.lora_a.shape[0], batch.max_group
-        with_zero = torch.cat([x, x.new_zeros(1, x.shape[1])])  # [tokens + 1, in]
-        padded = with_zero.index_select(0, batch.pad_rows).view(num_slots, longest, x.shape[1])
+        rows = x if batch.pad_full else torch.cat([x, x.new_zeros(1, x.shape[1])])  # [tokens (+ 1), in]
+        padded = rows.index_select(0, batch.pad_rows).view(num_slots, longest, x.shape[1])
         shrunk = torch.bmm(padded.to(self.lora_a.dtype), self.lora_a)  # [slots, longest, P*R]
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
-        deltas = shrunk.new_empty(num_slots * longest + 1, self.lora_b.shape[2])
-        torch.bmm(shrunk, self.lora_b, out=deltas[:-1].view(num_slots, longest, -1))
+        deltas = shrunk.new_empty(num_slots * longest + 1, self.num_out)
+        if len(self.lora_b) == 1:
+            torch.bmm(shrunk, self.lora_b[0], out=deltas[:-1].view(num_slots, longest, -1))
+        else:  # each part's expand reads its own factor; the parts side by side
+            r = self.rank
+            parts = [torch.bmm(shrunk[:, :, p * r : (p + 1) * r], b) for p, b in enumerate(self.lora_b)]
+            torch.cat(parts, dim=2, out=deltas[:-1].view(num_slots, longest, -1))
         deltas[-1].zero_()
         return deltas
 
@@ -133,9 +143,13 @@ class LoraLinear(nn.Module):
         shrunk = torch.cat([xs[start:end] @ self.lora_a[slot] for slot, start, end in segments])
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
-        deltas = shrunk.new_empty(xs.shape[0] + 1, self.lora_b.shape[2])
-        for slot, start, end in segments:
-            torch.mm(shrunk[start:end], self.lora_b[slot], out=deltas[start:end])
+        deltas = shrunk.new_empty(xs.shape[0] + 1, self.num_out)
+        r, column = self.rank, 0
+        for p, b in enumerate(self.lora_b):
+            width = b.shape[2]
+            for slot, start, end in segments:
+                deltas[start:end, column : column + width] = shrunk[start:end, p * r : (p + 1) * r] @ b[slot]
+            column += width
         deltas[-1].zero_()
         return deltas
 

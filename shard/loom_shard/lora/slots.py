@@ -15,10 +15,17 @@ import torch
 from torch import nn
 
 from loom_shard.lora.adapter import AdapterError, read_adapter
-from loom_shard.lora.layout import PROJECTIONS, module_shapes, projection_factors
+from loom_shard.lora.layout import PROJECTIONS, local_sizes, module_shapes, projection_factors
 from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 
-HostFactors = list[tuple[torch.Tensor, torch.Tensor] | None]  # per LoraLinear, in install order
+HostFactors = list[tuple[torch.Tensor, list[torch.Tensor]] | None]  # per LoraLinear (A, B per part), in order
+
+
+def factor_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype the factors are kept and applied in: the model's on CUDA; float32 on CPU, where
+    torch's bfloat16 bmm at these shapes ran 1.2x (one thread) to 9x (two, on a busy machine) slower
+    than float32's (bench/BENCHMARKS.md, LoRA)."""
+    return param.dtype if param.device.type == "cuda" else torch.float32
 
 
 class LoraSlots:
@@ -37,21 +44,18 @@ class LoraSlots:
 
     def _install(self, model: nn.Module) -> None:
         param = next(model.parameters())
-        # CPU: float32 factors (MKL's batched GEMMs; torch's bfloat16 bmm on CPU is several times slower
-        # at these shapes, bench/BENCHMARKS.md); CUDA: the model's dtype.
-        self.dtype = param.dtype if param.device.type == "cuda" else torch.float32
+        self.dtype = factor_dtype(param)
         for index, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
                 if proj.parts[0] not in self.shapes.shapes:
                     continue
                 owner = getattr(layer, proj.owner)
                 base = unwrap(getattr(owner, proj.name))
-                in_full, outs = self.shapes.shapes[proj.parts[0]][0], [self.shapes.shapes[p][1] for p in proj.parts]
-                in_local = in_full // self.world_size if proj.row_parallel else in_full
-                out_local = sum(outs) // (1 if proj.row_parallel else self.world_size)
+                in_local, outs = local_sizes(proj, self.shapes, self.world_size)
                 width = len(proj.parts) * self.max_rank
                 a = torch.zeros(self.num_slots, in_local, width, dtype=self.dtype, device=param.device)
-                b = torch.zeros(self.num_slots, width, out_local, dtype=self.dtype, device=param.device)
+                b = [torch.zeros(self.num_slots, self.max_rank, out, dtype=self.dtype, device=param.device)
+                     for out in outs]
                 linear = LoraLinear(base, a, b, self.batch, proj.row_parallel and self.world_size > 1)
                 setattr(owner, proj.name, linear)
                 self.linears.append((index, proj, linear))
@@ -75,7 +79,7 @@ class LoraSlots:
         for layer, proj, _ in self.linears:
             pair = projection_factors(adapter, layer, proj, self.shapes, self.max_rank, self.rank, self.world_size)
             if pair is not None and pin:  # copied to the device slot without a staging copy
-                pair = (pair[0].pin_memory(), pair[1].pin_memory())
+                pair = (pair[0].pin_memory(), [b.pin_memory() for b in pair[1]])
             factors.append(pair)
         return factors
 
@@ -115,10 +119,12 @@ class LoraSlots:
         for (_, _, linear), pair in zip(self.linears, self.host[lora_id]):
             if pair is None:
                 linear.lora_a[slot].zero_()
-                linear.lora_b[slot].zero_()
+                for b in linear.lora_b:
+                    b[slot].zero_()
             else:
                 linear.lora_a[slot].copy_(pair[0], non_blocking=True)
-                linear.lora_b[slot].copy_(pair[1], non_blocking=True)
+                for b, host in zip(linear.lora_b, pair[1]):
+                    b[slot].copy_(host, non_blocking=True)
         self.resident[lora_id] = slot
 
 
