@@ -98,6 +98,8 @@ def _read_factors(folder: Path, base: ModuleShapes, rank: int) -> dict[tuple[int
         layer, module, half = int(match.group(1)), match.group(2), match.group(3)
         if module not in SUPPORTED_MODULES:
             raise AdapterError(f"unsupported target module {module!r} in {name!r}")
+        if module not in base.shapes:  # e.g. MLP projections of a mixture-of-experts model
+            raise AdapterError(f"unsupported target module {module!r} for this model (in {name!r})")
         if layer >= base.num_layers:
             raise AdapterError(f"{name!r}: layer {layer} outside the base model's {base.num_layers}")
         halves.setdefault((layer, module), {})[half] = tensor
