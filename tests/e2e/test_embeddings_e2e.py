@@ -64,7 +64,7 @@ def sentence_model(e2e_dir: Path):
 
 @pytest.fixture(scope="module")
 def st_served(e2e_dir: Path, sentence_model) -> Iterator[Launcher]:
-    yield from _serve(e2e_dir, sentence_model[0])
+    yield from _serve(e2e_dir, sentence_model[0], "--max-concurrent-requests", "16")
 
 
 def test_openai_client_gets_sentence_transformers_vectors(st_served: Launcher, sentence_model) -> None:
@@ -88,6 +88,9 @@ def test_token_ids_dimensions_and_base64(st_served: Launcher, sentence_model) ->
     got = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
     cut = reference[:16] / reference[:16].norm()  # truncated, then normalized again
     torch.testing.assert_close(got, cut, atol=1e-4, rtol=1e-4)
+    many = httpx.post(f"{st_served.base_url}/v1/embeddings", timeout=120, json={"input": [ids] * 40})
+    assert many.status_code == 200, many.text  # more inputs than --max-concurrent-requests: they take turns
+    assert len(many.json()["data"]) == 40
     too_wide = httpx.post(f"{st_served.base_url}/v1/embeddings", json={"input": "w3", "dimensions": 65}, timeout=60)
     assert too_wide.status_code == 422
 

@@ -46,7 +46,15 @@ async def embeddings_route(body: EmbeddingRequest, request: Request) -> dict[str
                               f"Given: {body.dimensions}")
     prompts = await _prompts(state, body.input)
     adapter = requested_adapter(state, body.model)
-    vectors = await asyncio.gather(*(state.engine.embed(ids, spec.pooling, adapter) for ids in prompts))
+    # At most a quarter of --max-concurrent-requests in flight per HTTP request: a long list of
+    # inputs waits its turn rather than overflowing the engine's limit (429) on its own.
+    window = asyncio.Semaphore(max(1, state.config.max_concurrent_requests // 4))
+
+    async def embed(ids: list[int]) -> list[float]:
+        async with window:
+            return await state.engine.embed(ids, spec.pooling, adapter)
+
+    vectors = await asyncio.gather(*(embed(ids) for ids in prompts))
     data = [{"object": "embedding", "index": i,
              "embedding": _encode(finish_vector(v, spec.normalize, body.dimensions), body.encoding_format)}
             for i, v in enumerate(vectors)]
