@@ -49,6 +49,7 @@ class LoraBatch:
     def clear(self) -> None:
         self.token_index = self.pad_rows = self.delta_rows = None
         self.segments = []
+        self.pad_full = False
 
     def prepare(self, seq_slots: list[tuple[int | None, int]], num_slots: int, device: torch.device) -> None:
         """seq_slots: per sequence in batch order, (its adapter's slot or None, its tokens this step)."""

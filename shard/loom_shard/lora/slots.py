@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from loom_shard.lora.adapter import AdapterError, read_adapter
-from loom_shard.lora.layout import PROJECTIONS, local_sizes, module_shapes, projection_factors
+from loom_shard.lora.layout import PROJECTIONS, Projection, local_sizes, module_shapes, projection_factors
 from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 
 HostFactors = list[tuple[torch.Tensor, list[torch.Tensor]] | None]  # per LoraLinear (A, B per part), in order
@@ -37,7 +37,7 @@ class LoraSlots:
         self.rank, self.world_size = rank, world_size
         self.shapes = module_shapes(model)
         self.batch = LoraBatch()
-        self.linears: list[tuple[int, object, LoraLinear]] = []  # (layer, Projection, module)
+        self.linears: list[tuple[int, Projection, LoraLinear]] = []  # (layer, Projection, module)
         self._install(model)
         self.host: dict[int, HostFactors] = {}  # lora id -> factors per linear
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
