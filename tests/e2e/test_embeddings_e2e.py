@@ -53,6 +53,9 @@ def _serve(e2e_dir: Path, folder: Path, *extra: str) -> Iterator[Launcher]:
 
 @pytest.fixture(scope="module")
 def sentence_model(e2e_dir: Path):
+    # Not in the test extras: the only local release (6.0.1) needs transformers >= 5, which the
+    # extras pin below 5; install it beside them (`pip install --no-deps sentence-transformers`).
+    pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
     from sentence_transformers import SentenceTransformer, models
 
     folder = e2e_dir / "embed-st"
