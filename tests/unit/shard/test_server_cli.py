@@ -13,7 +13,9 @@ def as_flags(config: ShardConfig) -> list[str]:
     flags: list[str] = []
     for name in ShardConfig.model_fields:
         value = getattr(config, name)
-        if value is not None:
+        if isinstance(value, tuple):  # a list flag: repeated
+            flags += [item for one in value for item in (option(name), one)]
+        elif value is not None:
             flags += [option(name), str(value)]
     return flags
 
@@ -22,7 +24,8 @@ CONFIG = ShardConfig(
     model_id="/models/x.gguf", uds_path="/tmp/s-1", dtype="bfloat16", device="cuda", rank=1, world_size=2,
     master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
     memory_fraction=0.5, cuda_graphs=False, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
-    otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2",
+    otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2", enable_lora=True,
+    lora_adapter=("sql=/adapters/sql", "chat=/adapters/chat"), max_lora_rank=32, max_loras_per_batch=2, task="embed",
 )
 
 
