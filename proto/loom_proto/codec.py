@@ -24,6 +24,7 @@ from loom_proto.step import (
     Fork,
     ModelInfo,
     NewRequest,
+    Pooling,
     RunningRequest,
     SamplingParams,
     SeqOutput,
@@ -112,6 +113,8 @@ def _new_request_to_pb(r: NewRequest) -> pb.NewRequest:
         sampling=to_pb(r.sampling),
         prompt_logprobs=r.prompt_logprobs,
         forks=[_fork_to_pb(f) for f in r.forks],
+        lora_id=r.lora_id,
+        pooling=r.pooling.value,
     )
 
 
@@ -170,6 +173,7 @@ def _seq_output_to_pb(o: SeqOutput) -> pb.SeqOutput:
                                       top_tokens=[_flat_to_pb(t) for t in d.top_tokens])
                        for d in o.draft_samples],
         prompt_top_tokens=[pb.TokenList(tokens=[_flat_to_pb(t) for t in top]) for top in o.prompt_top_tokens],
+        embedding=o.embedding,
     )
 
 
@@ -218,6 +222,8 @@ def _new_request_from_pb(m: pb.NewRequest) -> NewRequest:
         sampling=_sampling_from_pb(m.sampling),
         prompt_logprobs=m.prompt_logprobs,
         forks=[_fork_from_pb(f) for f in m.forks],
+        lora_id=_optional(m, "lora_id"),
+        pooling=Pooling(m.pooling),
     )
 
 
@@ -255,7 +261,7 @@ def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
     if logprob == 0.0 and not m.HasField("logprob"):
         logprob = None
     top_tokens, prompt_logprobs, draft_samples = m.top_tokens, m.prompt_logprobs, m.draft_samples
-    prompt_top = m.prompt_top_tokens
+    prompt_top, embedding = m.prompt_top_tokens, m.embedding
     return SeqOutput(
         m.request_id, token_id, logprob,
         [TokenLogprob(t.token_id, t.logprob) for t in top_tokens] if top_tokens else [],
@@ -263,6 +269,7 @@ def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
         [TokenSample(d.token_id, d.logprob, [TokenLogprob(t.token_id, t.logprob) for t in d.top_tokens])
          for d in draft_samples] if draft_samples else [],
         [[TokenLogprob(t.token_id, t.logprob) for t in top.tokens] for top in prompt_top] if prompt_top else [],
+        list(embedding) if embedding else None,
     )
 
 

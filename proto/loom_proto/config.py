@@ -68,6 +68,40 @@ class ModelFlags(Frozen):
             return None
         return read_secret_file(self.shard_secret_file)
 
+    enable_lora: bool = Field(False, description="serve LoRA adapters (on when --lora-adapter is given): "
+                              "--lora-adapter at start, /v1/load_lora_adapter while serving")
+    lora_adapter: StrList = Field((), description="NAME=PATH of a PEFT LoRA folder loaded at start (repeat the "
+                                  "flag; env: comma-separated)")
+    max_lora_rank: Positive = Field(16, description="highest LoRA rank an adapter may have")
+    max_loras_per_batch: Positive = Field(4, description="distinct adapters in one step, and adapters resident "
+                                          "on the device (the rest wait in host memory, least recently used "
+                                          "evicted first)")
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="embed: serve /v1/embeddings (pooling from the folder's sentence-transformers "
+        "config, else last token, normalized); a folder with that config serves embeddings either way")
+
+    @field_validator("lora_adapter", mode="before")
+    @classmethod
+    def _split_adapters(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from an environment variable
+            return tuple(item.strip() for item in value.split(",") if item.strip())
+        return value
+
+    @field_validator("lora_adapter")
+    @classmethod
+    def _name_equals_path(cls, adapters: tuple[str, ...]) -> tuple[str, ...]:
+        for item in adapters:
+            name, _, path = item.partition("=")
+            if not name.strip() or not path.strip():
+                raise ValueError(f"{item!r} must be NAME=PATH")
+        return adapters
+
+    @model_validator(mode="after")
+    def _lora_on_with_adapters(self) -> ModelFlags:
+        if self.lora_adapter and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+        return self
+
 
 class ShardFlags(ModelFlags):
     dtype: Dtype | None = Field(None, description="weights and activations dtype (float16: CUDA only); default: "

@@ -28,6 +28,7 @@ known tokens (`blocks_after_verify`), so block tables stay equal.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -73,6 +74,14 @@ class Fork:
     block_table: list[int]
 
 
+class Pooling(enum.Enum):
+    """How an embedding request's final hidden states become one vector (proto `Pooling`)."""
+
+    NONE = 0  # not an embedding request: generate
+    LAST = 1  # the last prompt token's hidden state, after the final norm
+    MEAN = 2  # the mean over every prompt token (never served from the prefix cache)
+
+
 @dataclass(slots=True)
 class NewRequest:
     """A request the shard has no state for: sent in full, once."""
@@ -86,6 +95,8 @@ class NewRequest:
     sampling: SamplingParams
     prompt_logprobs: bool = False  # return the logprob of every computed prompt token
     forks: list[Fork] = field(default_factory=list)
+    lora_id: int | None = None  # the LoRA adapter its tokens run with; None: the base model
+    pooling: Pooling = Pooling.NONE  # else an embedding request: SeqOutput.embedding, nothing sampled
 
 
 @dataclass(slots=True)
@@ -147,6 +158,7 @@ class SeqOutput:
     draft_samples: list[TokenSample] = field(default_factory=list)
     # With prompt_logprobs and top_n_tokens: the alternatives at each position of prompt_logprobs.
     prompt_top_tokens: list[list[TokenLogprob]] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, once its prompt is computed
 
 
 def accepted_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:

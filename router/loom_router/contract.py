@@ -56,6 +56,8 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     ignore_eos: bool = False
     prompt_logprobs: bool = False
     constraint: Constraint | None = None
+    adapter: str | None = None  # a LoRA adapter's name; None: the base model
+    pooling: int = 0  # loom_proto.step.Pooling's value: an embedding request unless 0 (NONE)
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -77,11 +79,13 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     frontend: int
     call_id: int
     # "health", "metrics", "snapshot_save", "snapshot_restore", "snapshot_delete", "snapshot_list",
-    # "response_put", "response_get", "response_delete" (the Responses API's stored responses)
+    # "response_put", "response_get", "response_delete" (the Responses API's stored responses);
+    # "lora_load" (name, path), "lora_unload" (name), "lora_list"
     method: str
     name: str = ""
     token_ids: list[int] = []
     payload: bytes = b""  # response_put: the record to store
+    path: str = ""
 
 
 ToCore = Hello | Submit | Cancel | StopChoice | Call
@@ -150,6 +154,7 @@ class Output(msgspec.Struct, array_like=True):
     finish: str | None = None  # "length" or "eos_token": the core ended the choice with the last token
     top_tokens: list[list[tuple[int, float]]] | None = None  # per token, when asked for
     prompt: PromptInfo | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (it then has no token)
 
 
 class Failure(msgspec.Struct, array_like=True):

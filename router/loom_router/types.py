@@ -39,6 +39,7 @@ class GenerationParams:
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
     constraint: ConstraintSpec | None = None  # constrained decoding: compiled by the engine core
     skip_special_tokens: bool = True  # False: control tokens stay in the text (a tool-call marker)
+    adapter: str | None = None  # the LoRA adapter's name (OpenAI `model`, TGI `adapter_id`); None: the base model
 
     @property
     def n(self) -> int:
@@ -105,6 +106,9 @@ class EngineStats:
     block_size: int = 0
     max_batch_total_tokens: int = 0
     shard_healthy: list[bool] = field(default_factory=list)  # by rank, as the last health check saw it
+    adapter_requests: dict[str, int] = field(default_factory=dict)  # LoRA adapter name -> requests admitted
+    adapter_prompt_tokens: dict[str, int] = field(default_factory=dict)  # -> their prompt tokens
+    adapter_generated_tokens: dict[str, int] = field(default_factory=dict)  # -> tokens generated with it
 
 
 @dataclass(slots=True)
@@ -120,6 +124,14 @@ class StepRecord:
 
 class ValidationError(ValueError):
     """The request cannot be served as asked (HTTP 422)."""
+
+
+class BadRequestError(ValueError):
+    """The request asks for something that cannot be done, e.g. a bad LoRA adapter (HTTP 400)."""
+
+
+class NotFoundError(LookupError):
+    """The request names a model or adapter that is not served (HTTP 404)."""
 
 
 class OverloadedError(RuntimeError):
@@ -163,6 +175,7 @@ class SnapshotHTTPError(Exception):
 # The engine's errors and the HTTP status each maps to (a subclass's entry wins over its base's).
 ERROR_STATUS: dict[type[Exception], int] = {
     ValidationError: 422, OverloadedError: 429, GenerationError: 424, UnavailableError: 503,
+    BadRequestError: 400, NotFoundError: 404,
 }
 
 

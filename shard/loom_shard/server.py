@@ -25,6 +25,7 @@ from loom_proto.event_loop import run_event_loop
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_shard.auth import SecretInterceptor
+from loom_shard.lora.adapter import AdapterError
 from loom_shard.runtime.snapshot import PartStore, clean_leftovers
 from loom_shard.tracing import ShardTracer, StepPhases, configure_tracing
 
@@ -52,6 +53,9 @@ class Runner(Protocol):
     def clear(self) -> None: ...
     def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]: ...
     def write_kv(self, block_ids: list[int], block_indices: list[int], layout: KVLayout, kv: memoryview) -> None: ...
+    def read_lora(self, path: str) -> Any: ...
+    def add_lora(self, lora_id: int, factors: Any) -> None: ...
+    def unload_lora(self, lora_id: int) -> bool: ...
 
 
 def describe(error: BaseException) -> str:
@@ -156,6 +160,22 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     ) -> pb.ClearCacheResponse:
         await self._on_worker(context, self._runner.clear)
         return pb.ClearCacheResponse()
+
+    # ---- LoRA adapters: read beside the steps, added between two ----------------------------
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: grpc.aio.ServicerContext) -> pb.LoraResponse:
+        try:
+            factors = await self._run(self._io, self._runner.read_lora, request.path)
+            await self._run(self._worker, self._runner.add_lora, request.lora_id, factors)
+        except AdapterError as error:
+            log.warning("adapter %s refused: %s", request.path, error)
+            return pb.LoraResponse(ok=False, message=str(error))
+        log.info("adapter %d loaded from %s", request.lora_id, request.path)
+        return pb.LoraResponse(ok=True)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: grpc.aio.ServicerContext) -> pb.LoraResponse:
+        found = await self._on_worker(context, self._runner.unload_lora, request.lora_id)
+        return pb.LoraResponse(ok=found, message="" if found else f"adapter id {request.lora_id} is not loaded")
 
     # ---- snapshots: a status in the reply, never a gRPC error, for what the router maps ----
 

@@ -81,6 +81,15 @@ class _SeqTokens:
         assert isinstance(index, slice) and index.step is None
         return self._seq.token_slice(index.start or 0, len(self) if index.stop is None else index.stop)
 
+    @property
+    def hash_root(self) -> int | None:
+        return self._seq.hash_root
+
+
+def _root(token_ids: Seq[int]) -> int | None:
+    """The parent hash of token_ids' first block: a sequence's adapter's (_SeqTokens), else None."""
+    return token_ids.hash_root if isinstance(token_ids, _SeqTokens) else None
+
 
 @dataclass(slots=True)
 class CachedFill:
@@ -208,7 +217,7 @@ class BlockManager:
         """One full-attention group: the cached blocks up to the first the cache lacks."""
         hit_ids: list[int | None] = []
         hashes: list[int] = []
-        parent_hash = None
+        parent_hash = _root(token_ids)
         for index in range(max_blocks):
             known = known_hashes[index] if index < len(known_hashes) else None
             block_hash, block_id = self._lookup(parent_hash, self._block_tokens(token_ids, index), known)
@@ -223,12 +232,12 @@ class BlockManager:
         """The chain hashes of token_ids' first num_blocks blocks."""
         hashes: list[int] = list(known_hashes[:num_blocks])
         for index in range(len(hashes), num_blocks):
-            hashes.append(self._hash_fn(hashes[-1] if hashes else None, self._block_tokens(token_ids, index)))
+            hashes.append(self._hash_fn(hashes[-1] if hashes else _root(token_ids), self._block_tokens(token_ids, index)))
         return hashes
 
     def _cached_id(self, token_ids: Seq[int], hashes: list[int], index: int, group: int) -> int | None:
         """The group's cached block holding block `index` of token_ids, or None."""
-        parent = hashes[index - 1] if index else None
+        parent = hashes[index - 1] if index else _root(token_ids)
         return self._lookup(parent, self._block_tokens(token_ids, index), hashes[index], group)[1]
 
     def _longest_hit(self, token_ids: Seq[int], hashes: list[int]) -> int:
@@ -279,7 +288,7 @@ class BlockManager:
             return
         num_full = min(seq.num_computed // self.block_size, len(seq.block_table) // self.num_groups)
         num_hashed = len(seq.block_hashes)
-        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         for index in range(num_hashed, num_full):
             start = index * self.block_size
             tokens = tuple(seq.token_slice(start, start + self.block_size))
@@ -311,7 +320,7 @@ class BlockManager:
             return False
         if index < len(known):
             return known[index] in self._pending
-        parent_hash = hashes[-1] if hashes else None
+        parent_hash = hashes[-1] if hashes else _root(token_ids)
         return self._hash_fn(parent_hash, self._block_tokens(token_ids, index)) in self._pending
 
     def _tokens_and_hashes(self, tokens: Seq[int] | Sequence) -> tuple[Seq[int], Seq[int]]:
@@ -326,7 +335,7 @@ class BlockManager:
         num_full = seq.num_tokens // self.block_size
         if len(cache) < num_full and self.enable_prefix_caching:
             tokens = _SeqTokens(seq)
-            parent_hash = cache[-1] if cache else None
+            parent_hash = cache[-1] if cache else seq.hash_root
             for index in range(len(cache), num_full):
                 parent_hash = self._hash_fn(parent_hash, self._block_tokens(tokens, index))
                 cache.append(parent_hash)

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from loom_proto.codec import unencodable_requests
 from loom_proto.config import RouterConfig
-from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
+from loom_proto.step import ModelInfo, Pooling, StepPlan, StepResult, WarmupResult
 from loom_router.contract import Limits, Status, Submit, check_lengths
+from loom_router.core.adapters import AdapterRegistry
 from loom_router.core.engine_requests import CONSTRAINT_FAILED, RequestBook, Sink, _Active
 from loom_router.core.lookahead import AheadRole, InFlight, plan_ahead
 from loom_router.core.request import Sequence, SequenceGroup
@@ -41,6 +42,7 @@ from loom_router.types import (
     ShardDivergence,
     StepRecord,
     UnavailableError,
+    ValidationError,
 )
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ class Engine(RequestBook):
         self._masks = MaskFiller(self.grammars)
         self._ahead_ids: set[int] = set()  # sequences in the step sent ahead (config.overlap_steps)
         self._late: list[Sequence] = []  # finished, but in the step ahead: freed after its outputs
+        self.adapters = AdapterRegistry(client, config.enable_lora, self._adapter_in_use)  # type: ignore[arg-type]
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -119,12 +122,14 @@ class Engine(RequestBook):
             max_batch_prefill_tokens=self.config.max_batch_prefill_tokens,
             max_batch_total_tokens=self.max_batch_total_tokens,
             kv_group_windows=info.kv_group_windows,
+            max_loras_per_batch=self.config.max_loras_per_batch,
         )
         self.scheduler = Scheduler(scheduler_config)
         self.limits = Limits(self.max_total_tokens, self.max_input_tokens, self.max_batch_total_tokens,
                              warm.block_size, scheduler_config.num_usable_blocks, scheduler_config.max_num_seqs,
                              info.num_kv_groups)
         self._start_speculation()
+        await self.adapters.load_all(self.config.lora_adapter)  # BadRequestError: the server does not start
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens), %d host blocks",
                  warm.num_blocks, warm.block_size, self.max_batch_total_tokens, warm.num_host_blocks)
         self._loop_task = asyncio.create_task(self._run(), name="loom-engine")
@@ -241,6 +246,10 @@ class Engine(RequestBook):
             raise OverloadedError(f"Model is overloaded: {len(self._active)} requests in flight "
                                   f"(--max-concurrent-requests {self.config.max_concurrent_requests})")
         self.validate_lengths(len(request.prompt_ids), request.max_new_tokens, n)
+        lora_id = self.adapters.resolve(request.adapter)  # NotFoundError (404) for an unknown name
+        pooling = Pooling(request.pooling)
+        if pooling is not Pooling.NONE and (n != 1 or grammar is not None or hold_blocks):
+            raise ValidationError("an embedding request has one choice, no constraint and no snapshot")
         group_id = next(self._ids)
         group = SequenceGroup.create(
             group_id=group_id,
@@ -248,15 +257,26 @@ class Engine(RequestBook):
             samplings=request.choices,
             first_seq_id=group_id * self.config.max_n,
             prompt_logprobs=request.prompt_logprobs,
+            lora_id=lora_id,
+            pooling=pooling,
         )
         active = _Active(group, request, sink, n, time.monotonic(), [None], hold_blocks)
         if grammar is not None:
             active.matchers = {seq.seq_id: grammar.new_matcher() for seq in group.seqs}
             self._constrained.add(group_id)
         self._active[group_id] = active
+        if request.adapter is not None:
+            counters = self._counters
+            counters.adapter_requests[request.adapter] = counters.adapter_requests.get(request.adapter, 0) + 1
+            prompt = counters.adapter_prompt_tokens
+            prompt[request.adapter] = prompt.get(request.adapter, 0) + len(request.prompt_ids)
         self._pending_adds.append(group)
         self._wakeup.set()
         return group_id
+
+    def _adapter_in_use(self, lora_id: int) -> bool:
+        """Whether a request that is not finished runs with this adapter."""
+        return any(active.group.lora_id == lora_id for active in self._active.values())
 
     def cancel(self, group_id: int, outcome: str = "cancelled") -> None:
         """The client went away (or the drain ran out of time): free its blocks before the next step."""
@@ -405,7 +425,7 @@ class Engine(RequestBook):
         active = self._active.get(seq.group.group_id)
         if any(late is seq for late in self._late):
             return AheadRole.SKIP  # finished; its step-late release is pending
-        if active is None or active.hold_blocks or active.matchers:
+        if active is None or active.hold_blocks or active.matchers or active.group.pooling is not Pooling.NONE:
             return AheadRole.BLOCK  # held blocks must not hold an extra token; grammars need each token
         if seq.num_generated + 1 >= active.request.max_new_tokens:
             return AheadRole.SKIP  # the step in flight samples its last token

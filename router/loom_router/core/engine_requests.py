@@ -37,6 +37,8 @@ class Sink(Protocol):
 
     def fail(self, group_id: int, status: int, message: str) -> None: ...
 
+    def embedding(self, group_id: int, vector: list[float], prompt: PromptInfo) -> None: ...
+
 
 @dataclass(slots=True)
 class _Active:
@@ -115,10 +117,17 @@ class RequestBook:
         if active.request.prompt_logprobs and seq.index == 0:
             active.prompt_logprobs.extend(out.prompt_logprobs)
             active.prompt_top_tokens.extend([(t.token_id, t.logprob) for t in top] for top in out.prompt_top_tokens)
+        if out.embedding is not None:  # an embedding request: its prompt is computed, it is done
+            active.sink.embedding(active.group.group_id, out.embedding, self._prompt_info(active))
+            self._finish(active, seq, FinishReason.LENGTH)
+            return
         token_id = out.token_id
         if token_id is None:
             return
         self._counters.generated_tokens += 1
+        if active.request.adapter is not None:
+            tokens = self._counters.adapter_generated_tokens
+            tokens[active.request.adapter] = tokens.get(active.request.adapter, 0) + 1
         problem = self._grammar_problem(active, seq, token_id)
         if problem is not None:  # the token is not streamed: the request fails instead
             self._fail_now(active, GenerationError(f"{CONSTRAINT_FAILED}: {problem}"))
@@ -224,6 +233,9 @@ class RequestBook:
             generated_tokens=self._counters.generated_tokens,
             steps=self._counters.steps,
             requests_finished=dict(self._counters.requests_finished),
+            adapter_requests=dict(self._counters.adapter_requests),
+            adapter_prompt_tokens=dict(self._counters.adapter_prompt_tokens),
+            adapter_generated_tokens=dict(self._counters.adapter_generated_tokens),
         )
         if self.scheduler is not None:
             s = self.scheduler.stats

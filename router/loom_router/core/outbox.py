@@ -59,6 +59,11 @@ class Outbox:
         if prompt is not None:
             output.prompt = prompt
 
+    def embedding(self, group_id: int, vector: list[float], prompt: PromptInfo) -> None:
+        """An embedding request's pooled vector: it is done."""
+        if not self._closed:
+            self._batch().outputs.append(Output(group_id, 0, [], [], 0, "length", None, prompt, vector))
+
     def fail(self, group_id: int, status: int, message: str) -> None:
         if not self._closed:
             self._batch().failures.append(Failure(group_id, status, message))

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom_proto.step import SamplingParams
+from loom_proto.step import Pooling, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -73,6 +73,12 @@ class Sequence:
     def num_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def hash_root(self) -> int | None:
+        """The parent hash of its first block: its adapter's, so that two adapters never share KV."""
+        lora_id = self.group.lora_id
+        return None if lora_id is None else hash(("lora", lora_id))
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list."""
         num_prompt = len(self.prompt_ids)
@@ -101,17 +107,21 @@ class SequenceGroup:
     swapped: bool = False  # preempted to the host pool (else preempted ones recompute)
     num_prompt_logprobs_sent: int = 0  # prompt positions whose logprob was already returned
     context: Any = None  # the engine's own per-request data
+    lora_id: int | None = None  # the LoRA adapter every choice runs with; None: the base model
+    pooling: Pooling = Pooling.NONE  # else an embedding request: one prefill, no token
 
     @classmethod
     def create(cls, group_id: int, prompt_ids: list[int], samplings: list[SamplingParams],
                first_seq_id: int, prompt_logprobs: bool = False,
-               arrival_time: float | None = None) -> SequenceGroup:
+               arrival_time: float | None = None, lora_id: int | None = None,
+               pooling: Pooling = Pooling.NONE) -> SequenceGroup:
         """A waiting group with one sequence per sampling params, ids first_seq_id + index."""
         if not samplings:
             raise ValueError("a request needs at least one choice")
         group = cls(group_id=group_id, prompt_ids=list(prompt_ids),
                     arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                    prompt_logprobs=prompt_logprobs, forked=len(samplings) == 1)
+                    prompt_logprobs=prompt_logprobs, forked=len(samplings) == 1, lora_id=lora_id,
+                    pooling=pooling)
         group.seqs = [Sequence(first_seq_id + i, group, i, params, group.prompt_ids)
                       for i, params in enumerate(samplings)]
         return group

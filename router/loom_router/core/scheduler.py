@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from loom_proto.step import Fork, NewRequest, RunningRequest, SeqOutput, StepPlan, StepResult
+from loom_proto.step import Fork, NewRequest, Pooling, RunningRequest, SeqOutput, StepPlan, StepResult
 from loom_router.core.block_manager import BlockManager
 from loom_router.core.request import SeqStatus, Sequence, SequenceGroup
 from loom_router.core.speculate import Speculator
@@ -29,6 +29,7 @@ class SchedulerConfig:
     # KV groups (models with sliding-window layers): each group's window, None for full attention.
     # A logical block of block_size tokens then takes one block per group.
     kv_group_windows: tuple[int | None, ...] = (None,)
+    max_loras_per_batch: int = 4  # distinct LoRA adapters among the running groups (one step's)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_blocks <= 0 or self.num_host_blocks < 0:
@@ -282,8 +283,25 @@ class Scheduler:
         if not self._waiting or step.budget <= 0:
             return
         num_seqs = sum(len(group.unfinished_seqs()) for group in self._running.values())
+        adapters = self._running_adapters()
+        passed: list[SequenceGroup] = []  # waiting for an adapter slot: later groups may go first
+        try:
+            self._admit_in_order(step, num_seqs, adapters, passed)
+        finally:
+            self._waiting.extendleft(reversed(passed))
+
+    def _running_adapters(self) -> set[int]:
+        return {group.lora_id for group in self._running.values() if group.lora_id is not None}
+
+    def _admit_in_order(self, step: _Step, num_seqs: int, adapters: set[int], passed: list[SequenceGroup]) -> None:
+        """FIFO admission; a group whose adapter would make the running adapters exceed
+        max_loras_per_batch is passed over (it keeps its place) while others are admitted."""
         while self._waiting and step.budget > 0:
             group = self._waiting[0]
+            lora_id = group.lora_id
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= self.config.max_loras_per_batch:
+                passed.append(self._waiting.popleft())
+                continue
             num_group_seqs = len(group.unfinished_seqs())
             if num_seqs + num_group_seqs > self.config.max_num_seqs:
                 break
@@ -296,6 +314,8 @@ class Scheduler:
             self._add_running(group)
             group.set_status(SeqStatus.RUNNING)
             num_seqs += num_group_seqs
+            if lora_id is not None:
+                adapters.add(lora_id)
 
     def _add_running(self, group: SequenceGroup) -> None:
         """Insert in arrival order: a resumed group goes back before newer arrivals (O(running),
@@ -307,7 +327,9 @@ class Scheduler:
 
     @staticmethod
     def _uses_prefix_cache(group: SequenceGroup) -> bool:
-        # Prompt logprobs need every prompt position computed: no prefix hits before that.
+        # Prompt logprobs and mean pooling need every prompt position computed: no prefix hits.
+        if group.pooling is Pooling.MEAN:
+            return False
         return not (group.prompt_logprobs and group.seqs[0].num_generated == 0)
 
     def _waits_for_prefix(self, group: SequenceGroup) -> bool:
@@ -393,6 +415,8 @@ class Scheduler:
             sampling=seq.sampling,
             prompt_logprobs=group.prompt_logprobs and seq.index == 0 and seq.num_generated == 0,
             forks=forks,
+            lora_id=group.lora_id,
+            pooling=group.pooling,
         )
 
     def _forks(self, seq: Sequence, num_compute: int) -> list[Fork]:

@@ -166,6 +166,14 @@ class EngineCoreServer:
             return await self._render_metrics()
         if call.method == "load":
             return load_report(self.engine.stats())
+        adapters = self.engine.adapters
+        if call.method == "lora_load":
+            return (await adapters.load(call.name, call.path)).name
+        if call.method == "lora_unload":
+            await adapters.unload(call.name)
+            return call.name
+        if call.method == "lora_list":
+            return [[adapter.name, adapter.path] for adapter in adapters.list()]
         if call.method.startswith("snapshot_"):
             return await snapshots.run(self._snapshots, call.method, call.name, call.token_ids)
         if call.method.startswith("response_"):  # one store for every frontend

@@ -268,6 +268,18 @@ class ShardClient:
     async def clear_cache(self) -> None:
         await self._on_all(lambda r: r.stub.ClearCache(pb.ClearCacheRequest(), metadata=self._auth))
 
+    # ---- LoRA adapters: every rank holds its share of each ----------------------------------
+
+    async def load_lora(self, lora_id: int, path: str) -> list[tuple[bool, str]]:
+        """Each rank reads and checks the adapter; (ok, why not) per rank, in rank order."""
+        request = pb.LoadLoraRequest(lora_id=lora_id, path=path)
+        replies = await self._on_all(lambda r: r.stub.LoadLora(request, metadata=self._auth))
+        return [(m.ok, m.message) for m in replies]
+
+    async def unload_lora(self, lora_id: int) -> None:
+        request = pb.UnloadLoraRequest(lora_id=lora_id)
+        await self._on_all(lambda r: r.stub.UnloadLora(request, metadata=self._auth))
+
     # ---- snapshots: every rank handles its own part; the replies come back in rank order ----
 
     async def save_snapshot(self, dir_name: str, block_ids: Sequence[int], token_ids: Sequence[int],

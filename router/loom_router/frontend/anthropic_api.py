@@ -114,8 +114,7 @@ class CountTokensRequest(_Model):
 @router.post("/messages", summary="Anthropic Messages: a message, streamed with Anthropic's events or whole")
 async def messages_route(body: MessagesRequest, request: Request) -> Any:
     state = get_state(request)
-    check_model(state, body.model)
-    job = await prepare_chat(state, as_chat_request(body))
+    job = await prepare_chat(state, as_chat_request(body), check_model(state, body.model))
     if body.stream:
         stream, timer = await submit(state, job.ids, job.params)
         events = _events(body, job, chat_deltas(job.answer, 1, batches(stream, timer)))

@@ -18,7 +18,9 @@ from loom_proto.config import RouterConfig
 from loom_router.frontend import (
     anthropic_api,
     completions,
+    embeddings,
     guard,
+    lora_routes,
     openai_api,
     openapi_errors,
     playground,
@@ -57,10 +59,12 @@ from loom_router.structured.fields import tgi_constraint_spec
 from loom_router.tokenizer import ChatTemplateError
 from loom_router.types import (
     APIError,
+    BadRequestError,
     ChoiceEvent,
     GeneratedToken,
     GenerationError,
     GenerationParams,
+    NotFoundError,
     OverloadedError,
     SnapshotHTTPError,
     UnavailableError,
@@ -96,6 +100,8 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+    app.include_router(embeddings.router)
+    app.include_router(lora_routes.router)
     if config.snapshot_routes:
         app.include_router(snapshots.build_router())
     app.include_router(playground.build_router())  # GET / for browsers; POST / stays TGI's
@@ -142,6 +148,8 @@ ENGINE_ERRORS: dict[type[Exception], tuple[int, str]] = {
     OverloadedError: (429, "overloaded"),
     GenerationError: (424, "generation"),
     UnavailableError: (503, "unavailable"),
+    BadRequestError: (400, "bad_request"),
+    NotFoundError: (404, "not_found"),
 }
 
 

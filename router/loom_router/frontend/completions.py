@@ -42,12 +42,14 @@ router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=UnicodeJSONRoute)
 @router.post("/completions", summary="Text completion (one prompt or a list of them)")
 async def completions_route(body: CompletionRequest, request: Request) -> Any:
     state = get_state(request)
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     check_openai(body, state.limits())
     _check_completion(state, body)
     prompts = await asyncio.gather(*(_prompt_ids(state, p) for p in _prompt_list(body.prompt)))
     params = [_params(state, body, ids) for ids in prompts]
-    reply = Reply("text", state.model_name, body.logprobs is not None, body.include_usage, n=body.n)
+    for each in params:
+        each.adapter = adapter
+    reply = Reply("text", adapter or state.model_name, body.logprobs is not None, body.include_usage, n=body.n)
     if body.echo:  # the prompts' token texts, off the loop (a long prompt is many tokens)
         reply.echoes = [Echo(ids, await asyncio.to_thread(token_texts, state.tokenizer, ids)) for ids in prompts]
     if body.stream:

@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from loom_proto.config import RouterConfig
-from loom_proto.step import ModelInfo
+from loom_proto.step import ModelInfo, Pooling, SamplingParams
 from loom_router.contract import (
     ENGINE_SOCKET,
     Admitted,
@@ -28,6 +28,7 @@ from loom_router.contract import (
     Cancel,
     Hello,
     Limits,
+    Output,
     Refused,
     Reply,
     Status,
@@ -48,6 +49,26 @@ log = logging.getLogger("loom.frontend")
 
 CORE_SEND_HWM = 1024  # messages to the core waiting in the socket; past it they wait in the Sender
 CALL_TIMEOUT_S = 600.0  # a snapshot of a long prompt can take minutes on a CPU
+
+
+class EmbeddingWaiter:
+    """An embedding request's one answer, as the streams' dict holds it (feed, fail, closed)."""
+
+    def __init__(self) -> None:
+        self.group_id = -1
+        self.result: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
+
+    @property
+    def closed(self) -> bool:
+        return self.result.done()
+
+    def feed(self, output: Output, now: float) -> None:
+        if output.embedding is not None and not self.result.done():
+            self.result.set_result(output.embedding)
+
+    def fail(self, status: int, message: str) -> None:
+        if not self.result.done():
+            self.result.set_exception(error_for_status(status, message))
 
 
 class EngineClient:
@@ -142,13 +163,36 @@ class EngineClient:
         self._waiting[ticket] = (future, stream)
         constraint = params.constraint.to_contract() if params.constraint is not None else None
         self._send(Submit(self.frontend, ticket, prompt_ids, params.choices, params.max_new_tokens,
-                          params.ignore_eos, params.prompt_logprobs, constraint))
+                          params.ignore_eos, params.prompt_logprobs, constraint, params.adapter))
         try:
             stream.group_id = await future
         except asyncio.CancelledError:  # the handler went away first: cancel it once admitted
             self._waiting[ticket] = (future, None)
             raise
         return stream
+
+    async def embed(self, prompt_ids: list[int], pooling: Pooling, adapter: str | None = None) -> list[float]:
+        """One embedding request: the pooled vector of the prompt's final hidden states. It shares
+        the steps and the KV budget with generation (a prefill that samples nothing). Raises the
+        core's errors; a handler cancelled meanwhile cancels the request."""
+        if self.draining:
+            raise error_for_status(503, "the server is shutting down; retry on another replica")
+        ticket = next(self._numbers)
+        admitted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        waiter = EmbeddingWaiter()
+        self._waiting[ticket] = (admitted, waiter)  # type: ignore[assignment]
+        self._send(Submit(self.frontend, ticket, prompt_ids, [SamplingParams(seed=0)], 1, adapter=adapter,
+                          pooling=pooling.value))
+        try:
+            waiter.group_id = await admitted
+        except asyncio.CancelledError:
+            self._waiting[ticket] = (admitted, None)
+            raise
+        try:
+            return await waiter.result
+        except asyncio.CancelledError:
+            self.cancel(waiter.group_id)
+            raise
 
     def _turn(self) -> int:
         return self._inbox.turns if self._inbox is not None else 0
@@ -171,12 +215,12 @@ class EngineClient:
             return False
 
     async def call(self, method: str, name: str = "", token_ids: list[int] | None = None,
-                   timeout_s: float = CALL_TIMEOUT_S, payload: bytes = b"") -> Any:
+                   timeout_s: float = CALL_TIMEOUT_S, payload: bytes = b"", path: str = "") -> Any:
         """One answer from the core. Raises SnapshotHTTPError or the engine error it failed with."""
         call_id = next(self._numbers)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(Call(self.frontend, call_id, method, name, token_ids or [], payload))
+        self._send(Call(self.frontend, call_id, method, name, token_ids or [], payload, path))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:

@@ -30,6 +30,7 @@ from loom_router.frontend.http_common import (
     submit,
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
+from loom_router.frontend.lora_routes import adapter_models
 from loom_router.frontend.tool_stream import tool_chunks
 from loom_router.frontend.tools import (
     AnswerFormat,
@@ -80,10 +81,15 @@ def model_names(state: AppState) -> set[str]:
     return {name for name in names if name}
 
 
-def check_model(state: AppState, model: str | None) -> None:
-    """An unknown `model` is OpenAI's 404 model_not_found; none means the served one."""
-    if model is not None and model not in model_names(state):
-        raise APIError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+def check_model(state: AppState, model: str | None) -> str | None:
+    """The LoRA adapter `model` names, or None for the served model (also when none is named).
+    With adapters on, another name is an adapter's, which the engine core resolves (404 when no
+    adapter has it); else an unknown `model` is OpenAI's 404 model_not_found."""
+    if model is None or model in model_names(state):
+        return None
+    if state.config.enable_lora:
+        return model
+    raise APIError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
 
 
 def check_context(state: AppState, num_input_tokens: int, max_tokens: int | None) -> None:
@@ -144,27 +150,32 @@ class Reply:
 
 @router.get("/models", summary="The served model")
 async def models_route(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(get_state(request))]}
+    state = get_state(request)
+    return {"object": "list", "data": [_model_card(state), *await adapter_models(state)]}
 
 
 @router.get("/models/{model_id:path}", summary="The served model, by name (404 model_not_found for others)")
 async def model_route(model_id: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
-    check_model(state, model_id)
-    return _model_card(state)
+    if check_model(state, model_id) is None:
+        return _model_card(state)
+    cards = [card for card in await adapter_models(state) if card["id"] == model_id]
+    if not cards:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model_not_found", "model")
+    return cards[0]
 
 
 def _model_card(state: AppState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "loom",
-            "root": state.config.model_id, "max_model_len": state.engine.max_total_tokens}
+            "root": state.config.model_id, "parent": None, "max_model_len": state.engine.max_total_tokens}
 
 
 @router.post("/chat/completions", summary="Chat completion with the model's chat template")
 async def chat_route(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
-    check_model(state, body.model)
-    job = await prepare_chat(state, body)
-    reply = Reply("chat", state.model_name, body.logprobs, body.include_usage)
+    adapter = check_model(state, body.model)
+    job = await prepare_chat(state, body, adapter)
+    reply = Reply("chat", adapter or state.model_name, body.logprobs, body.include_usage)
     if body.stream:
         return await _stream(state, reply, job.ids, job.params, job.answer)
     generation = await generate(state, request, job.ids, job.params)
@@ -190,9 +201,10 @@ class ChatJob:
     answer: AnswerFormat
 
 
-async def prepare_chat(state: AppState, body: ChatCompletionRequest) -> ChatJob:
-    """Validates a chat request, renders its template (tools, reasoning) and tokenizes it.
-    Raises ValidationError (422) or APIError (context_length_exceeded)."""
+async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: str | None = None) -> ChatJob:
+    """Validates a chat request (for the base model or a LoRA adapter), renders its template
+    (tools, reasoning) and tokenizes it. Raises ValidationError (422) or APIError
+    (context_length_exceeded)."""
     limits = state.limits()
     check_openai(body, limits)
     template = state.tokenizer.chat_template
@@ -209,6 +221,7 @@ async def prepare_chat(state: AppState, body: ChatCompletionRequest) -> ChatJob:
     params.constraint = spec
     answer = answer_format(tool_plan, template, prompt)
     params.skip_special_tokens = not answer.keeps_special_tokens
+    params.adapter = adapter
     return ChatJob(ids, params, answer)
 
 

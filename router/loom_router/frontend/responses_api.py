@@ -81,10 +81,10 @@ class ResponsesRequest(_Model):
 @router.post("/responses", summary="Create a response (streamed with the Responses API's events, or whole)")
 async def create_route(body: ResponsesRequest, request: Request) -> Any:
     state = get_state(request)
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     history = await _history(state, body.previous_response_id)
     conversation = history + input_messages(body.input)
-    job = await prepare_chat(state, as_chat_request(body, conversation))
+    job = await prepare_chat(state, as_chat_request(body, conversation), adapter)
     head = _response_head(state, body)
     if body.stream:
         stream, timer = await submit(state, job.ids, job.params)

@@ -104,6 +104,7 @@ class TGIParameters(_Strict):
     decoder_input_details: bool = False
     top_n_tokens: Count | None = None
     grammar: TGIGrammar | None = None
+    adapter_id: str | None = None  # a LoRA adapter's name (TGI's multi-LoRA); None or "": the base model
 
     @property
     def sampling(self) -> bool:
@@ -166,6 +167,7 @@ def tgi_generation_params(params: TGIParameters, max_new_tokens: int, limits: Li
         max_new_tokens=max_new_tokens,
         stop_sequences=[s for s in params.stop if s],
         prompt_logprobs=params.decoder_input_details,
+        adapter=params.adapter_id or None,
     )
 
 

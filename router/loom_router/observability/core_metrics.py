@@ -53,6 +53,7 @@ class EngineStatsCollector(Collector):
         for reason, count in sorted(s.requests_finished.items()):
             finished.add_metric([reason], count)
         yield finished
+        yield from _per_adapter(s)
         yield _gauge("loom_host_blocks_total", "Host-RAM swap pool blocks", s.num_host_blocks_total)
         yield _gauge("loom_host_blocks_used", "Host-RAM swap pool blocks holding swapped KV", s.num_host_blocks_used)
         healthy = GaugeMetricFamily("loom_shard_healthy", "1 when the shard rank answered the last health check",
@@ -62,6 +63,17 @@ class EngineStatsCollector(Collector):
         yield healthy
         yield from tgi_gauges(s.num_running, s.num_waiting, s.num_blocks_used * s.block_size,
                               s.max_batch_total_tokens)
+
+
+def _per_adapter(s: EngineStats) -> Iterator[CounterMetricFamily]:
+    for name, doc, counts in (
+            ("loom_lora_requests", "Requests admitted per LoRA adapter", s.adapter_requests),
+            ("loom_lora_prompt_tokens", "Prompt tokens of the requests per LoRA adapter", s.adapter_prompt_tokens),
+            ("loom_lora_generated_tokens", "Tokens generated per LoRA adapter", s.adapter_generated_tokens)):
+        family = CounterMetricFamily(name, doc, labels=["adapter"])
+        for adapter, count in sorted(counts.items()):
+            family.add_metric([adapter], count)
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

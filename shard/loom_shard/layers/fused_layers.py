@@ -15,6 +15,7 @@ from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.quant_linear import QuantLinear
 from loom_shard.layers.rotary import KernelRope, Rope
+from loom_shard.lora.linear import unwrap
 from loom_shard.model_config import Activation
 
 FusedArgs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # the layers' tensors, their qkv biases
@@ -61,7 +62,9 @@ class FusedLayers:
 
 
 def _projections(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    """The layer's projections, without their LoRA wrappers (a step with adapter tokens runs the modules)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return unwrap(attn.qkv_proj), unwrap(attn.o_proj), unwrap(mlp.gate_up_proj), unwrap(mlp.down_proj)
 
 
 def _fusable(layer: DecoderLayer) -> bool:

@@ -38,6 +38,15 @@ INDEX_FILE_NAME = "model.safetensors.index.json"
 # A multimodal checkpoint's text model tensors, under either of transformers' layouts -> Loom's names.
 _TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                         ("language_model.lm_head.", "lm_head."))
+# A base model's tensors (an embedding model's checkpoint: no "model." prefix) -> Loom's names.
+_BASE_MODEL_PREFIXES = (("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."),
+                        ("norm.", "model.norm."))
+# Base models without an LM head (sentence-transformers' embedding checkpoints): served as their
+# causal LM with the head tied to the embeddings (only embeddings mean anything then).
+_BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+                "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM",
+                "Phi3Model": "Phi3ForCausalLM"}
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -54,7 +63,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 
 def config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """A ModelConfig from a parsed config.json; raises ModelLoadError naming `source`."""
-    config = _text_part(config)
+    config = _base_model(_text_part(config))
     architecture = _architecture(config, source)
     _reject_unsupported_features(config, architecture, source)
     try:
@@ -95,6 +104,14 @@ def _text_part(config: dict[str, Any]) -> dict[str, Any]:
         part = TEXT_PARTS.get(name)
         if part is not None:
             return {**part.defaults, **(config.get("text_config") or {}), "architectures": [part.architecture]}
+    return config
+
+
+def _base_model(config: dict[str, Any]) -> dict[str, Any]:
+    """A headless base model's config (`_BASE_MODELS`) -> its causal LM's, the head tied; any other unchanged."""
+    for name in config.get("architectures") or []:
+        if name in _BASE_MODELS:
+            return {**config, "architectures": [_BASE_MODELS[name]], "tie_word_embeddings": True}
     return config
 
 
@@ -237,7 +254,8 @@ def _loom_names(names_by_file: dict[str, Path]) -> dict[str, tuple[Path, str]]:
     tensors lose their prefix; the rest (other tensors, and a vision tower no name asks for) keep it."""
     out: dict[str, tuple[Path, str]] = {}
     for name, file in names_by_file.items():
-        loom = next((new + name.removeprefix(old) for old, new in _TEXT_MODEL_PREFIXES if name.startswith(old)), name)
+        prefixes = _TEXT_MODEL_PREFIXES + _BASE_MODEL_PREFIXES
+        loom = next((new + name.removeprefix(old) for old, new in prefixes if name.startswith(old)), name)
         out[loom] = (file, name)
     return out
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom_proto.step import Fork, NewRequest, SamplingParams, TokenLogprob
+from loom_proto.step import Fork, NewRequest, Pooling, SamplingParams, TokenLogprob
 from loom_shard.attention.metadata import SeqSpan
 
 
@@ -22,6 +22,9 @@ class RequestState:
     sampling: SamplingParams
     prompt_logprobs: bool = False
     pending_forks: list[Fork] = field(default_factory=list)  # created when the prompt completes
+    lora_id: int | None = None  # its LoRA adapter; None: the base model
+    pooling: Pooling = Pooling.NONE  # else an embedding request (nothing sampled)
+    pooled_sum: torch.Tensor | None = None  # mean pooling: the sum of its normed hidden states so far
 
 
 @dataclass(slots=True)
@@ -49,6 +52,8 @@ def new_request_state(new: NewRequest) -> RequestState:
         sampling=new.sampling,
         prompt_logprobs=new.prompt_logprobs,
         pending_forks=list(new.forks),
+        lora_id=new.lora_id,
+        pooling=new.pooling,
     )
 
 
@@ -61,6 +66,7 @@ def fork_state(parent: RequestState, fork: Fork) -> RequestState:
         num_computed=parent.num_computed,
         block_table=list(fork.block_table),
         sampling=fork.sampling,
+        lora_id=parent.lora_id,
     )
 
 
@@ -83,7 +89,7 @@ def logit_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int | None],
         logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
         rows.extend(offset + q - first for q in scored)
         sample_row = None
-        if s.reaches_end:  # its last token's logits, after each of its drafts' before them
+        if s.reaches_end and s.state.pooling is Pooling.NONE:  # its last token's logits, after each of its drafts' before them
             sample_row = len(rows)
             rows.extend(offset + s.num_compute - 1 - d for d in range(s.num_drafts, -1, -1))
         sample_rows.append(sample_row)

@@ -17,6 +17,7 @@ from loom_proto.step import (
     Fork,
     ModelInfo,
     NewRequest,
+    Pooling,
     SeqOutput,
     StepPlan,
     StepResult,
@@ -26,6 +27,8 @@ from loom_shard.attention.backend import BackendKind, select_backend
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.loading.quantize import quantized_summary
+from loom_shard.lora.adapter import AdapterError
+from loom_shard.lora.slots import HostFactors, LoraSlots
 from loom_shard.models.decoder import DecoderModel
 from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
 from loom_shard.runtime.kv_cache import (
@@ -47,6 +50,7 @@ from loom_shard.runtime.model_setup import (
     select_cpu_kernels,
 )
 from loom_shard.runtime.plan_check import PlanCheck
+from loom_shard.runtime.pooling import pool
 from loom_shard.runtime.requests import (
     RequestState,
     Scheduled,
@@ -85,6 +89,10 @@ class ModelRunner:
             if linears != "none":
                 log.info("dense linears: %s", linears)
             keep_freed_memory_mapped()
+        self.lora: LoraSlots | None = None  # --enable-lora: LoraLinear around the projections, device slots
+        if config.enable_lora:
+            self.lora = LoraSlots(self.model, config.max_loras_per_batch, config.max_lora_rank, config.rank,
+                                  config.world_size)
         mc = self.model.config
         self.kv_groups = KVGroups.of(mc.layer_windows)
         self.kv_spec = KVCacheSpec(self.kv_groups.num_slots, self.model.num_kv_heads, mc.head_dim, config.block_size,
@@ -204,6 +212,7 @@ class ModelRunner:
         start = time.perf_counter()
         kv = self._require_cache()
         PlanCheck(self.requests, kv, self.model.config.vocab_size, self.kv_groups.num_groups).validate(plan)
+        self._check_new(plan)
         self.release(plan.released_ids)
         kv.swap_out(plan.swap_out)
         kv.swap_in(plan.swap_in)
@@ -214,6 +223,39 @@ class ModelRunner:
         if phases is not None:
             phases.start, phases.forward_start, phases.end = start, forward_start, end
         return StepResult(outputs, forward_ms=(end - forward_start) * 1e3, total_ms=(end - start) * 1e3)
+
+    def _check_new(self, plan: StepPlan) -> None:
+        """The plan's adapters and embedding requests can run (ValueError before anything changes)."""
+        for new in plan.new_requests:
+            if new.pooling is Pooling.MEAN and new.num_cached:
+                raise ValueError(f"request {new.request_id}: mean pooling needs every prompt token computed")
+            if new.pooling is not Pooling.NONE and (new.forks or new.num_prompt_tokens != len(new.token_ids)):
+                raise ValueError(f"request {new.request_id}: an embedding request has one choice and no output")
+        lora_ids = {new.lora_id for new in plan.new_requests if new.lora_id is not None}
+        released = set(plan.released_ids)
+        lora_ids |= {self.requests[r.request_id].lora_id for r in plan.running_requests
+                     if r.request_id not in released and self.requests[r.request_id].lora_id is not None}
+        if lora_ids and self.lora is None:
+            raise ValueError("a request names a LoRA adapter; this shard serves none (--enable-lora)")
+        if self.lora is not None:
+            self.lora.check(lora_ids)
+
+    def load_lora(self, lora_id: int, path: str) -> None:
+        """Read and keep an adapter (loom_shard.lora.adapter.AdapterError: a bad one, nothing changed)."""
+        self.add_lora(lora_id, self.read_lora(path))
+
+    def read_lora(self, path: str) -> HostFactors:
+        """An adapter's factors read and checked, touching no state (beside steps). Raises AdapterError."""
+        if self.lora is None:
+            raise AdapterError("LoRA is off on this shard: start it with --enable-lora or --lora-adapter")
+        return self.lora.read(path)
+
+    def add_lora(self, lora_id: int, factors: HostFactors) -> None:
+        assert self.lora is not None
+        self.lora.add(lora_id, factors)
+
+    def unload_lora(self, lora_id: int) -> bool:
+        return self.lora is not None and self.lora.unload(lora_id)
 
     def _require_cache(self) -> PagedKVCache:
         if self.kv_cache is None:
@@ -239,13 +281,15 @@ class ModelRunner:
     def _execute(self, scheduled: list[Scheduled], masks: dict[int, bytes],
                  phases: StepPhases | None = None) -> list[SeqOutput]:
         input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
-        hidden = self._forward(input_ids, [s.span for s in scheduled])
+        hidden = self._forward(input_ids, scheduled)
+        embeddings = pool(self.model.norm, hidden, scheduled)
         rows, sample_rows, logprob_rows = logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
         if phases is not None:
             self._mark_sampling(phases)
         logprobs, prompt_tops = prompt_logprobs(logits, scheduled, logprob_rows)
-        finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end]
+        finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end and i not in embeddings
+                     and s.state.pooling is Pooling.NONE]
         samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
         outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=logprobs[i]) for i, s in enumerate(scheduled)]
         for (i, s), smps in zip(finishing, samples):
@@ -253,6 +297,8 @@ class ModelRunner:
             outputs[i].draft_samples = draft_samples(smps)
         for output, tops in zip(outputs, prompt_tops):
             output.prompt_top_tokens = tops
+        for i, vector in embeddings.items():
+            outputs[i].embedding = vector
         for s in scheduled:
             s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
         fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)
@@ -267,9 +313,26 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         phases.sample_start = time.perf_counter()
 
-    def _forward(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(spans):
+    def _forward(self, input_ids: list[int], scheduled: list[Scheduled]) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager;
+        with LoRA deltas for the sequences that name an adapter."""
+        spans = [s.span for s in scheduled]
+        if self.lora is None:
+            return self._forward_spans(input_ids, spans)
+        lora_ids = {s.state.lora_id for s in scheduled if s.state.lora_id is not None}
+        slots = self.lora.assign(lora_ids)
+        self.lora.batch.prepare([(slots.get(s.state.lora_id), s.num_compute) for s in scheduled],  # type: ignore[arg-type]
+                                self.lora.num_slots, self.device)
+        self.model.fused_layers.enabled = not self.lora.batch.active  # the C++ layers know no LoRA
+        try:
+            return self._forward_spans(input_ids, spans)
+        finally:
+            self.lora.batch.clear()
+            self.model.fused_layers.enabled = True
+
+    def _forward_spans(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
+        lora_active = self.lora is not None and self.lora.batch.active
+        if self.decode_graphs is not None and not lora_active and self.decode_graphs.can_run(spans):
             return self.decode_graphs.run(input_ids, spans)
         meta = self._metadata(spans)
         if self.decode_graphs is not None and meta.max_position > self.decode_graphs.spec.max_position:

@@ -16,7 +16,9 @@ def as_flags(config: ShardConfig) -> list[str]:
         value = getattr(config, name)
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
-        if value is not None:
+        if isinstance(value, tuple):  # a list flag: repeated
+            flags += [item for one in value for item in (option(name), one)]
+        elif value is not None:
             flags += [option(name), str(value)]
     return flags
 
@@ -26,7 +28,8 @@ CONFIG = ShardConfig(
     master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
     memory_fraction=0.5, cuda_graphs=False, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
     otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2", local_rank=0,
-    shard_secret_file="/etc/loom/secret",
+    shard_secret_file="/etc/loom/secret", enable_lora=True,
+    lora_adapter=("sql=/adapters/sql", "chat=/adapters/chat"), max_lora_rank=32, max_loras_per_batch=2, task="embed",
 )
 # A shard serves on a unix socket or on TCP, never both: the TCP fields in a config of their own.
 TCP_CONFIG = CONFIG.model_copy(update={"uds_path": None, "tcp_address": "0.0.0.0:7001",

@@ -1,0 +1,109 @@
+"""Multi-LoRA served by the real launcher: a tiny Llama folder with random PEFT adapters (two from
+--lora-adapter, one loaded while serving), float32 greedy tokens through OpenAI's `model` and TGI's
+`adapter_id` equal transformers + peft with each adapter merged, for a batch mixing three adapters
+and the base model; on one rank and on two tensor-parallel ranks. Bad adapters get 400 and change
+nothing; unknown names 404; unloading takes the name away."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Launcher, spawn_launcher, wait_healthy
+from test_families_e2e import NUM_NEW, VOCAB, save_family, text_of
+
+from tests.unit.shard.lora_adapters import ATTENTION, MLP, greedy, merged_model, write_adapter
+
+pytestmark = pytest.mark.slow
+PROMPTS = {None: [5, 9, 13, 17, 21, 2, 3], "a1": [7, 8, 9, 10], "a2": [30, 31, 32, 33, 34, 35, 36, 37, 38],
+           "a3": [11, 60, 12, 61, 13]}
+
+
+@pytest.fixture(scope="module")
+def lora_folder(e2e_dir: Path) -> tuple[Path, dict[str | None, list[int]], dict[str, Path]]:
+    """The base folder, each adapter's folder, and each prompt's reference answer."""
+    base = e2e_dir / "lora-base"
+    hf = save_family("llama", base)
+    adapters = {"a1": write_adapter(hf, e2e_dir / "lora-a1", seed=1, rank=4),
+                "a2": write_adapter(hf, e2e_dir / "lora-a2", seed=2, rank=8, targets=ATTENTION),
+                "a3": write_adapter(hf, e2e_dir / "lora-a3", seed=3, rank=2, targets=MLP)}
+    expected = {name: greedy(hf if name is None else merged_model(hf, adapters[name]), prompt, NUM_NEW)
+                for name, prompt in PROMPTS.items()}
+    return base, expected, adapters
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-rank", "two-ranks"])
+def served(request: pytest.FixtureRequest, e2e_dir: Path, lora_folder) -> Iterator[Launcher]:
+    base, _, adapters = lora_folder
+    launcher = spawn_launcher(e2e_dir, "--model-id", str(base), "--dtype", "float32", "--block-size", "4",
+                              "--max-total-tokens", "128", "--max-batch-total-tokens", "1024",
+                              "--num-shard", str(request.param), "--max-loras-per-batch", "3",
+                              "--lora-adapter", f"a1={adapters['a1']}", "--lora-adapter", f"a2={adapters['a2']}")
+    try:
+        wait_healthy(launcher)
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+def complete(launcher: Launcher, model: str | None, prompt: list[int]) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(f"{launcher.base_url}/v1/completions", timeout=120, json=body)
+
+
+def tokens_of(response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    return [VOCAB.index(t.strip()) for t in response.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def generate_tgi(launcher: Launcher, adapter: str, prompt: list[int]) -> list[int]:
+    response = httpx.post(f"{launcher.base_url}/generate", timeout=120, json={
+        "inputs": text_of(prompt), "parameters": {"max_new_tokens": NUM_NEW, "details": True, "adapter_id": adapter}})
+    assert response.status_code == 200, response.text
+    return [t["id"] for t in response.json()["details"]["tokens"]]
+
+
+def load(launcher: Launcher, name: str, path: Path | str) -> httpx.Response:
+    return httpx.post(f"{launcher.base_url}/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": name, "lora_path": str(path)})
+
+
+def model_ids(launcher: Launcher) -> dict[str, str | None]:
+    data = httpx.get(f"{launcher.base_url}/v1/models", timeout=10).json()["data"]
+    return {m["id"]: m["parent"] for m in data}
+
+
+def test_mixed_adapters_answer_like_merged_peft(served: Launcher, lora_folder) -> None:
+    base, expected, adapters = lora_folder
+    assert load(served, "a3", adapters["a3"]).status_code == 200
+    assert model_ids(served) == {"lora-base": None, "a1": "lora-base", "a2": "lora-base", "a3": "lora-base"}
+    with ThreadPoolExecutor(8) as pool:  # three adapters and the base model in the same steps, twice
+        jobs = [pool.submit(complete, served, name, prompt) for name, prompt in [*PROMPTS.items()] * 2]
+        answers = [tokens_of(job.result()) for job in jobs]
+    assert answers == [expected[name] for name in [*PROMPTS] * 2]
+    assert generate_tgi(served, "a2", PROMPTS["a2"]) == expected["a2"]
+    assert len({tuple(expected[name]) for name in PROMPTS}) == 4  # the adapters change the answers
+    metrics = httpx.get(f"{served.base_url}/metrics", timeout=10).text
+    assert 'loom_lora_requests_total{adapter="a2"} 3.0' in metrics
+
+
+def test_bad_and_unknown_adapters(served: Launcher, lora_folder, tmp_path: Path) -> None:
+    _, expected, adapters = lora_folder
+    before = model_ids(served)
+    (tmp_path / "adapter_config.json").write_text((adapters["a1"] / "adapter_config.json").read_text())
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    refused = load(served, "broken", tmp_path)
+    assert refused.status_code == 400 and "cannot be read" in refused.text
+    assert load(served, "a1", adapters["a2"]).status_code == 400  # the name is taken
+    assert model_ids(served) == before
+    assert complete(served, "nope", PROMPTS["a1"]).status_code == 404
+    assert tokens_of(complete(served, "a1", PROMPTS["a1"])) == expected["a1"]  # still served
+    unloaded = httpx.post(f"{served.base_url}/v1/unload_lora_adapter", json={"lora_name": "a3"}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    assert complete(served, "a3", PROMPTS["a3"]).status_code == 404
+    assert "a3" not in model_ids(served)
