@@ -13,7 +13,7 @@ import anthropic
 import pytest
 from api_fakes import FakeShardClient
 from router_harness import served_router
-from test_api import MAX_TOTAL_TOKENS, Harness, router_config
+from test_api import MAX_TOTAL_TOKENS, Harness, last_prompt, router_config, script
 
 from loom_router.tokenizer import Tokenizer
 from tests.net import free_port
@@ -38,16 +38,6 @@ async def client(harness: Harness) -> AsyncIterator[anthropic.AsyncAnthropic]:
     client = anthropic.AsyncAnthropic(base_url=harness.url, api_key="-", max_retries=0)  # type: ignore[attr-defined]
     yield client
     await client.close()
-
-
-def script(h: Harness, text: str, then_eos: bool = True) -> None:
-    h.backend.script = h.tokenizer.encode(text, add_special_tokens=False)
-    h.backend.eos_at = len(h.backend.script) if then_eos else None
-
-
-def last_prompt(h: Harness) -> str:
-    new = [r for plan in h.backend.shard.plans for r in plan.new_requests]
-    return h.tokenizer.decode(new[-1].token_ids)
 
 
 async def test_a_message_with_system_and_content_blocks(harness: Harness, client: anthropic.AsyncAnthropic) -> None:

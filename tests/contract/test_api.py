@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 from api_fakes import FakeShardClient
 from router_harness import InProcessRouter, start_router
@@ -26,6 +27,24 @@ class Harness:
     backend: FakeShardClient
     tokenizer: Tokenizer
     router: InProcessRouter
+
+
+def script(h: Harness, text: str, then_eos: bool = True) -> None:
+    """Every sequence the fake shard runs writes `text` (then EOS, unless then_eos is False)."""
+    h.backend.script = h.tokenizer.encode(text, add_special_tokens=False)
+    h.backend.eos_at = len(h.backend.script) if then_eos else None
+
+
+def last_prompt(h: Harness) -> str:
+    """The text of the last prompt the fake shard was sent."""
+    new = [r for plan in h.backend.shard.plans for r in plan.new_requests]
+    return h.tokenizer.decode(new[-1].token_ids)
+
+
+def openai_client(h: Harness) -> openai.AsyncOpenAI:
+    """The official client on the in-process app."""
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=h.router.app), base_url="http://loom/v1")
+    return openai.AsyncOpenAI(base_url="http://loom/v1", api_key="-", http_client=http, max_retries=0)
 
 
 def router_config(**overrides: object) -> RouterConfig:

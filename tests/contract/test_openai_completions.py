@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import httpx
 import openai
 import pytest
 from api_fakes import FakeShardClient
 from router_harness import start_router
-from test_api import MAX_TOTAL_TOKENS, Harness, expected_text, router_config
+from test_api import MAX_TOTAL_TOKENS, Harness, expected_text, openai_client, router_config
 
 from loom_router.tokenizer import Tokenizer
 
@@ -28,8 +27,7 @@ async def harness(backend: FakeShardClient, tokenizer: Tokenizer) -> AsyncIterat
 
 @pytest.fixture
 def client(harness: Harness) -> openai.AsyncOpenAI:
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=harness.router.app), base_url="http://loom/v1")
-    return openai.AsyncOpenAI(base_url="http://loom/v1", api_key="-", http_client=http, max_retries=0)
+    return openai_client(harness)
 
 
 async def test_echo_scores_every_prompt_token_from_the_second_with_its_alternatives(

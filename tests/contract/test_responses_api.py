@@ -14,7 +14,7 @@ import openai
 import pytest
 from api_fakes import FakeShardClient
 from router_harness import start_router
-from test_api import Harness, router_config
+from test_api import Harness, last_prompt, openai_client, router_config, script
 
 from loom_router.response_store import ResponseStore
 from loom_router.tokenizer import Tokenizer
@@ -35,18 +35,7 @@ async def harness(backend: FakeShardClient, tokenizer: Tokenizer) -> AsyncIterat
 
 @pytest.fixture
 def client(harness: Harness) -> openai.AsyncOpenAI:
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=harness.router.app), base_url="http://loom/v1")
-    return openai.AsyncOpenAI(base_url="http://loom/v1", api_key="-", http_client=http, max_retries=0)
-
-
-def script(h: Harness, text: str, then_eos: bool = True) -> None:
-    h.backend.script = h.tokenizer.encode(text, add_special_tokens=False)
-    h.backend.eos_at = len(h.backend.script) if then_eos else None
-
-
-def last_prompt(h: Harness) -> str:
-    new = [r for plan in h.backend.shard.plans for r in plan.new_requests]
-    return h.tokenizer.decode(new[-1].token_ids)
+    return openai_client(harness)
 
 
 async def test_create_retrieve_delete(harness: Harness, client: openai.AsyncOpenAI) -> None:

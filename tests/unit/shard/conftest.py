@@ -35,24 +35,9 @@ def kernel_isa(request: pytest.FixtureRequest) -> Iterator[kernels.Isa]:
     kernels.select(previous.isa.name if previous.isa else "off")
 
 
-TINY = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,  # small, so positions < 64 cross all three bands
-}
+# The tiny Llama-shaped config (without the families' larger initializer range).
+TINY = {key: value for key, value in families.BASE.items() if key != "initializer_range"}
+LLAMA3_SCALING = families.LLAMA3_SCALING
 
 
 @dataclass(slots=True)
