@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make serve` (serve the embedded model on port 3000)
-# and `make test` (run every test). Both set up .venv first; setup reruns only when a
+# and `make test` (run the tests; `make test-cluster` the multi-replica and multi-node ones). Both set up .venv first; setup reruns only when a
 # pyproject.toml or the proto change. The four components (proto/, router/, shard/,
 # launcher/) are installed editable; installing proto/ generates its gRPC stubs.
 
@@ -16,7 +16,7 @@ PORT ?= 3000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast test-gpu proto clean
+.PHONY: setup serve test test-fast test-cluster test-gpu proto clean
 
 setup: $(STAMP)
 
@@ -39,11 +39,16 @@ serve: $(STAMP)
 	$(BIN)/loom-launcher --port $(PORT) $(ARGS)
 
 # pytest exits 5 when it collects no test: that is not a failure of the code.
+# Every test but the multi-replica and multi-node ones (make test-cluster: four or more servers
+# on one machine, minutes each), so that the suite stays near 15 minutes on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+	$(BIN)/python -m pytest -q -m "not cluster" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+
+test-cluster: $(STAMP)
+	$(BIN)/python -m pytest -q -m cluster $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
+	$(BIN)/python -m pytest -q -m "not slow and not cluster" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
 
 # The CUDA set: tests/gpu (kernel vs float64, CUDA runner parity with transformers, graph replay
 # == eager, one-transfer sampler, serving on CUDA), the shard's unit tests on the GPU, and the

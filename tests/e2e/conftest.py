@@ -30,9 +30,10 @@ STOP_TIMEOUT_S = 60.0
 # Small limits keep warmup (one step of max-batch-prefill-tokens) and the KV pool small, so a
 # launcher starts quickly on 2 cores; "loom" is the `model` the tests send. A test's own flags
 # win (see `launcher_argv`).
+SERVED_MODEL = "loom"
 SMALL_LIMITS = {"--max-total-tokens": "512", "--max-input-tokens": "384",
                 "--max-batch-total-tokens": "4096", "--max-batch-prefill-tokens": "512",
-                "--host-kv-cache-bytes": str(64 << 20), "--served-model-name": "loom"}
+                "--host-kv-cache-bytes": str(64 << 20), "--served-model-name": SERVED_MODEL}
 
 
 

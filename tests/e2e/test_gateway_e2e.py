@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from tests.e2e.conftest import spawn_launcher, wait_healthy
+from tests.e2e.conftest import SERVED_MODEL, spawn_launcher, wait_healthy
 from tests.net import free_port
 
 if TYPE_CHECKING:
     from conftest import Launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 # Each replica's KV holds about four of the seven prefixes: round-robin sends every prefix to both
 # replicas and LRU thrashes, the cache-aware policy splits the prefixes between them.
@@ -117,7 +117,7 @@ def prefix_counters(replicas: list[Launcher]) -> tuple[float, float]:
 def bench_hit_rate(gateway: Gateway, replicas: list[Launcher], seed: int, result: Path) -> float:
     """Runs the shared-prefix workload through the gateway; returns Loom's prefix-cache hit rate."""
     before = prefix_counters(replicas)
-    argv = [sys.executable, "-m", "loom_bench.cli", "--backend", "openai", "--model", "default", "--base-url", gateway.base_url,
+    argv = [sys.executable, "-m", "loom_bench.cli", "--backend", "openai", "--model", SERVED_MODEL, "--base-url", gateway.base_url,
             "--dataset-name", "shared-prefix", "--num-prompts", "42", "--num-prefixes", str(NUM_PREFIXES),
             "--prefix-len", str(PREFIX_WORDS), "--random-input-len", "12", "--random-output-len", "4",
             "--concurrency", "2", "--seed", str(seed), "--no-progress", "--result-file", str(result)]
@@ -159,7 +159,7 @@ def process_tree(pid: int) -> list[int]:
 
 
 def completion(base_url: str, prompt: str, max_tokens: int) -> tuple[int, str]:
-    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     try:
         response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     except httpx.HTTPError as error:
@@ -182,7 +182,7 @@ def wait_until_admitted(replicas: list[Launcher], num_requests: int) -> int:
 def stream_completion(base_url: str, prompt: str, max_tokens: int, started: threading.Event) -> tuple[int, str]:
     """A streamed completion: (status, the last event or the transport error that ended it);
     `started` is set at its first event."""
-    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     last = ""
     try:
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:

@@ -22,7 +22,7 @@ from tests.net import free_port
 if TYPE_CHECKING:
     from conftest import Launcher, StartLauncher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30"]  # the tiny model's words
 SECRET = "e2e-multinode-secret"

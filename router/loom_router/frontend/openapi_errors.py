@@ -40,7 +40,12 @@ STREAMING_PATHS = {"/generate_stream": False, "/": True, "/v1/completions": True
                    "/v1/messages": True, "/v1/responses": True}
 # GET / is the playground's page (POST / is TGI's generate).
 UNKNOWN_MODEL = {404: "an unknown `model` (model_not_found)"}
+UNKNOWN_ADAPTER = {404: "no LoRA adapter of the name `parameters.adapter_id` gives"}
 EXTRA = {("get", "/"): {406: "the client's Accept takes no text/html"},
+         ("post", "/"): UNKNOWN_ADAPTER,
+         ("post", "/generate"): UNKNOWN_ADAPTER,
+         ("post", "/generate_stream"): UNKNOWN_ADAPTER,
+         ("post", "/v1/embeddings"): UNKNOWN_MODEL,
          ("get", "/v1/models/{model_id}"): UNKNOWN_MODEL,
          ("post", "/v1/completions"): UNKNOWN_MODEL | {400: "the prompt is longer than the context "
                                                             "(context_length_exceeded), or `suffix`"},
