@@ -29,6 +29,11 @@ SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom_shard.server"
 ROUTER_MODULE = "loom_router.main"
 ROUTER_EXIT_MARGIN_S = 10.0
+# glibc's malloc asks for transparent huge pages (madvise) for what it maps: the shard's weights,
+# KV cache and activations then cost one TLB entry per 2 MiB instead of per 4 KiB. Decode reads
+# all of them every step, and a TLB miss under a VM's nested paging is dear (bench/BENCHMARKS.md).
+# glibc before 2.35, other C libraries and THP set to "never" ignore it.
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 DESCRIPTION = ("Start Loom's shards and router and supervise them. "
                "Every flag can also be set as LOOM_<FLAG_IN_UPPER_SNAKE_CASE>.")
 
@@ -78,7 +83,14 @@ def child_env(environ: Mapping[str, str], num_threads: int) -> dict[str, str]:
     secret_vars = {env_var(name) for name in SECRET_FIELDS}
     kept = {name: value for name, value in environ.items() if name not in secret_vars}
     return {**kept, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(num_threads),
-            "MKL_NUM_THREADS": str(num_threads)}
+            "MKL_NUM_THREADS": str(num_threads), "GLIBC_TUNABLES": with_huge_pages(kept.get("GLIBC_TUNABLES", ""))}
+
+
+def with_huge_pages(tunables: str) -> str:
+    """GLIBC_TUNABLES with malloc on transparent huge pages, unless the operator chose otherwise."""
+    if HUGE_PAGES_TUNABLE in tunables:
+        return tunables
+    return ":".join(filter(None, [tunables, f"{HUGE_PAGES_TUNABLE}=1"]))
 
 
 def health_url(config: RouterConfig) -> str:

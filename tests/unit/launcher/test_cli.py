@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -222,6 +223,32 @@ def test_child_env_sets_threads_and_keeps_the_rest() -> None:
     env = child_env({"PATH": "/bin", "OMP_NUM_THREADS": "64"}, num_threads=2)
     assert env["PATH"] == "/bin" and env["OMP_NUM_THREADS"] == "2"
     assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_children_get_huge_pages_unless_the_operator_set_them() -> None:
+    assert child_env({}, num_threads=1)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert child_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, num_threads=1)["GLIBC_TUNABLES"] \
+        == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert child_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, num_threads=1)["GLIBC_TUNABLES"] \
+        == "glibc.malloc.hugetlb=0"
+
+
+def glibc_version() -> tuple[int, ...]:
+    name, version = platform.libc_ver()
+    return tuple(int(part) for part in version.split(".")) if name == "glibc" else (0,)
+
+
+def test_a_child_with_the_tunable_maps_huge_pages() -> None:
+    """Where THP is on (madvise or always) and glibc knows the tunable, a child's big buffer lands
+    on huge pages; elsewhere the child still runs (the tunable is ignored)."""
+    script = ("import re; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
+              "print(re.search(r'AnonHugePages:\\s+(\\d+)', open('/proc/self/smaps_rollup').read()).group(1))")
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(os.environ, 1), capture_output=True,
+                          text=True, check=True)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if "[never]" in (thp.read_text() if thp.exists() else "[never]") or glibc_version() < (2, 35):
+        pytest.skip("this machine has no transparent huge pages for malloc")
+    assert int(done.stdout) > 0
 
 
 def test_health_url_reaches_a_wildcard_bind_on_loopback() -> None:

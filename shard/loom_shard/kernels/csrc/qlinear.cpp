@@ -153,7 +153,8 @@ template <typename T>
 void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n, int64_t groups, const float* bias, T* out) {
   static_assert(kTiles % kTileCols == 0, "register tiles cover a group's tiles");
   // Parallel over column groups only: a column is computed whole by one thread.
-  // Rows go in chunks so that a chunk's activations stay in L2 while the thread's tiles stream by.
+  // Rows go in chunks so that a chunk's activations stay in L2 while the thread's tiles stream by;
+  // a group's first row tile prefetches the thread's next group.
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     for (int64_t chunk = 0; chunk < m; chunk += kRowChunk)
       for (int64_t g = first; g < last; ++g)
@@ -161,8 +162,10 @@ void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n
           QTiles wg = w;
           wg.group = g;
           wg.first_tile = tile;
-          for (int64_t r0 = chunk; r0 < std::min(m, chunk + kRowChunk); r0 += kRows)
+          for (int64_t r0 = chunk; r0 < std::min(m, chunk + kRowChunk); r0 += kRows) {
+            wg.prefetch = tile == 0 && r0 == chunk && g + 1 < last;
             run_rows<T>(format, wg, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), n, bias, out);
+          }
         }
   });
 }
@@ -195,7 +198,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     bias_f = bias->to(at::kFloat).contiguous();
     bp = bias_f.data_ptr<float>();
   }
-  const QTiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nb, 0, 0};
+  const QTiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nb, 0, 0, false};
   const QRows rows{q.data_ptr<uint8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), k, nb};
   if (x.scalar_type() == at::kFloat) matmul<float>(format, w, rows, m, out_features, groups, bp, out.data_ptr<float>());
   else matmul<at::BFloat16>(format, w, rows, m, out_features, groups, bp, out.data_ptr<at::BFloat16>());

@@ -48,6 +48,7 @@ struct QTiles {
   int64_t nb;
   int64_t group;
   int first_tile;
+  bool prefetch;  // start loading group + 1's weights while this tile computes
 
   const uint8_t* block(int64_t b, int c, int64_t bytes) const {
     return q + ((group * nb + b) * kTiles + first_tile + c) * bytes;
@@ -56,6 +57,16 @@ struct QTiles {
     return scales + ((group * nb + b) * kTiles + first_tile + c) * count;
   }
 };
+
+// Starts loading block b of the next group's tiles (the thread's next weights) into L2, so that
+// streaming the weights from memory overlaps this group's arithmetic.
+inline void prefetch_next(const QTiles& w, int64_t b, int64_t bytes, int64_t count) {
+  if (!w.prefetch) return;
+  const auto* q = reinterpret_cast<const char*>(w.q + ((w.group + 1) * w.nb + b) * kTiles * bytes);
+  for (int64_t i = 0; i < kTiles * bytes; i += 64) simd::prefetch_l2(q + i);
+  const auto* s = reinterpret_cast<const char*>(w.scales + ((w.group + 1) * w.nb + b) * kTiles * count);
+  for (int64_t i = 0; i < kTiles * count * static_cast<int64_t>(sizeof(at::Half)); i += 64) simd::prefetch_l2(s + i);
+}
 
 // Folds block b's exact dots into the accumulators: acc = fma(dot, d_w d_x, acc) [+ m_w s_x].
 template <int R, int C, bool kHasMin>
@@ -96,6 +107,7 @@ template <int R, int C>
 inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < x.nb; ++b) {
+    prefetch_next(w, b, kQ4Bytes, 2 * kCols);
     __m512i dot[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
@@ -127,6 +139,7 @@ inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&a
 template <int R, int C>
 inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
   for (int64_t b = 0; b < x.nb; ++b) {
+    prefetch_next(w, b, kQ8Bytes, kCols);
     __m512i dot[R][C];
     for (int c = 0; c < C; ++c) {
       const uint8_t* sums = w.block(b, c, kQ8Bytes) + 512;
@@ -181,6 +194,7 @@ template <int R, int C>
 inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < x.nb; ++b) {
+    prefetch_next(w, b, kQ4Bytes, 2 * kCols);
     __m256i sum16[R][C][2];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) sum16[r][c][0] = sum16[r][c][1] = _mm256_setzero_si256();
@@ -215,6 +229,7 @@ inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&a
 template <int R, int C>
 inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
   for (int64_t b = 0; b < x.nb; ++b) {
+    prefetch_next(w, b, kQ8Bytes, kCols);
     __m256i dot[R][C][2];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) dot[r][c][0] = dot[r][c][1] = _mm256_setzero_si256();
