@@ -2,7 +2,7 @@
 
 Logit processing (bias, penalties, EOS masking) and filters (temperature, top-k,
 top-p, typical-p, min-p) touch only the rows that ask for them; the common
-all-greedy batch is one argmax plus one log_softmax gather.
+all-greedy batch is one pass per row (argmax and the log-softmax's terms) plus a gather.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from loom_proto.step import SamplingParams, TokenLogprob
+from loom_shard import kernels
 from loom_shard.runtime.token_mask import apply_allowed_masks
 
 _MASK64 = (1 << 64) - 1
@@ -65,8 +66,32 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[Sample]
     logits = logits.float()
     processed = process_logits(logits, states)
     processed = apply_allowed_masks(processed, [s.allowed_mask for s in states])
-    token_ids = _choose_tokens(processed, states)  # [num_seqs]
-    return _build_samples(logits, token_ids, states)
+    terms = logprob_terms(logits)
+    token_ids = _choose_tokens(processed, states, terms.argmax if processed is logits else processed.argmax(dim=-1))
+    return _build_samples(logits, token_ids, states, terms)
+
+
+@dataclass(slots=True)
+class LogprobTerms:
+    """Per row of the raw logits: the greedy token, and the log-softmax's terms, so that
+    logprob(token) = (logit - max) - log_sum (torch's log_softmax order)."""
+
+    argmax: torch.Tensor  # [rows] int64
+    max: torch.Tensor  # [rows] float32
+    log_sum: torch.Tensor  # [rows] float32: log(sum(exp(logits - max)))
+
+    def logprobs(self, values: torch.Tensor) -> torch.Tensor:
+        """values [rows, k] of raw logits -> their logprobs."""
+        return (values - self.max.unsqueeze(1)) - self.log_sum.unsqueeze(1)
+
+
+def logprob_terms(logits: torch.Tensor) -> LogprobTerms:
+    """One pass per row in Loom's CPU kernel (no [rows, vocab] log-softmax written); torch's ops elsewhere."""
+    if logits.is_cpu and kernels.available():
+        return LogprobTerms(*kernels.ops().greedy_logprob_terms(logits))
+    row_max = logits.amax(dim=-1)
+    log_sum = (logits - row_max.unsqueeze(1)).exp().sum(dim=-1).log()
+    return LogprobTerms(logits.argmax(dim=-1), row_max, log_sum)
 
 
 def process_logits(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
@@ -126,10 +151,12 @@ def _is_greedy(params: SamplingParams) -> bool:
     return not params.do_sample or params.temperature <= 0.0
 
 
-def _choose_tokens(processed: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
-    token_ids = processed.argmax(dim=-1)  # [num_seqs]; the greedy answer for every row
+def _choose_tokens(processed: torch.Tensor, states: list[SeqSamplingState], greedy: torch.Tensor) -> torch.Tensor:
+    """greedy: processed's argmax per row, the answer for every greedy row."""
+    token_ids = greedy
     rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
     if rows:
+        token_ids = greedy.clone()
         index = torch.tensor(rows, dtype=torch.long, device=processed.device)
         sub_states = [states[i] for i in rows]
         probs = filtered_probs(processed.index_select(0, index), [s.params for s in sub_states])
@@ -252,18 +279,17 @@ def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
 
 
 def _build_samples(
-    raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState]
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState], terms: LogprobTerms
 ) -> list[Sample]:
-    # log_softmax, not logits - logsumexp: on the CPU logsumexp is ~10x slower for [32, 49152].
-    logprobs = raw_logits.log_softmax(dim=-1)  # [num_seqs, vocab]
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_seqs, 1]
-    max_top_n = min(max((s.params.top_n_tokens for s in states), default=0), logprobs.shape[-1])
+    vocab = raw_logits.shape[-1]
+    chosen = terms.logprobs(raw_logits.gather(1, token_ids.unsqueeze(1)))  # [num_seqs, 1]
+    max_top_n = min(max((s.params.top_n_tokens for s in states), default=0), vocab)
     if max_top_n > 0:  # torch.topk orders equal values differently for different batch shapes
-        max_top_n = min(max_top_n + _TIE_MARGIN, logprobs.shape[-1])
+        max_top_n = min(max_top_n + _TIE_MARGIN, vocab)
     columns = [token_ids.unsqueeze(1).double(), chosen.double()]
     if max_top_n > 0:
-        top = logprobs.topk(max_top_n, dim=-1)
-        columns += [top.indices.double(), top.values.double()]
+        top = raw_logits.topk(max_top_n, dim=-1)  # logprobs are the logits shifted per row: the same order
+        columns += [top.indices.double(), terms.logprobs(top.values).double()]
     # One device-to-host transfer for the whole step: float64 holds every token id and
     # float32 logprob exactly. Row: [token_id, logprob, top ids..., top logprobs...]
     table = torch.cat(columns, dim=1).cpu().tolist()

@@ -40,6 +40,7 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     results.append(ops.rms_norm(torch.randn(9, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype), 1e-5))
     table = torch.randn(64, 32, generator=gen)
     results.append(ops.rotary(torch.randn(7, 3, 64, generator=gen).to(dtype), torch.arange(7) * 9, table.cos(), table.sin()))
+    results += list(ops.greedy_logprob_terms(torch.randn(5, 1003, generator=gen) * 8))
     for head_dim in (32, 64, 96, 128, 256, 48):
         case = _attention_case(head_dim, dtype)
         results.append(ops.paged_attention(*case, head_dim**-0.5))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loom_proto.step import SamplingParams
+from loom_shard import kernels
 from loom_shard.runtime.sampler import SeqSamplingState, filtered_probs, process_row, sample
 
 VOCAB = 16
@@ -48,6 +49,19 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
         assert [t.token_id for t in s.top_tokens] == expected
         for t in s.top_tokens:
             assert t.logprob == pytest.approx(float(ref[row, t.token_id]), abs=1e-5)
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["cpu-kernel", "torch"])
+def test_greedy_tokens_and_logprobs_are_the_same_with_and_without_the_kernel(monkeypatch, use_kernels: bool):
+    if use_kernels and not kernels.available():
+        pytest.skip("Loom's CPU kernels are not in use here")
+    monkeypatch.setattr(kernels, "available", lambda: use_kernels)
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 4
+    out = sample(logits, [_state(top_n_tokens=3) for _ in range(4)])
+    ref = torch.log_softmax(logits, dim=-1)
+    assert [s.token_id for s in out] == logits.argmax(dim=-1).tolist()
+    assert [s.logprob for s in out] == pytest.approx(ref.max(dim=-1).values.tolist(), abs=2e-6)
+    assert [[t.token_id for t in s.top_tokens] for s in out] == ref.topk(3).indices.tolist()
 
 
 def test_logprob_is_from_raw_logits_even_when_processing_changes_the_choice():

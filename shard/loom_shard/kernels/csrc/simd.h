@@ -80,6 +80,11 @@ inline F16 permute(F16 a, const int* order) {
 
 inline __m256 fold_halves(F16 a) { return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)); }
 
+// The first lane of a that equals x or is NaN (torch.argmax's winner); 16 if none.
+inline int first_max_lane(F16 a, float x) {
+  const __mmask16 hit = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(x), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+  return hit ? __builtin_ctz(hit) : 16;
+}
 inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
   return _mm512_mask_reduce_max_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), a.v);
 }
@@ -163,6 +168,15 @@ inline F16 reduce16_raw(const F16* v) {
 
 inline __m256 fold_halves(F16 a) { return _mm256_add_ps(a.lo, a.hi); }
 
+// The first lane of a that equals x or is NaN (torch.argmax's winner); 16 if none.
+inline int first_max_lane(F16 a, float x) {
+  const __m256 m = _mm256_set1_ps(x);
+  const auto hits = [m](__m256 h) {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(h, m, _CMP_EQ_OQ), _mm256_cmp_ps(h, h, _CMP_UNORD_Q)));
+  };
+  const int hit = hits(a.lo) | (hits(a.hi) << 8);
+  return hit ? __builtin_ctz(hit) : 16;
+}
 inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
   const F16 kept = keep_first(a, n);
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
