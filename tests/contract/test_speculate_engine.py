@@ -98,7 +98,9 @@ async def test_n_choices_and_preemption(tokenizer: Tokenizer) -> None:
     requests = [(f"forks and pressure {i}", params(10 * i, max_new_tokens=24, n=1 + i % 3,
                                                    stop_sequences=[" brown fox"] if i % 2 else []))
                 for i in range(6)]
-    _, engine, _, _ = await same_as_plain(tokenizer, requests, num_blocks=40)
+    # 26 blocks of 4 tokens hold one 3-choice request (3 x 30 tokens) and little else: however the
+    # six arrive (a loaded machine admits them over several steps), their growth must preempt.
+    _, engine, _, _ = await same_as_plain(tokenizer, requests, num_blocks=26)
     stats = engine.stats()
     assert stats.preemptions_swap + stats.preemptions_recompute > 0
 
