@@ -75,6 +75,9 @@ def test_a_build_uses_only_its_own_instruction_set(isa: kernels.Isa) -> None:
         assert avx512 is None, f"AVX-512 instruction in the avx2 build: {avx512.group(0) if avx512 else ''}"
     else:
         assert avx512 is not None  # the check above can see AVX-512 when it is there
+    # The attention and qlinear prefetches survive compilation (GCC drops a loop of plain
+    # __builtin_prefetch calls): without them a batch-32 decode step spent ~15% more waiting on memory.
+    assert disassembly.count("prefetcht1") >= 10
 
 
 def test_selection_follows_the_cpu_and_refuses_a_build_it_cannot_run() -> None:
