@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.decoders import DecodeStream
 
 from loom_proto.embedded import EmbeddedModelMissing, embedded_model_path, is_default_model_id
-from loom_router.gguf_metadata import GGUFMetadataError, read_metadata
+from loom_proto.gguf_header import GGUFFormatError, read_metadata
 
 # GGUF token types (llama.cpp's llama_token_type)
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_BYTE = 1, 3, 4, 6
@@ -295,7 +295,7 @@ def tokenizer_from_gguf(path: Path) -> Tokenizer:
 def _gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
     try:
         return read_metadata(path, prefix="tokenizer.")
-    except (OSError, GGUFMetadataError) as e:  # a damaged or foreign file: say which, in one line
+    except (OSError, GGUFFormatError) as e:  # a damaged or foreign file: say which, in one line
         raise TokenizerLoadError(f"{path}: not a readable GGUF file ({e})") from e
 
 

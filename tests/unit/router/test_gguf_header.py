@@ -1,4 +1,4 @@
-"""The router's GGUF metadata reader gives what gguf's own reader gives, and refuses bad files in one line."""
+"""The GGUF header reader (loom_proto.gguf_header) gives what gguf's own reader gives, and refuses bad files in one line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from loom_router.gguf_metadata import GGUFMetadataError, read_metadata
+from loom_proto.gguf_header import GGUFFormatError, read_metadata
 from loom_router.tokenizer import TokenizerLoadError, _embedded_gguf_path, load_tokenizer
 
 
@@ -41,10 +41,10 @@ def test_every_value_type_reads_back(tmp_path: Path) -> None:
 
 
 def test_a_file_that_is_not_gguf_or_is_cut_short_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "text.gguf").write_text("hello")
-    with pytest.raises(GGUFMetadataError, match="magic"):
+    (tmp_path / "text.gguf").write_text("hello, this is not a GGUF file at all")
+    with pytest.raises(GGUFFormatError, match="magic"):
         read_metadata(tmp_path / "text.gguf")
     whole = _embedded_gguf_path().read_bytes()[:4096]  # the vocabulary runs past 4 KiB
     (tmp_path / "cut.gguf").write_bytes(whole)
-    with pytest.raises(TokenizerLoadError, match="not a readable GGUF file .*ends early"):
+    with pytest.raises(TokenizerLoadError, match="not a readable GGUF file .*truncated"):
         load_tokenizer(str(tmp_path / "cut.gguf"))
