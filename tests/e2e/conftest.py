@@ -6,6 +6,7 @@ launcher to stop or break. Logs go to a file, printed when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -152,27 +153,30 @@ def spawn_launcher(folder: Path, *extra_args: str, env: dict[str, str] | None = 
     return Launcher(process, f"http://127.0.0.1:{port}", log_path)
 
 
-@pytest.fixture(scope="module")
-def launcher(e2e_dir: Path) -> Iterator[Launcher]:
-    """One launcher shared by a module's tests that do not stop or break it."""
-    launcher = spawn_launcher(e2e_dir)
+@contextlib.contextmanager
+def serving(folder: Path, *extra_args: str) -> Iterator[Launcher]:
+    """A healthy launcher (spawn_launcher's) until the block ends, then stopped."""
+    launcher = spawn_launcher(folder, *extra_args)
     try:
         wait_healthy(launcher)
         yield launcher
     finally:
         launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def launcher(e2e_dir: Path) -> Iterator[Launcher]:
+    """One launcher shared by a module's tests that do not stop or break it."""
+    with serving(e2e_dir) as launcher:
+        yield launcher
 
 
 @pytest.fixture(scope="session")
 def fp32_launcher(e2e_dir: Path) -> Iterator[Launcher]:
     """One float32 launcher for the whole session: greedy outputs then do not depend on
     what else shares the batch, so tests can compare them exactly."""
-    launcher = spawn_launcher(e2e_dir, "--dtype", "float32")
-    try:
-        wait_healthy(launcher)
+    with serving(e2e_dir, "--dtype", "float32") as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 import transformers
-from conftest import Launcher, spawn_launcher, wait_healthy
+from conftest import Launcher, serving
 from test_families_e2e import EOS_ID, VOCAB, text_of
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -42,15 +42,6 @@ def save_plain(folder: Path) -> transformers.PreTrainedModel:
     return model
 
 
-def _serve(e2e_dir: Path, folder: Path, *extra: str) -> Iterator[Launcher]:
-    launcher = spawn_launcher(e2e_dir, "--model-id", str(folder), *ARGS, *extra)
-    try:
-        wait_healthy(launcher)
-        yield launcher
-    finally:
-        launcher.stop()
-
-
 @pytest.fixture(scope="module")
 def sentence_model(e2e_dir: Path):
     # Not in the test extras: the only local release (6.0.1) needs transformers >= 5, which the
@@ -67,7 +58,8 @@ def sentence_model(e2e_dir: Path):
 
 @pytest.fixture(scope="module")
 def st_served(e2e_dir: Path, sentence_model) -> Iterator[Launcher]:
-    yield from _serve(e2e_dir, sentence_model[0], "--max-concurrent-requests", "16")
+    with serving(e2e_dir, "--model-id", str(sentence_model[0]), *ARGS, "--max-concurrent-requests", "16") as launcher:
+        yield launcher
 
 
 def test_openai_client_gets_sentence_transformers_vectors(st_served: Launcher, sentence_model) -> None:
@@ -127,7 +119,7 @@ def plain_folder(e2e_dir: Path) -> tuple[Path, transformers.PreTrainedModel]:
 
 def test_task_embed_pools_the_last_token(e2e_dir: Path, plain_folder) -> None:
     folder, hf = plain_folder
-    for launcher in _serve(e2e_dir, folder, "--task", "embed"):
+    with serving(e2e_dir, "--model-id", str(folder), *ARGS, "--task", "embed") as launcher:
         ids = [VOCAB.index(w) for w in TEXTS[0].split()]
         with torch.no_grad():
             last = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import Launcher, spawn_launcher, wait_healthy
+from conftest import Launcher, serving
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from loom_router.frontend import reasoning
@@ -95,14 +95,10 @@ def served(request: pytest.FixtureRequest, e2e_dir: Path) -> Iterator[tuple[Laun
     """The family's launcher, float32, and its prompts with transformers' answers."""
     folder = e2e_dir / request.param
     cases = prompts_without_eos(save_family(request.param, folder), 4)
-    launcher = spawn_launcher(e2e_dir, "--model-id", str(folder), "--dtype", "float32", "--block-size", "4",
-                              "--max-total-tokens", "128", "--max-batch-total-tokens", "1024",
-                              "--max-batch-prefill-tokens", "64")
-    try:
-        wait_healthy(launcher)
+    with serving(e2e_dir, "--model-id", str(folder), "--dtype", "float32", "--block-size", "4",
+                 "--max-total-tokens", "128", "--max-batch-total-tokens", "1024",
+                 "--max-batch-prefill-tokens", "64") as launcher:
         yield launcher, cases
-    finally:
-        launcher.stop()
 
 
 def test_family_answers_with_transformers_tokens_through_every_api(served: tuple[Launcher, list]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Launcher, spawn_launcher, wait_healthy
+from conftest import Launcher, serving
 from test_families_e2e import NUM_NEW, VOCAB, save_family, text_of
 
 from tests.unit.shard.lora_adapters import ATTENTION, MLP, greedy, merged_model, write_adapter
@@ -38,15 +38,11 @@ def lora_folder(e2e_dir: Path) -> tuple[Path, dict[str | None, list[int]], dict[
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-rank", "two-ranks"])
 def served(request: pytest.FixtureRequest, e2e_dir: Path, lora_folder) -> Iterator[Launcher]:
     base, _, adapters = lora_folder
-    launcher = spawn_launcher(e2e_dir, "--model-id", str(base), "--dtype", "float32", "--block-size", "4",
-                              "--max-total-tokens", "128", "--max-batch-total-tokens", "1024",
-                              "--num-shard", str(request.param), "--max-loras-per-batch", "3",
-                              "--lora-adapter", f"a1={adapters['a1']}", "--lora-adapter", f"a2={adapters['a2']}")
-    try:
-        wait_healthy(launcher)
+    with serving(e2e_dir, "--model-id", str(base), "--dtype", "float32", "--block-size", "4",
+                 "--max-total-tokens", "128", "--max-batch-total-tokens", "1024",
+                 "--num-shard", str(request.param), "--max-loras-per-batch", "3",
+                 "--lora-adapter", f"a1={adapters['a1']}", "--lora-adapter", f"a2={adapters['a2']}") as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 def complete(launcher: Launcher, model: str | None, prompt: list[int]) -> httpx.Response:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from tests.e2e.conftest import STARTUP_TIMEOUT_S, spawn_launcher, wait_healthy
+from tests.e2e.conftest import STARTUP_TIMEOUT_S, serving, spawn_launcher, wait_healthy
 from tests.net import free_port
 
 if TYPE_CHECKING:
@@ -49,12 +49,8 @@ def greedy(base_url: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def single_host_tokens(e2e_dir: Path, tp_args: tuple[str, ...]) -> list[list[int]]:
-    launcher = spawn_launcher(e2e_dir, *tp_args)
-    try:
-        wait_healthy(launcher)
+    with serving(e2e_dir, *tp_args) as launcher:
         return greedy(launcher.base_url)
-    finally:
-        launcher.stop()
 
 
 def wait_for_line(launcher: Launcher, text: str) -> None:
