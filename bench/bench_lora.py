@@ -73,18 +73,6 @@ def decode_step_ms(runner: ModelRunner, lora_ids: list[int | None], num_steps: i
     return elapsed / num_steps * 1e3
 
 
-def modules_step_ms(runner: ModelRunner, batch: int, num_steps: int) -> float:
-    """The base model's step with its layers module by module (as a step with adapter tokens runs
-    them), without LoRA: what leaving loom::decoder_layers costs apart from the LoRA work."""
-    lora, runner.lora = runner.lora, None
-    runner.model.fused_layers.enabled = False
-    try:
-        return decode_step_ms(runner, [None] * batch, num_steps)
-    finally:
-        runner.lora = lora
-        runner.model.fused_layers.enabled = True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=32)
@@ -121,8 +109,6 @@ def main() -> None:
         for name, lora_ids in cases.items():
             step_ms = decode_step_ms(runner, lora_ids, args.steps)
             best[name] = min(best.get(name, step_ms), step_ms)
-        step_ms = modules_step_ms(runner, args.batch, args.steps)
-        best["base, modules"] = min(best.get("base, modules", step_ms), step_ms)
     for name, step_ms in best.items():
         print(f"decode batch {args.batch:3d}, {name:12s}: {step_ms:7.2f} ms/step ({args.batch / step_ms * 1e3:6.1f} tokens/s)")
     base, lora = best["base model"], best[f"{args.adapters} adapters"]

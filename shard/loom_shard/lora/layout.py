@@ -4,7 +4,7 @@ takes the same share of each factor as of the base weight.
 
 For a projection of P parts, each part's rank padded to R (--max-lora-rank):
 
-    A:   [in, P * R]     part p's lora_A.T in columns p*R .. p*R + r   (x @ A: every part's shrink)
+    A:   [P * R, in]     part p's lora_A in rows p*R .. p*R + r        (x @ A.T: every part's shrink)
     B_p: [R, out_p]      part p's lora_B.T in rows 0 .. r              (its columns of the output)
 
 so one shrink serves every part and each part's expand reads only its own factor (a block-diagonal
@@ -64,12 +64,12 @@ def local_sizes(proj: Projection, shapes: ModuleShapes, world_size: int) -> tupl
 
 def projection_factors(adapter: LoraAdapter, layer: int, proj: Projection, shapes: ModuleShapes, max_rank: int,
                        rank: int, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """This rank's (A [in_local, P*R], [B_p [R, out_p] per part]) of one projection, float32 on the
+    """This rank's (A [P*R, in_local], [B_p [R, out_p] per part]) of one projection, float32 on the
     host; None when the adapter leaves every part of it alone."""
     if not any((layer, part) in adapter.factors for part in proj.parts):
         return None
     in_local, outs = local_sizes(proj, shapes, world_size)
-    a_t = torch.zeros(in_local, len(proj.parts) * max_rank)
+    a_parts = torch.zeros(len(proj.parts) * max_rank, in_local)
     b_parts = [torch.zeros(max_rank, out_local) for out_local in outs]
     for p, (part, out_local) in enumerate(zip(proj.parts, outs)):
         factors = adapter.factors.get((layer, part))
@@ -80,6 +80,6 @@ def projection_factors(adapter: LoraAdapter, layer: int, proj: Projection, shape
             else:
                 b = b[rank * out_local : (rank + 1) * out_local]
             r = a.shape[0]
-            a_t[:, p * max_rank : p * max_rank + r] = a.T
+            a_parts[p * max_rank : p * max_rank + r] = a
             b_parts[p][:r] = b.T
-    return a_t, b_parts
+    return a_parts, b_parts

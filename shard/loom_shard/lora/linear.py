@@ -5,9 +5,12 @@ tokens are grouped by device slot, and each group gets one shrink (x @ A) and on
     grouped:        [t2 t5 | t1 t3]          segments: s0 rows 0..2, s2 rows 2..4
     padded (bmm):   slot 0: [t2 t5]  slot 1: [-  -]  slot 2: [t1 t3]   one bmm per factor
 
-When the groups are about even (decode steps) they are padded to one `bmm` over every slot;
-otherwise (a long prefill beside short ones) each segment runs its own two matmuls. Base-model
-tokens take no LoRA work at all.
+On the CPU with Loom's kernels, two C++ ops do it (`loom::lora_shrink`, `loom::lora_expand_`,
+kernels/csrc/lora.cpp): they group the tokens by slot themselves, read each factor once per step
+in its own dtype (bfloat16 halves the bytes that are a decode step's LoRA cost) and add the
+deltas in place. Elsewhere torch does it: when the groups are about even (decode steps) they are
+padded to one `bmm` over every slot; otherwise (a long prefill beside short ones) each segment
+runs its own two matmuls. Base-model tokens take no LoRA work at all.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from loom_shard import kernels
 
 PAD_WASTE = 2  # pad to one bmm while slots * longest group <= PAD_WASTE * adapter tokens
 
@@ -37,6 +42,7 @@ class LoraBatch:
     max_group: int = 0
     pad_full: bool = False  # every padded row holds a token (even groups): no zero row to add
     delta_rows: torch.Tensor | None = None  # [num_tokens] each token's row of the deltas; the last: zeros
+    token_slot: torch.Tensor | None = None  # [num_tokens] each token's slot, -1 for the base model (the kernels')
 
     @property
     def active(self) -> bool:
@@ -47,7 +53,7 @@ class LoraBatch:
         return self.pad_rows is not None
 
     def clear(self) -> None:
-        self.token_index = self.pad_rows = self.delta_rows = None
+        self.token_index = self.pad_rows = self.delta_rows = self.token_slot = None
         self.segments = []
         self.pad_full = False
 
@@ -69,6 +75,8 @@ class LoraBatch:
             order.extend(rows[slot])
             self.segments.append((slot, start, len(order)))
         self.token_index = torch.tensor(order, dtype=torch.long, device=device)
+        self.token_slot = torch.tensor([-1 if slot is None else slot for slot, n in seq_slots for _ in range(n)],
+                                       dtype=torch.long, device=device)
         self.max_group = longest = max(len(r) for r in rows.values())
         delta_row = [-1] * offset  # -1: a base-model token (the zero row)
         if num_slots * longest <= PAD_WASTE * len(order):
@@ -89,16 +97,16 @@ class LoraBatch:
 
 
 class LoraLinear(nn.Module):
-    """`base(x)` plus, for each adapter token, x @ A[slot] @ B[slot] (scaling folded into B).
+    """`base(x)` plus, for each adapter token, x @ A[slot].T @ B[slot] (scaling folded into B).
 
-    lora_a [num_slots, in, P*R] and lora_b (one per fused part p: [num_slots, R, out_p]) are device
+    lora_a [num_slots, P*R, in] and lora_b (one per fused part p: [num_slots, R, out_p]) are device
     slots that `loom_shard.lora.slots.LoraSlots` fills (loom_shard.lora.layout); `reduce_shrink`: a
     row-parallel projection under tensor parallelism, whose partial shrinks are summed over the ranks
-    before the expand.
+    before the expand; `on_kernels`: the factors are applied by Loom's CPU kernels.
     """
 
     def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: list[torch.Tensor], batch: LoraBatch,
-                 reduce_shrink: bool) -> None:
+                 reduce_shrink: bool, on_kernels: bool = False) -> None:
         super().__init__()
         self.base = base
         self.lora_a = lora_a  # not buffers: made on the model's device, never moved, never saved
@@ -107,6 +115,7 @@ class LoraLinear(nn.Module):
         self.num_out = sum(b.shape[2] for b in lora_b)
         self.batch = batch
         self.reduce_shrink = reduce_shrink
+        self.on_kernels = on_kernels
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -117,15 +126,24 @@ class LoraLinear(nn.Module):
         batch = self.batch
         if batch.delta_rows is None:
             return out
+        if self.on_kernels:
+            return self._kernels(x, out)
         deltas = self._padded(x) if batch.padded else self._segmented(x)  # [rows + 1, out], the last zeros
         return out.add_(deltas.index_select(0, batch.delta_rows))
+
+    def _kernels(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        ops = kernels.ops()
+        shrunk = ops.lora_shrink(x, self.lora_a, self.batch.token_slot)  # [tokens, P*R] float32
+        if self.reduce_shrink:
+            dist.all_reduce(shrunk)
+        return ops.lora_expand_(out, shrunk, self.lora_b, self.batch.token_slot)
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         num_slots, longest = self.lora_a.shape[0], batch.max_group
         rows = x if batch.pad_full else torch.cat([x, x.new_zeros(1, x.shape[1])])  # [tokens (+ 1), in]
         padded = rows.index_select(0, batch.pad_rows).view(num_slots, longest, x.shape[1])
-        shrunk = torch.bmm(padded.to(self.lora_a.dtype), self.lora_a)  # [slots, longest, P*R]
+        shrunk = torch.bmm(padded.to(self.lora_a.dtype), self.lora_a.transpose(1, 2))  # [slots, longest, P*R]
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
         deltas = shrunk.new_empty(num_slots * longest + 1, self.num_out)
@@ -141,7 +159,7 @@ class LoraLinear(nn.Module):
     def _segmented(self, x: torch.Tensor) -> torch.Tensor:
         segments = self.batch.segments
         xs = x.index_select(0, self.batch.token_index).to(self.lora_a.dtype)  # [lora tokens, in], grouped
-        shrunk = torch.cat([xs[start:end] @ self.lora_a[slot] for slot, start, end in segments])
+        shrunk = torch.cat([xs[start:end] @ self.lora_a[slot].T for slot, start, end in segments])
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
         deltas = shrunk.new_empty(xs.shape[0] + 1, self.num_out)

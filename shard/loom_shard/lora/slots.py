@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from loom_shard import kernels
 from loom_shard.lora.adapter import AdapterError, read_adapter
 from loom_shard.lora.layout import PROJECTIONS, Projection, local_sizes, module_shapes, projection_factors
 from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
@@ -21,11 +22,19 @@ from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 HostFactors = list[tuple[torch.Tensor, list[torch.Tensor]] | None]  # per LoraLinear (A, B per part), in order
 
 
+def on_kernels(param: torch.Tensor) -> bool:
+    """Whether Loom's CPU kernels apply the factors (loom::lora_shrink / lora_expand_)."""
+    return param.device.type == "cpu" and kernels.available()
+
+
 def factor_dtype(param: torch.Tensor) -> torch.dtype:
-    """The dtype the factors are kept and applied in: the model's on CUDA; float32 on CPU, where
+    """The dtype the factors are kept and applied in: the model's on CUDA and on Loom's CPU kernels
+    (which read bfloat16 factors at half float32's bytes); float32 on the CPU's torch path, where
     torch's bfloat16 bmm at these shapes ran 1.2x (one thread) to 9x (two, on a busy machine) slower
     than float32's (bench/BENCHMARKS.md, LoRA)."""
-    return param.dtype if param.device.type == "cuda" else torch.float32
+    if param.device.type == "cuda" or on_kernels(param):
+        return param.dtype
+    return torch.float32
 
 
 class LoraSlots:
@@ -45,6 +54,7 @@ class LoraSlots:
     def _install(self, model: nn.Module) -> None:
         param = next(model.parameters())
         self.dtype = factor_dtype(param)
+        use_kernels = on_kernels(param)
         for index, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
                 if proj.parts[0] not in self.shapes.shapes:
@@ -53,10 +63,10 @@ class LoraSlots:
                 base = unwrap(getattr(owner, proj.name))
                 in_local, outs = local_sizes(proj, self.shapes, self.world_size)
                 width = len(proj.parts) * self.max_rank
-                a = torch.zeros(self.num_slots, in_local, width, dtype=self.dtype, device=param.device)
+                a = torch.zeros(self.num_slots, width, in_local, dtype=self.dtype, device=param.device)
                 b = [torch.zeros(self.num_slots, self.max_rank, out, dtype=self.dtype, device=param.device)
                      for out in outs]
-                linear = LoraLinear(base, a, b, self.batch, proj.row_parallel and self.world_size > 1)
+                linear = LoraLinear(base, a, b, self.batch, proj.row_parallel and self.world_size > 1, use_kernels)
                 setattr(owner, proj.name, linear)
                 self.linears.append((index, proj, linear))
 

@@ -323,12 +323,10 @@ class ModelRunner:
         slots = self.lora.assign(lora_ids)
         self.lora.batch.prepare([(slots.get(s.state.lora_id), s.num_compute) for s in scheduled],  # type: ignore[arg-type]
                                 self.lora.num_slots, self.device)
-        self.model.fused_layers.enabled = not self.lora.batch.active  # the C++ layers know no LoRA
         try:
             return self._forward_spans(input_ids, spans)
         finally:
             self.lora.batch.clear()
-            self.model.fused_layers.enabled = True
 
     def _forward_spans(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
         lora_active = self.lora is not None and self.lora.batch.active

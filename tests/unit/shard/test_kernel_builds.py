@@ -41,6 +41,11 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     table = torch.randn(64, 32, generator=gen)
     results.append(ops.rotary(torch.randn(7, 3, 64, generator=gen).to(dtype), torch.arange(7) * 9, table.cos(), table.sin()))
     results += list(ops.greedy_logprob_terms(torch.randn(5, 1003, generator=gen) * 8))
+    token_slot = torch.tensor([1, -1, 0, 1, 1])
+    x, a = torch.randn(5, 100, generator=gen).to(dtype), torch.randn(2, 16, 100, generator=gen).to(dtype)
+    shrunk = ops.lora_shrink(x, a, token_slot)
+    b_parts = [torch.randn(2, 8, out, generator=gen).to(dtype) for out in (40, 24)]
+    results += [shrunk, ops.lora_expand_(torch.randn(5, 64, generator=gen).to(dtype), shrunk, b_parts, token_slot)]
     for head_dim in (32, 64, 96, 128, 256, 48):
         case = _attention_case(head_dim, dtype)
         results.append(ops.paged_attention(*case, head_dim**-0.5))

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard import kernels
 from loom_shard.lora.adapter import AdapterError
 from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import make_pair, random_tokens
@@ -36,9 +38,9 @@ def adapters(pair, tmp_path_factory) -> dict[int, object]:
     }
 
 
-def _runner(pair, slots: int, max_rank: int = 8) -> ModelRunner:
+def _runner(pair, slots: int, max_rank: int = 8, cpu_kernels: str = "auto") -> ModelRunner:
     config = ShardConfig(model_id="tiny", uds_path="", dtype="float32", block_size=BLOCK_SIZE, enable_lora=True,
-                         max_loras_per_batch=slots, max_lora_rank=max_rank)
+                         max_loras_per_batch=slots, max_lora_rank=max_rank, cpu_kernels=cpu_kernels)
     runner = ModelRunner(config, model=copy.deepcopy(pair.loom))
     with torch.inference_mode():
         runner.allocate_kv_cache(num_blocks=64, num_host_blocks=0)
@@ -63,8 +65,19 @@ def _run(runner: ModelRunner, prompts: dict[int, tuple[list[int], int | None]]) 
     return generated
 
 
-def test_mixed_batch_matches_merged_adapters(pair, adapters) -> None:
-    runner = _runner(pair, slots=4)
+@pytest.fixture(params=["auto", "off"], ids=["loom-kernels", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The CPU applies the factors with Loom's kernels (when a build runs here) or with torch's matmuls."""
+    if request.param == "auto" and not kernels.runnable_isas():
+        pytest.skip("no build of Loom's CPU kernels runs on this CPU")
+    previous = kernels.selection()
+    yield request.param
+    kernels.select(previous.isa.name if previous.isa else "off")
+
+
+def test_mixed_batch_matches_merged_adapters(pair, adapters, cpu_kernels: str) -> None:
+    runner = _runner(pair, slots=4, cpu_kernels=cpu_kernels)
+    assert all(linear.on_kernels == (cpu_kernels == "auto") for _, _, linear in runner.lora.linears)
     for lora_id, folder in adapters.items():
         runner.load_lora(lora_id, str(folder))
     prompts = {10: (random_tokens(9, 1), None), 11: (random_tokens(5, 2), 1), 12: (random_tokens(12, 3), 2),

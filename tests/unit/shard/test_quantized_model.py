@@ -18,6 +18,7 @@ from loom_shard.layers.quant_linear import QuantKind, QuantLinear
 from loom_shard.loading.quantize import quantized_summary
 from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
+from tests.unit.shard.lora_adapters import write_adapter
 from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
@@ -177,3 +178,38 @@ def test_quantized_weights_stay_only_on_one_cpu_rank(caplog: pytest.LogCaptureFi
         assert not keeps_quantized(ShardConfig(uds_path="", world_size=2), cpu)
         assert not keeps_quantized(ShardConfig(uds_path=""), torch.device("cuda", 0))
     assert "dequantized to the dtype" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decoder_layers_apply_lora_as_the_modules_do(tmp_path: Path, dtype: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step mixing two adapters and the base model: loom::decoder_layers adds each token's LoRA
+    deltas bit for bit as the LoraLinear modules do."""
+    path = tmp_path / "tiny.gguf"
+    reference = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
+    write_quantized_gguf(path, "llama", reference, tied=True)
+    config = ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize="auto", block_size=16,
+                         enable_lora=True, max_loras_per_batch=3, max_lora_rank=8)
+    runner = ModelRunner(config)
+    for lora_id, rank in ((1, 4), (2, 8)):
+        runner.load_lora(lora_id, str(write_adapter(reference, tmp_path / str(lora_id), seed=lora_id, rank=rank)))
+    slots = runner.lora.assign({1, 2})
+    spans = [SeqSpan(0, 40, [0, 1, 2]), SeqSpan(20, 12, [3, 4]), SeqSpan(37, 1, [5, 6, 7]),
+             SeqSpan(100, 1, list(range(8, 15)))]
+    seq_slots = [(slots[1], 40), (None, 12), (slots[2], 1), (slots[1], 1)]
+    ids = torch.tensor(random_tokens(54, seed=5, vocab=TINY["vocab_size"]))
+    meta = runner.attention.build_metadata(spans, 16)
+    model = runner.model
+    cache = make_cache(model, block_size=16, num_blocks=16, dtype=getattr(torch, dtype)).device_blocks
+    cache.normal_(generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(ids, cache.clone(), meta)
+        runner.lora.batch.prepare(seq_slots, runner.lora.num_slots, runner.device)
+        model.fused_layers.enabled = False
+        expected = model(ids, cache.clone(), meta)
+        model.fused_layers.enabled = True
+        monkeypatch.setattr(DecoderLayer, "forward", lambda *args: pytest.fail("the modules ran"))
+        got = model(ids, cache.clone(), meta)
+    assert torch.equal(got, expected)
+    changed = (got != base).any(dim=-1)
+    assert changed[:40].all() and not changed[40:52].any() and changed[52:].all()  # base tokens untouched

@@ -1,7 +1,8 @@
-// The decoder layers of a Llama-family model whose projections are Loom's quantized linears, in
-// one call from Python: the same kernels (loom::rms_norm, qlinear, rotary, paged_attention) and
-// ATen ops, in the same order and on the same shapes, as loom_shard/models/llama.py's modules,
-// so the result is bit-identical to them. What goes is the Python between the ~15 ops of each
+// The decoder layers of a Llama-family model whose projections are Loom's quantized linears (with
+// the LoRA deltas of a batch that names adapters), in one call from Python: the same kernels
+// (loom::rms_norm, qlinear, rotary, paged_attention, lora_shrink, lora_expand_) and ATen ops, in
+// the same order and on the same shapes, as the modules (layers/decoder.py, lora/linear.py), so
+// the result is bit-identical to them. What goes is the Python between the ~15 ops of each
 // layer (module calls, views, dispatch), which a second thread does not shorten: a batch-1 decode
 // step of the embedded model went 6.6 -> 4.1 ms at 2 threads (bench/BENCHMARKS.md).
 #include <ATen/ATen.h>
@@ -17,6 +18,7 @@
 namespace {
 
 constexpr int64_t kPerLayer = 10;  // tensors per layer in `weights`, in the order below
+constexpr int64_t kLoraPerLayer = 11;  // tensors per layer in `lora`
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
                    const c10::optional<at::Tensor>& bias = c10::nullopt) {
@@ -46,6 +48,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   return op.call(q, kv_layer, block_tables, query_starts, num_cached, scale, 0, 0.0, c10::nullopt);
 }
 
+// A projection's output plus its LoRA deltas (lora.cpp), as LoraLinear.forward adds them: `factors`
+// is the projection's A and its parts' B; no factors, the output as it is.
+at::Tensor with_lora(at::Tensor out, const at::Tensor& x, at::ArrayRef<at::Tensor> factors,
+                     const c10::optional<at::Tensor>& token_slot) {
+  if (factors.empty()) return out;
+  static auto shrink = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("lora_shrink"), "").typed<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  static auto expand = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("lora_expand_"), "").typed<at::Tensor(
+      at::Tensor, const at::Tensor&, at::TensorList, const at::Tensor&)>();
+  const at::Tensor h = shrink.call(x, factors[0], *token_slot);
+  return expand.call(out, h, factors.slice(1), *token_slot);
+}
+
 // Each token's K and V [num_tokens, kv_heads, head_dim] (rows of a wider tensor) into its slot of
 // the layer's cache [2, slots, kv_heads, head_dim]: index_copy_'s copies without its per-call cost
 // (at a batch-32 decode, two calls per layer took ~50x the time of the bytes they move).
@@ -70,12 +85,15 @@ void write_kv(const at::Tensor& flat, const at::Tensor& k, const at::Tensor& v, 
 // qkv scales, o packed, o scales, post_attention_layernorm.weight, gate_up packed, gate_up scales,
 // down packed, down scales; qkv_biases: per layer its qkv projection's bias (Qwen2) or none;
 // kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
+// lora: empty, or per layer the LoRA slots of qkv (A, B_q, B_k, B_v), o (A, B), gate_up (A, B_gate,
+// B_up) and down (A, B), with token_slot each token's adapter slot (-1: the base model).
 // Returns the final hidden states [num_tokens, hidden] (before the final norm), as LlamaModel.forward.
 at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
                           const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& positions,
                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& block_tables,
                           const at::Tensor& query_starts, const at::Tensor& num_cached, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t intermediate_size, double eps) {
+                          int64_t num_kv_heads, int64_t intermediate_size, double eps, at::TensorList lora,
+                          const c10::optional<at::Tensor>& token_slot) {
   const int64_t num_layers = kv_cache.size(0), head_dim = kv_cache.size(5);
   TORCH_CHECK(kv_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == x.size(0),
@@ -83,13 +101,19 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kPerLayer &&
                   static_cast<int64_t>(qkv_biases.size()) == num_layers,
               "decoder_layers: expected ", kPerLayer, " weight tensors and one qkv bias (or none) per layer");
+  TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == num_layers * kLoraPerLayer && token_slot),
+              "decoder_layers: expected ", kLoraPerLayer, " LoRA tensors per layer and a slot per token, or none");
   const int64_t num_tokens = x.size(0), hidden = x.size(1), qk_heads = num_heads + num_kv_heads;
   const int64_t qkv_features = (qk_heads + num_kv_heads) * head_dim;
   for (int64_t i = 0; i < num_layers; ++i) {
     const at::Tensor* w = weights.data() + i * kPerLayer;
+    const at::ArrayRef<at::Tensor> l = lora.empty() ? lora : lora.slice(i * kLoraPerLayer, kLoraPerLayer);
+    auto factors = [&](int64_t first, int64_t count) { return l.empty() ? l : l.slice(first, count); };
     const at::Tensor& kv_layer = kv_cache[i];
     // Attention (Attention.forward, paged_attention).
-    at::Tensor qkv = qlinear(rms_norm(x, w[0], eps), w[1], w[2], qkv_features, qkv_biases.get(i))
+    const at::Tensor normed = rms_norm(x, w[0], eps);
+    at::Tensor qkv = with_lora(qlinear(normed, w[1], w[2], qkv_features, qkv_biases.get(i)), normed, factors(0, 4),
+                               token_slot)
                          .view({num_tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), positions, cos, sin);
     std::vector<at::Tensor> q_k = qk.split_with_sizes({num_heads, num_kv_heads}, 1);
@@ -97,11 +121,14 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     write_kv(kv_layer.view({2, kv_layer.size(1) * kv_layer.size(2), num_kv_heads, head_dim}), q_k[1], v, slot_mapping);
     at::Tensor attended =
         paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
-    x = x + qlinear(attended, w[3], w[4], hidden);
+    x = x + with_lora(qlinear(attended, w[3], w[4], hidden), attended, factors(4, 2), token_slot);
     // Feed-forward (GatedMLP.forward).
-    at::Tensor gate_up = qlinear(rms_norm(x, w[5], eps), w[6], w[7], 2 * intermediate_size);
+    const at::Tensor normed_mlp = rms_norm(x, w[5], eps);
+    at::Tensor gate_up = with_lora(qlinear(normed_mlp, w[6], w[7], 2 * intermediate_size), normed_mlp, factors(6, 3),
+                                   token_slot);
     std::vector<at::Tensor> g_u = gate_up.split(intermediate_size, -1);
-    x = x + qlinear(at::silu(g_u[0]).mul_(g_u[1]), w[8], w[9], hidden);
+    const at::Tensor act = at::silu(g_u[0]).mul_(g_u[1]);
+    x = x + with_lora(qlinear(act, w[8], w[9], hidden), act, factors(9, 2), token_slot);
   }
   return x;
 }
@@ -111,6 +138,6 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
 TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_biases, Tensor kv_cache, Tensor slot_mapping, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor block_tables, Tensor query_starts, Tensor num_cached, "
-        "int num_heads, int num_kv_heads, int intermediate_size, float eps) -> Tensor");
+        "int num_heads, int num_kv_heads, int intermediate_size, float eps, Tensor[] lora, Tensor? token_slot) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -34,6 +34,15 @@ inline F16 load(const c10::BFloat16* p) {  // bfloat16 is the high half of a flo
 }
 inline F16 load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline void store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+// Rounded to the nearest bfloat16, ties to even, NaN as 0x7FC0: c10::BFloat16's own conversion.
+inline void store(c10::BFloat16* p, F16 a) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
 inline F16 add(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F16 sub(F16 a, F16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F16 mul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -112,6 +121,18 @@ inline F16 load(const c10::Half* p) {
 inline void store(float* p, F16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
+}
+inline __m128i narrow_bf16(__m256 a) {  // 8 floats to bfloat16 as c10::BFloat16 rounds them
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));  // each < 2^16
+}
+inline void store(c10::BFloat16* p, F16 a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16(a.lo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), narrow_bf16(a.hi));
 }
 #define LOOM_F16_BINARY(name, op) \
   inline F16 name(F16 a, F16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
