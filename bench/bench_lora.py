@@ -1,7 +1,8 @@
 """Multi-LoRA step cost: a batch of decodes spread over several adapters against the same batch on
 the base model, in the shard runner on the embedded SmolLM2-135M (Q4_1, Loom's kernels).
 
-Run: python bench/bench_lora.py [--batch 32] [--adapters 8] [--rank 8] [--dtype bfloat16] [--threads 2]
+Run: python bench/bench_lora.py [--batch 32] [--adapters 8] [--rank 8] [--max-lora-rank 16] [--dtype bfloat16]
+[--threads 2]
 Adapters are random PEFT folders of SmolLM2's shapes targeting every projection (q, k, v, o, gate,
 up, down). Each decode enters with 150-300 cached tokens (as bench_engine.py's). Reported: the mean
 step time of each case (min over interleaved rounds) and the ratio adapters / base.
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="the slots' rank (default: --rank)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=16)
@@ -93,7 +95,7 @@ def main() -> None:
               "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
               "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
     config = ShardConfig(model_id="bench", uds_path="", dtype=args.dtype, block_size=BLOCK_SIZE, enable_lora=True,
-                         max_loras_per_batch=args.adapters, max_lora_rank=args.rank)
+                         max_loras_per_batch=args.adapters, max_lora_rank=args.max_lora_rank or args.rank)
     runner = ModelRunner(config, model=model)
     num_blocks = args.batch * -(-(300 + args.steps + 2) // BLOCK_SIZE) + 8
     runner.allocate_kv_cache(num_blocks, num_host_blocks=1).device_blocks.normal_(

@@ -165,8 +165,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
 
     async def LoadLora(self, request: pb.LoadLoraRequest, context: grpc.aio.ServicerContext) -> pb.LoraResponse:
         try:
-            factors = await self._run(self._io, self._runner.read_lora, request.path)
-            await self._run(self._worker, self._runner.add_lora, request.lora_id, factors)
+            adapter = await self._run(self._io, self._runner.read_lora, request.path)
+            await self._run(self._worker, self._runner.add_lora, request.lora_id, adapter)
         except AdapterError as error:
             log.warning("adapter %s refused: %s", request.path, error)
             return pb.LoraResponse(ok=False, message=str(error))

@@ -82,7 +82,7 @@ class FusedLayers:
             x, weights, qkv_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
             paged.block_tables, paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
             layers[0].mlp.intermediate_size, layers[0].input_layernorm.eps, lora,
-            batch.token_slot if lora else None)
+            batch.token_slot if lora else None, batch.slot_ranks if lora else None)
 
 
 def _wrapped(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:

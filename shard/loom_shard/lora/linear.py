@@ -43,6 +43,7 @@ class LoraBatch:
     pad_full: bool = False  # every padded row holds a token (even groups): no zero row to add
     delta_rows: torch.Tensor | None = None  # [num_tokens] each token's row of the deltas; the last: zeros
     token_slot: torch.Tensor | None = None  # [num_tokens] each token's slot, -1 for the base model (the kernels')
+    slot_ranks: torch.Tensor | None = None  # [num_slots] int64, each slot's adapter's rank (LoraSlots keeps it)
 
     @property
     def active(self) -> bool:
@@ -133,10 +134,11 @@ class LoraLinear(nn.Module):
 
     def _kernels(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ops = kernels.ops()
-        shrunk = ops.lora_shrink(x, self.lora_a, self.batch.token_slot)  # [tokens, P*R] float32
+        batch = self.batch
+        shrunk = ops.lora_shrink(x, self.lora_a, batch.token_slot, batch.slot_ranks, len(self.lora_b))  # [tokens, P*R]
         if self.reduce_shrink:
             dist.all_reduce(shrunk)
-        return ops.lora_expand_(out, shrunk, self.lora_b, self.batch.token_slot)
+        return ops.lora_expand_(out, shrunk, self.lora_b, batch.token_slot, batch.slot_ranks)
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch

@@ -9,6 +9,7 @@ there are slots (--max-loras-per-batch); a plan that does is refused before anyt
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +20,13 @@ from loom_shard.lora.adapter import AdapterError, read_adapter
 from loom_shard.lora.layout import PROJECTIONS, Projection, local_sizes, module_shapes, projection_factors
 from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 
-HostFactors = list[tuple[torch.Tensor, list[torch.Tensor]] | None]  # per LoraLinear (A, B per part), in order
+
+@dataclass(slots=True, frozen=True)
+class HostAdapter:
+    """An adapter in host memory: its rank and, per LoraLinear in order, (A, B per part) or None."""
+
+    rank: int
+    factors: list[tuple[torch.Tensor, list[torch.Tensor]] | None]
 
 
 def on_kernels(param: torch.Tensor) -> bool:
@@ -45,10 +52,10 @@ class LoraSlots:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.rank, self.world_size = rank, world_size
         self.shapes = module_shapes(model)
-        self.batch = LoraBatch()
+        self.batch = LoraBatch(slot_ranks=torch.zeros(num_slots, dtype=torch.long))
         self.linears: list[tuple[int, Projection, LoraLinear]] = []  # (layer, Projection, module)
         self._install(model)
-        self.host: dict[int, HostFactors] = {}  # lora id -> factors per linear
+        self.host: dict[int, HostAdapter] = {}  # lora id -> its factors
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
 
     def _install(self, model: nn.Module) -> None:
@@ -74,24 +81,24 @@ class LoraSlots:
         """Read and check the adapter, keep it in host memory. Raises AdapterError (nothing changed)."""
         self.add(lora_id, self.read(path))
 
-    def add(self, lora_id: int, factors: HostFactors) -> None:
-        """Keep factors that `read` returned under lora_id."""
+    def add(self, lora_id: int, adapter: HostAdapter) -> None:
+        """Keep an adapter that `read` returned under lora_id."""
         if lora_id in self.host:
             raise AdapterError(f"adapter id {lora_id} is already loaded")
-        self.host[lora_id] = factors
+        self.host[lora_id] = adapter
 
-    def read(self, path: str | Path) -> HostFactors:
+    def read(self, path: str | Path) -> HostAdapter:
         """The adapter's factors per LoraLinear, this rank's share, in host memory. Touches no state
         (it may run beside a step). Raises AdapterError."""
         adapter = read_adapter(path, self.shapes, self.max_rank)
         pin = self.linears and self.linears[0][2].lora_a.device.type == "cuda"
-        factors: HostFactors = []
+        factors: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = []
         for layer, proj, _ in self.linears:
             pair = projection_factors(adapter, layer, proj, self.shapes, self.max_rank, self.rank, self.world_size)
             if pair is not None and pin:  # copied to the device slot without a staging copy
                 pair = (pair[0].pin_memory(), [b.pin_memory() for b in pair[1]])
             factors.append(pair)
-        return factors
+        return HostAdapter(adapter.rank, factors)
 
     def unload(self, lora_id: int) -> bool:
         """Forget the adapter (its slot becomes free); False when it was not loaded."""
@@ -126,7 +133,8 @@ class LoraSlots:
 
     @torch.no_grad()
     def _upload(self, lora_id: int, slot: int) -> None:
-        for (_, _, linear), pair in zip(self.linears, self.host[lora_id]):
+        adapter = self.host[lora_id]
+        for (_, _, linear), pair in zip(self.linears, adapter.factors):
             if pair is None:
                 linear.lora_a[slot].zero_()
                 for b in linear.lora_b:
@@ -135,7 +143,8 @@ class LoraSlots:
                 linear.lora_a[slot].copy_(pair[0], non_blocking=True)
                 for b, host in zip(linear.lora_b, pair[1]):
                     b[slot].copy_(host, non_blocking=True)
+        self.batch.slot_ranks[slot] = adapter.rank  # the kernels read no padding row beyond it
         self.resident[lora_id] = slot
 
 
-__all__ = ["AdapterError", "LoraSlots"]
+__all__ = ["AdapterError", "HostAdapter", "LoraSlots"]

@@ -28,7 +28,7 @@ from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, Se
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.loading.quantize import quantized_summary
 from loom_shard.lora.adapter import AdapterError
-from loom_shard.lora.slots import HostFactors, LoraSlots
+from loom_shard.lora.slots import HostAdapter, LoraSlots
 from loom_shard.models.decoder import DecoderModel
 from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
 from loom_shard.runtime.kv_cache import (
@@ -244,15 +244,15 @@ class ModelRunner:
         """Read and keep an adapter (loom_shard.lora.adapter.AdapterError: a bad one, nothing changed)."""
         self.add_lora(lora_id, self.read_lora(path))
 
-    def read_lora(self, path: str) -> HostFactors:
+    def read_lora(self, path: str) -> HostAdapter:
         """An adapter's factors read and checked, touching no state (beside steps). Raises AdapterError."""
         if self.lora is None:
             raise AdapterError("LoRA is off on this shard: start it with --enable-lora or --lora-adapter")
         return self.lora.read(path)
 
-    def add_lora(self, lora_id: int, factors: HostFactors) -> None:
+    def add_lora(self, lora_id: int, adapter: HostAdapter) -> None:
         assert self.lora is not None
-        self.lora.add(lora_id, factors)
+        self.lora.add(lora_id, adapter)
 
     def unload_lora(self, lora_id: int) -> bool:
         return self.lora is not None and self.lora.unload(lora_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -69,64 +71,94 @@ def test_greedy_logprob_terms_pick_a_nan_as_torch_does() -> None:
     assert log_sum.isnan().tolist() == [True, True, False]
 
 
-def _lora_case(dtype: torch.dtype, in_features: int, outs: list[int], rank: int = 8, slots: int = 4):
-    """Tokens of three adapters and the base model (-1), and factors in the slot layout LoraSlots uses."""
+@dataclass
+class LoraCase:
+    """Tokens of three adapters and the base model (slot -1), factors in the slot layout LoraSlots
+    uses ([slots, parts * R, in] and [slots, R, out_p] per part), each slot's rows beyond its
+    adapter's rank (slot_ranks) NaN: the kernels must never read them."""
+
+    x: torch.Tensor
+    a: torch.Tensor
+    b: list[torch.Tensor]
+    token_slot: torch.Tensor
+    slot_ranks: torch.Tensor
+
+    def shrink(self, rows: slice = slice(None)) -> torch.Tensor:
+        return kernels.ops().lora_shrink(self.x[rows], self.a, self.token_slot[rows], self.slot_ranks, len(self.b))
+
+    def expand(self, out: torch.Tensor, h: torch.Tensor, b: list[torch.Tensor] | None = None,
+               rows: slice = slice(None)) -> torch.Tensor:
+        return kernels.ops().lora_expand_(out, h, b or self.b, self.token_slot[rows], self.slot_ranks)
+
+    def reference(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h and out + deltas in float64, from the factors' rows within each slot's rank."""
+        rank = self.b[0].shape[1]
+        a, b = self.a.double().nan_to_num(0.0), [part.double().nan_to_num(0.0) for part in self.b]
+        h = torch.zeros(len(self.token_slot), a.shape[1], dtype=torch.float64)
+        expected = out.double()
+        for t, slot in enumerate(self.token_slot.tolist()):
+            if slot >= 0:
+                h[t] = self.x[t].double() @ a[slot].T
+                expected[t] += torch.cat([h[t, p * rank : (p + 1) * rank] @ part[slot] for p, part in enumerate(b)])
+        return h, expected
+
+
+def _lora_case(dtype: torch.dtype, in_features: int, outs: list[int], rank: int = 8) -> LoraCase:
     gen = torch.Generator().manual_seed(in_features)
     token_slot = torch.tensor([2, -1, 0, 2, 3, -1, 0, 0, 2, 3, 3])
+    slot_ranks = torch.tensor([rank, 0, 5, 2])
     x = torch.randn(len(token_slot), in_features, generator=gen).to(dtype)
-    a = (torch.randn(slots, len(outs) * rank, in_features, generator=gen) * 0.2).to(dtype)
-    b = [(torch.randn(slots, rank, out, generator=gen) * 0.2).to(dtype) for out in outs]
-    return x, a, b, token_slot
+    a = (torch.randn(4, len(outs) * rank, in_features, generator=gen) * 0.2).to(dtype)
+    b = [(torch.randn(4, rank, out, generator=gen) * 0.2).to(dtype) for out in outs]
+    for slot, used in enumerate(slot_ranks.tolist()):
+        for p, part in enumerate(b):
+            a[slot, p * rank + used : (p + 1) * rank] = float("nan")
+            part[slot, used:] = float("nan")
+    return LoraCase(x, a, b, token_slot, slot_ranks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features, outs", [(576, [576, 192, 192]), (72, [40]), (19, [33, 16])])
 def test_lora_shrink_and_expand_match_float64(dtype: torch.dtype, in_features: int, outs: list[int]) -> None:
     """Each adapter token gets x @ A[slot].T @ B[slot] added (base tokens nothing), on shapes with and
-    without a 16-lane tail."""
-    x, a, b, token_slot = _lora_case(dtype, in_features, outs)
-    h = kernels.ops().lora_shrink(x, a, token_slot)
-    out = torch.randn(len(token_slot), sum(outs)).to(dtype)
-    expected_h = torch.zeros(len(token_slot), a.shape[1], dtype=torch.float64)
-    expected = out.double()
-    for t, slot in enumerate(token_slot.tolist()):
-        if slot >= 0:
-            expected_h[t] = x[t].double() @ a[slot].double().T
-            parts = [expected_h[t, p * 8 : (p + 1) * 8] @ part[slot].double() for p, part in enumerate(b)]
-            expected[t] += torch.cat(parts)
+    without a 16-lane tail, slots of the full rank and of lower ranks."""
+    case = _lora_case(dtype, in_features, outs)
+    out = torch.randn(len(case.token_slot), sum(outs)).to(dtype)
+    expected_h, expected = case.reference(out)
+    h = case.shrink()
     torch.testing.assert_close(h.double(), expected_h, atol=1e-5, rtol=1e-5)
-    assert kernels.ops().lora_expand_(out, h, b, token_slot) is out
+    assert case.expand(out, h) is out
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # out rounded to bfloat16 once
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_lora_delta_of_a_token_is_bit_identical_in_any_batch() -> None:
-    x, a, b, token_slot = _lora_case(torch.bfloat16, 576, [576, 192, 192])
-    base = torch.randn(len(token_slot), 960).to(torch.bfloat16)
-    batch = kernels.ops().lora_expand_(base.clone(), kernels.ops().lora_shrink(x, a, token_slot), b, token_slot)
-    for t in range(len(token_slot)):
+    case = _lora_case(torch.bfloat16, 576, [576, 192, 192])
+    base = torch.randn(len(case.token_slot), 960).to(torch.bfloat16)
+    batch = case.expand(base.clone(), case.shrink())
+    for t in range(len(case.token_slot)):
         row = slice(t, t + 1)
-        alone = kernels.ops().lora_expand_(base[row].clone(), kernels.ops().lora_shrink(x[row], a, token_slot[row]),
-                                           b, token_slot[row])
-        assert torch.equal(alone, batch[row])
+        assert torch.equal(case.expand(base[row].clone(), case.shrink(row), rows=row), batch[row])
 
 
-def test_lora_kernels_refuse_a_slot_out_of_range() -> None:
-    x, a, _, _ = _lora_case(torch.float32, 72, [40])
+def test_lora_kernels_refuse_a_slot_or_rank_out_of_range() -> None:
+    case = _lora_case(torch.float32, 72, [40])
     with pytest.raises(RuntimeError, match="slot 4 out of range"):
-        kernels.ops().lora_shrink(x, a, torch.full((len(x),), 4))
+        kernels.ops().lora_shrink(case.x, case.a, torch.full((len(case.x),), 4), case.slot_ranks, 1)
+    with pytest.raises(RuntimeError, match="rank 9 is not in 0..8"):
+        kernels.ops().lora_shrink(case.x, case.a, case.token_slot, torch.tensor([9, 0, 0, 0]), 1)
 
 
 def test_lora_expand_rounds_to_bfloat16_as_torch_does() -> None:
     """A bfloat16 output is the float32 one rounded as torch rounds (nearest, ties to even), in the
     16-lane body and the scalar tail alike; a NaN stays a NaN (c10's 0x7FC0 where torch's vectorized
     conversion writes 0xFFFF)."""
-    x, a, b, token_slot = _lora_case(torch.bfloat16, 72, [40, 19])
-    shrunk = kernels.ops().lora_shrink(x, a, token_slot)
-    out = (torch.randn(len(token_slot), 59) * 100).to(torch.bfloat16).float()  # the same values either way
+    case = _lora_case(torch.bfloat16, 72, [40, 19])
+    shrunk = case.shrink()
+    out = (torch.randn(len(case.token_slot), 59) * 100).to(torch.bfloat16).float()  # the same values either way
     out[4, 3] = out[9, 50] = float("nan")
-    as_float = kernels.ops().lora_expand_(out.clone(), shrunk, [part.float() for part in b], token_slot)
-    as_bf16 = kernels.ops().lora_expand_(out.to(torch.bfloat16), shrunk, b, token_slot)
+    as_float = case.expand(out.clone(), shrunk, [part.float() for part in case.b])
+    as_bf16 = case.expand(out.to(torch.bfloat16), shrunk)
     nan = as_float.isnan()
     assert nan.sum() == 2 and torch.equal(as_bf16.isnan(), nan)
     assert torch.equal(as_bf16[~nan].view(torch.int16), as_float[~nan].to(torch.bfloat16).view(torch.int16))

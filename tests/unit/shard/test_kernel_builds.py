@@ -43,9 +43,11 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     results += list(ops.greedy_logprob_terms(torch.randn(5, 1003, generator=gen) * 8))
     token_slot = torch.tensor([1, -1, 0, 1, 1])
     x, a = torch.randn(5, 100, generator=gen).to(dtype), torch.randn(2, 16, 100, generator=gen).to(dtype)
-    shrunk = ops.lora_shrink(x, a, token_slot)
+    slot_ranks = torch.tensor([8, 5])
+    shrunk = ops.lora_shrink(x, a, token_slot, slot_ranks, 2)
     b_parts = [torch.randn(2, 8, out, generator=gen).to(dtype) for out in (40, 24)]
-    results += [shrunk, ops.lora_expand_(torch.randn(5, 64, generator=gen).to(dtype), shrunk, b_parts, token_slot)]
+    results += [shrunk,
+                ops.lora_expand_(torch.randn(5, 64, generator=gen).to(dtype), shrunk, b_parts, token_slot, slot_ranks)]
     for head_dim in (32, 64, 96, 128, 256, 48):
         case = _attention_case(head_dim, dtype)
         results.append(ops.paged_attention(*case, head_dim**-0.5))

@@ -48,17 +48,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   return op.call(q, kv_layer, block_tables, query_starts, num_cached, scale, 0, 0.0, c10::nullopt);
 }
 
+// Which adapter slot each token uses (-1: the base model) and each slot's adapter's rank.
+struct LoraSlots {
+  const c10::optional<at::Tensor>& token_slot;
+  const c10::optional<at::Tensor>& slot_ranks;
+};
+
 // A projection's output plus its LoRA deltas (lora.cpp), as LoraLinear.forward adds them: `factors`
 // is the projection's A and its parts' B; no factors, the output as it is.
-at::Tensor with_lora(at::Tensor out, const at::Tensor& x, at::ArrayRef<at::Tensor> factors,
-                     const c10::optional<at::Tensor>& token_slot) {
+at::Tensor with_lora(at::Tensor out, const at::Tensor& x, at::ArrayRef<at::Tensor> factors, const LoraSlots& slots) {
   if (factors.empty()) return out;
   static auto shrink = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("lora_shrink"), "").typed<at::Tensor(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
   static auto expand = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("lora_expand_"), "").typed<at::Tensor(
-      at::Tensor, const at::Tensor&, at::TensorList, const at::Tensor&)>();
-  const at::Tensor h = shrink.call(x, factors[0], *token_slot);
-  return expand.call(out, h, factors.slice(1), *token_slot);
+      at::Tensor, const at::Tensor&, at::TensorList, const at::Tensor&, const at::Tensor&)>();
+  const int64_t parts = static_cast<int64_t>(factors.size()) - 1;
+  const at::Tensor h = shrink.call(x, factors[0], *slots.token_slot, *slots.slot_ranks, parts);
+  return expand.call(out, h, factors.slice(1), *slots.token_slot, *slots.slot_ranks);
 }
 
 // Each token's K and V [num_tokens, kv_heads, head_dim] (rows of a wider tensor) into its slot of
@@ -86,14 +92,15 @@ void write_kv(const at::Tensor& flat, const at::Tensor& k, const at::Tensor& v, 
 // down packed, down scales; qkv_biases: per layer its qkv projection's bias (Qwen2) or none;
 // kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
 // lora: empty, or per layer the LoRA slots of qkv (A, B_q, B_k, B_v), o (A, B), gate_up (A, B_gate,
-// B_up) and down (A, B), with token_slot each token's adapter slot (-1: the base model).
+// B_up) and down (A, B), with token_slot each token's adapter slot (-1: the base model) and
+// slot_ranks each slot's adapter's rank.
 // Returns the final hidden states [num_tokens, hidden] (before the final norm), as LlamaModel.forward.
 at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
                           const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& positions,
                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& block_tables,
                           const at::Tensor& query_starts, const at::Tensor& num_cached, int64_t num_heads,
                           int64_t num_kv_heads, int64_t intermediate_size, double eps, at::TensorList lora,
-                          const c10::optional<at::Tensor>& token_slot) {
+                          const c10::optional<at::Tensor>& token_slot, const c10::optional<at::Tensor>& slot_ranks) {
   const int64_t num_layers = kv_cache.size(0), head_dim = kv_cache.size(5);
   TORCH_CHECK(kv_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == x.size(0),
@@ -101,8 +108,10 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kPerLayer &&
                   static_cast<int64_t>(qkv_biases.size()) == num_layers,
               "decoder_layers: expected ", kPerLayer, " weight tensors and one qkv bias (or none) per layer");
-  TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == num_layers * kLoraPerLayer && token_slot),
-              "decoder_layers: expected ", kLoraPerLayer, " LoRA tensors per layer and a slot per token, or none");
+  TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == num_layers * kLoraPerLayer && token_slot &&
+                                slot_ranks),
+              "decoder_layers: expected ", kLoraPerLayer, " LoRA tensors per layer with the token and slot ranks, or none");
+  const LoraSlots lora_slots{token_slot, slot_ranks};
   const int64_t num_tokens = x.size(0), hidden = x.size(1), qk_heads = num_heads + num_kv_heads;
   const int64_t qkv_features = (qk_heads + num_kv_heads) * head_dim;
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -113,7 +122,7 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     // Attention (Attention.forward, paged_attention).
     const at::Tensor normed = rms_norm(x, w[0], eps);
     at::Tensor qkv = with_lora(qlinear(normed, w[1], w[2], qkv_features, qkv_biases.get(i)), normed, factors(0, 4),
-                               token_slot)
+                               lora_slots)
                          .view({num_tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), positions, cos, sin);
     std::vector<at::Tensor> q_k = qk.split_with_sizes({num_heads, num_kv_heads}, 1);
@@ -121,14 +130,14 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     write_kv(kv_layer.view({2, kv_layer.size(1) * kv_layer.size(2), num_kv_heads, head_dim}), q_k[1], v, slot_mapping);
     at::Tensor attended =
         paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
-    x = x + with_lora(qlinear(attended, w[3], w[4], hidden), attended, factors(4, 2), token_slot);
+    x = x + with_lora(qlinear(attended, w[3], w[4], hidden), attended, factors(4, 2), lora_slots);
     // Feed-forward (GatedMLP.forward).
     const at::Tensor normed_mlp = rms_norm(x, w[5], eps);
     at::Tensor gate_up = with_lora(qlinear(normed_mlp, w[6], w[7], 2 * intermediate_size), normed_mlp, factors(6, 3),
-                                   token_slot);
+                                   lora_slots);
     std::vector<at::Tensor> g_u = gate_up.split(intermediate_size, -1);
     const at::Tensor act = at::silu(g_u[0]).mul_(g_u[1]);
-    x = x + with_lora(qlinear(act, w[8], w[9], hidden), act, factors(9, 2), token_slot);
+    x = x + with_lora(qlinear(act, w[8], w[9], hidden), act, factors(9, 2), lora_slots);
   }
   return x;
 }
@@ -138,6 +147,6 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
 TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_biases, Tensor kv_cache, Tensor slot_mapping, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor block_tables, Tensor query_starts, Tensor num_cached, "
-        "int num_heads, int num_kv_heads, int intermediate_size, float eps, Tensor[] lora, Tensor? token_slot) -> Tensor");
+        "int num_heads, int num_kv_heads, int intermediate_size, float eps, Tensor[] lora, Tensor? token_slot, Tensor? slot_ranks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

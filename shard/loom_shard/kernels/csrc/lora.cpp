@@ -2,10 +2,13 @@
 // device slot (or -1, the base model), and its delta is x @ A[slot]^T @ B[slot], computed in two
 // ops so that a row-parallel projection can sum the shrinks over its ranks in between:
 //
-//   lora_shrink(x [T, in], A [S, W, in], token_slot [T]) -> h [T, W] float32 (zero for base rows)
-//   lora_expand_(out [T, N], h [T, W], B_parts: [S, R, out_p] each, token_slot): out[:, part p] += h_p @ B_p
+//   lora_shrink(x [T, in], A [S, W, in], token_slot [T], slot_ranks [S], parts) -> h [T, W] float32
+//   lora_expand_(out [T, N], h [T, W], B_parts: [S, R, out_p] each, token_slot, slot_ranks):
+//       out[:, part p] += h_p @ B_p
 //
-// with W = parts * R (one shrink serves every fused part; part p's rank in h's columns p*R..).
+// with W = parts * R (one shrink serves every fused part; part p's rank in h's columns p*R..), R the
+// slots' rank (--max-lora-rank) and slot_ranks each slot's adapter's own rank: the padding rows of
+// A and B beyond it (zeros) are never read, and h is zero there and for base-model rows.
 // The factors are read once per step whatever the number of tokens of each adapter: tokens are
 // grouped by slot and each factor row (A) or column block (B) is applied to the whole group
 // while it is in L1. Factors may be bfloat16 or float32; accumulation is float32.
@@ -32,15 +35,23 @@ constexpr int kGroupRows = 4;   // tokens of one slot sharing each load of A
 constexpr int kFactorRows = 4;  // rows of A sharing each load of a token's x
 constexpr int64_t kExpandCols = 128;   // output columns of one expand work item
 
-// Batch rows per slot, in batch order; slots without tokens are empty.
-std::vector<std::vector<int64_t>> group_by_slot(const at::Tensor& token_slot, int64_t num_slots) {
+struct Groups {
+  std::vector<std::vector<int64_t>> rows;  // batch rows per slot, in batch order; empty: no token
+  std::vector<int64_t> ranks;              // each slot's adapter's rank
+};
+
+Groups group_by_slot(const at::Tensor& token_slot, const at::Tensor& slot_ranks, int64_t num_slots, int64_t rank) {
   TORCH_CHECK(token_slot.scalar_type() == at::kLong && token_slot.dim() == 1 && token_slot.is_contiguous(),
               "lora: token_slot must be a contiguous int64 vector");
-  std::vector<std::vector<int64_t>> groups(num_slots);
+  TORCH_CHECK(slot_ranks.scalar_type() == at::kLong && slot_ranks.numel() == num_slots && slot_ranks.is_contiguous(),
+              "lora: slot_ranks must hold one int64 per slot");
+  Groups groups{std::vector<std::vector<int64_t>>(num_slots),
+                std::vector<int64_t>(slot_ranks.data_ptr<int64_t>(), slot_ranks.data_ptr<int64_t>() + num_slots)};
+  for (int64_t r : groups.ranks) TORCH_CHECK(r >= 0 && r <= rank, "lora: a slot's rank ", r, " is not in 0..", rank);
   const int64_t* slot = token_slot.data_ptr<int64_t>();
   for (int64_t t = 0; t < token_slot.size(0); ++t) {
     TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "lora: slot ", slot[t], " out of range");
-    if (slot[t] >= 0) groups[slot[t]].push_back(t);
+    if (slot[t] >= 0) groups.rows[slot[t]].push_back(t);
   }
   return groups;
 }
@@ -78,18 +89,25 @@ void shrink_tile(const TX* x, const TA* a, const int64_t* rows, int rows_left, i
     }
 }
 
+struct ShrinkItem {
+  int64_t slot, w0;
+  int cols;  // factor rows w0 .. w0 + cols
+};
+
 template <typename TX, typename TA>
-void shrink(const TX* x, const TA* a, const std::vector<std::vector<int64_t>>& groups, int64_t k, int64_t width,
-            float* h) {
-  std::vector<int64_t> active;  // work items: (slot, first factor row w0) as slot * width + w0
-  for (int64_t s = 0; s < static_cast<int64_t>(groups.size()); ++s)
-    if (!groups[s].empty())
-      for (int64_t w = 0; w < width; w += kFactorRows) active.push_back(s * width + w);
-  at::parallel_for(0, static_cast<int64_t>(active.size()), 2, [&](int64_t first, int64_t last) {
+void shrink(const TX* x, const TA* a, const Groups& groups, int64_t k, int64_t width, int64_t parts, float* h) {
+  const int64_t rank = width / parts;
+  std::vector<ShrinkItem> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(groups.rows.size()); ++s)
+    if (!groups.rows[s].empty())
+      for (int64_t p = 0; p < parts; ++p)
+        for (int64_t r = 0; r < groups.ranks[s]; r += kFactorRows)
+          items.push_back({s, p * rank + r, static_cast<int>(std::min<int64_t>(kFactorRows, groups.ranks[s] - r))});
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 2, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
-      const int64_t s = active[item] / width, w0 = active[item] % width;
-      const std::vector<int64_t>& rows = groups[s];
-      const int cols = static_cast<int>(std::min<int64_t>(kFactorRows, width - w0));
+      const int64_t s = items[item].slot, w0 = items[item].w0;
+      const std::vector<int64_t>& rows = groups.rows[s];
+      const int cols = items[item].cols;
       for (size_t i = 0; i < rows.size(); i += kGroupRows)
         shrink_tile(x, a + (s * width + w0) * k, rows.data() + i, static_cast<int>(std::min<size_t>(kGroupRows, rows.size() - i)),
                     cols, k, h, w0, width);
@@ -98,25 +116,26 @@ void shrink(const TX* x, const TA* a, const std::vector<std::vector<int64_t>>& g
 }
 
 template <typename TX>
-void shrink_typed(const at::Tensor& x, const at::Tensor& a, const std::vector<std::vector<int64_t>>& groups,
-                  at::Tensor& h) {
+void shrink_typed(const at::Tensor& x, const at::Tensor& a, const Groups& groups, int64_t parts, at::Tensor& h) {
   const int64_t k = x.size(1), width = a.size(1);
   if (a.scalar_type() == at::kBFloat16)
-    shrink(x.data_ptr<TX>(), a.data_ptr<at::BFloat16>(), groups, k, width, h.data_ptr<float>());
+    shrink(x.data_ptr<TX>(), a.data_ptr<at::BFloat16>(), groups, k, width, parts, h.data_ptr<float>());
   else
-    shrink(x.data_ptr<TX>(), a.data_ptr<float>(), groups, k, width, h.data_ptr<float>());
+    shrink(x.data_ptr<TX>(), a.data_ptr<float>(), groups, k, width, parts, h.data_ptr<float>());
 }
 
-at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& token_slot) {
+at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& token_slot,
+                       const at::Tensor& slot_ranks, int64_t parts) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "lora_shrink: x must be a CPU [tokens, in] tensor");
   TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(2) == x.size(1), "lora_shrink: A must be [slots, W, in]");
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kFloat, "lora_shrink: bfloat16 or float32 factors");
   TORCH_CHECK(token_slot.size(0) == x.size(0), "lora_shrink: one slot per token");
+  TORCH_CHECK(parts > 0 && a.size(1) % parts == 0, "lora_shrink: A's rows must be parts x rank");
   const at::Tensor xc = x.contiguous();
   at::Tensor h = at::zeros({x.size(0), a.size(1)}, x.options().dtype(at::kFloat));
-  const auto groups = group_by_slot(token_slot, a.size(0));
-  if (x.scalar_type() == at::kBFloat16) shrink_typed<at::BFloat16>(xc, a, groups, h);
-  else if (x.scalar_type() == at::kFloat) shrink_typed<float>(xc, a, groups, h);
+  const Groups groups = group_by_slot(token_slot, slot_ranks, a.size(0), a.size(1) / parts);
+  if (x.scalar_type() == at::kBFloat16) shrink_typed<at::BFloat16>(xc, a, groups, parts, h);
+  else if (x.scalar_type() == at::kFloat) shrink_typed<float>(xc, a, groups, parts, h);
   else TORCH_CHECK(false, "lora_shrink: bfloat16 or float32 x");
   return h;
 }
@@ -137,8 +156,9 @@ inline void expand_ranks(F16* acc, int count, const int64_t* group, const float*
   }
 }
 
-// out[t, column + c] += sum_r h[t, hcol + r] * b[r, c] for c in [col0, col0 + cols), each t of the
-// slot: up to kGroupRows tokens share each load of b, each output one FMA chain over r = 0, 1, ...
+// out[t, column + c] += sum_r h[t, hcol + r] * b[r, c] for c in [col0, col0 + cols) and r < rank (the
+// slot's adapter's), each t of the slot: up to kGroupRows tokens share each load of b, each output
+// one FMA chain over r = 0, 1, ...
 template <typename TO, typename TB>
 void expand_block(TO* out, int64_t n, const float* h, int64_t width, int64_t hcol, const TB* b, int64_t rank,
                   int64_t out_p, int64_t column, int64_t col0, int64_t cols, const std::vector<int64_t>& rows) {
@@ -172,10 +192,10 @@ void expand_block(TO* out, int64_t n, const float* h, int64_t width, int64_t hco
 
 template <typename TO, typename TB>
 void expand(TO* out, int64_t n, const float* h, int64_t width, const std::vector<const TB*>& parts,
-            const std::vector<int64_t>& part_cols, int64_t rank, const std::vector<std::vector<int64_t>>& groups) {
+            const std::vector<int64_t>& part_cols, int64_t rank, const Groups& groups) {
   std::vector<ExpandItem> items;
-  for (int64_t s = 0; s < static_cast<int64_t>(groups.size()); ++s) {
-    if (groups[s].empty()) continue;
+  for (int64_t s = 0; s < static_cast<int64_t>(groups.rows.size()); ++s) {
+    if (groups.rows[s].empty() || groups.ranks[s] == 0) continue;
     for (int64_t p = 0; p < static_cast<int64_t>(parts.size()); ++p)
       for (int64_t c = 0; c < part_cols[p]; c += kExpandCols)
         items.push_back({s, p, c, std::min(kExpandCols, part_cols[p] - c)});
@@ -186,15 +206,14 @@ void expand(TO* out, int64_t n, const float* h, int64_t width, const std::vector
     for (int64_t i = first; i < last; ++i) {
       const ExpandItem& it = items[i];
       const TB* b = parts[it.part] + it.slot * rank * part_cols[it.part];
-      expand_block(out, n, h, width, it.part * rank, b, rank, part_cols[it.part], column[it.part], it.col0, it.cols,
-                   groups[it.slot]);
+      expand_block(out, n, h, width, it.part * rank, b, groups.ranks[it.slot], part_cols[it.part], column[it.part],
+                   it.col0, it.cols, groups.rows[it.slot]);
     }
   });
 }
 
 template <typename TO, typename TB>
-void expand_typed(at::Tensor& out, const at::Tensor& h, at::TensorList b_parts, int64_t rank,
-                  const std::vector<std::vector<int64_t>>& groups) {
+void expand_typed(at::Tensor& out, const at::Tensor& h, at::TensorList b_parts, int64_t rank, const Groups& groups) {
   std::vector<const TB*> parts;
   std::vector<int64_t> cols;
   for (const at::Tensor& b : b_parts) {
@@ -204,7 +223,8 @@ void expand_typed(at::Tensor& out, const at::Tensor& h, at::TensorList b_parts, 
   expand(out.data_ptr<TO>(), out.size(1), h.data_ptr<float>(), h.size(1), parts, cols, rank, groups);
 }
 
-at::Tensor lora_expand_(at::Tensor out, const at::Tensor& h, at::TensorList b_parts, const at::Tensor& token_slot) {
+at::Tensor lora_expand_(at::Tensor out, const at::Tensor& h, at::TensorList b_parts, const at::Tensor& token_slot,
+                        const at::Tensor& slot_ranks) {
   TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous(), "lora_expand_: out must be a contiguous CPU [tokens, N] tensor");
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.size(0) == out.size(0), "lora_expand_: h must be float32 [tokens, W]");
   TORCH_CHECK(!b_parts.empty() && token_slot.size(0) == out.size(0), "lora_expand_: factors and one slot per token");
@@ -218,7 +238,7 @@ at::Tensor lora_expand_(at::Tensor out, const at::Tensor& h, at::TensorList b_pa
   }
   TORCH_CHECK(total == out.size(1) && h.size(1) == rank * static_cast<int64_t>(b_parts.size()),
               "lora_expand_: the parts' columns must make out's, and h must hold R columns per part");
-  const auto groups = group_by_slot(token_slot, slots);
+  const Groups groups = group_by_slot(token_slot, slot_ranks, slots, rank);
   const bool b_bf16 = b_parts[0].scalar_type() == at::kBFloat16;
   TORCH_CHECK(b_bf16 || b_parts[0].scalar_type() == at::kFloat, "lora_expand_: bfloat16 or float32 factors");
   if (out.scalar_type() == at::kBFloat16) {
@@ -235,8 +255,8 @@ at::Tensor lora_expand_(at::Tensor out, const at::Tensor& h, at::TensorList b_pa
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
-  m.def("lora_shrink(Tensor x, Tensor a, Tensor token_slot) -> Tensor");
-  m.def("lora_expand_(Tensor(a!) out, Tensor h, Tensor[] b_parts, Tensor token_slot) -> Tensor(a!)");
+  m.def("lora_shrink(Tensor x, Tensor a, Tensor token_slot, Tensor slot_ranks, int parts) -> Tensor");
+  m.def("lora_expand_(Tensor(a!) out, Tensor h, Tensor[] b_parts, Tensor token_slot, Tensor slot_ranks) -> Tensor(a!)");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) {
   m.impl("lora_shrink", &lora_shrink);
