@@ -1,11 +1,13 @@
 """Multi-LoRA served by the real launcher: a tiny Llama folder with random PEFT adapters (two from
 --lora-adapter, one loaded while serving), float32 greedy tokens through OpenAI's `model` and TGI's
 `adapter_id` equal transformers + peft with each adapter merged, for a batch mixing three adapters
-and the base model; on one rank and on two tensor-parallel ranks. Bad adapters get 400 and change
-nothing; unknown names 404; unloading takes the name away."""
+and the base model; on one rank, on two tensor-parallel ranks, with n-gram speculation, and with
+overlapped steps. Bad adapters get 400 and change nothing; unknown names 404; unloading takes the
+name away."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,12 +37,14 @@ def lora_folder(e2e_dir: Path) -> tuple[Path, dict[str | None, list[int]], dict[
     return base, expected, adapters
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-rank", "two-ranks"])
+@pytest.fixture(scope="module", params=[("--num-shard", "1"), ("--num-shard", "2"), ("--speculate", "3"),
+                                        ("--overlap-steps",)],
+                ids=["one-rank", "two-ranks", "speculation", "overlap"])
 def served(request: pytest.FixtureRequest, e2e_dir: Path, lora_folder) -> Iterator[Launcher]:
     base, _, adapters = lora_folder
     with serving(e2e_dir, "--model-id", str(base), "--dtype", "float32", "--block-size", "4",
-                 "--max-total-tokens", "128", "--max-batch-total-tokens", "1024",
-                 "--num-shard", str(request.param), "--max-loras-per-batch", "3",
+                 "--max-total-tokens", "128", "--max-batch-total-tokens", "1024", *request.param,
+                 "--max-loras-per-batch", "3",
                  "--lora-adapter", f"a1={adapters['a1']}", "--lora-adapter", f"a2={adapters['a2']}") as launcher:
         yield launcher
 
@@ -88,6 +92,9 @@ def test_mixed_adapters_answer_like_merged_peft(served: Launcher, lora_folder) -
     assert len({tuple(expected[name]) for name in PROMPTS}) == 4  # the adapters change the answers
     metrics = httpx.get(f"{served.base_url}/metrics", timeout=10).text
     assert 'loom_lora_requests_total{adapter="a2"} 3.0' in metrics
+    if "--speculate" in served.process.args:  # adapter tokens were verified in drafts, not only decoded
+        drafted = re.search(r"^loom_spec_draft_tokens_total (\S+)$", metrics, re.MULTILINE)
+        assert drafted is not None and float(drafted.group(1)) > 0
 
 
 def test_bad_and_unknown_adapters(served: Launcher, lora_folder, tmp_path: Path) -> None:
