@@ -64,14 +64,16 @@ class SnapshotError(Exception):
         self.message = message
 
 
-def model_fingerprint(info: ModelInfo, tokenizer_hash: str) -> dict[str, Any]:
+def model_fingerprint(info: ModelInfo, tokenizer_hash: str, adapter: str = "") -> dict[str, Any]:
     """What a snapshot must agree with to be restored: the model, its dtype and quantization
-    (weights kept quantized compute other KV values than dequantized ones), its tokenizer."""
+    (weights kept quantized compute other KV values than dequantized ones), its tokenizer, and the
+    LoRA adapter its KV was computed with ("name@sha256:digest"; None: the base model, as in
+    snapshots written before adapters were recorded)."""
     return {
         "architecture": info.architecture, "num_layers": info.num_layers, "num_heads": info.num_heads,
         "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim, "hidden_size": info.hidden_size,
         "vocab_size": info.vocab_size, "dtype": info.dtype, "weights_hash": info.weights_hash,
-        "quantization": info.quantization, "tokenizer_hash": tokenizer_hash,
+        "quantization": info.quantization, "tokenizer_hash": tokenizer_hash, "adapter": adapter or None,
     }
 
 

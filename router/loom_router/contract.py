@@ -86,6 +86,7 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     token_ids: list[int] = []
     payload: bytes = b""  # response_put: the record to store
     path: str = ""
+    adapter: str | None = None  # snapshot_save: the LoRA adapter whose KV to save; None: the base model
 
 
 ToCore = Hello | Submit | Cancel | StopChoice | Call

@@ -171,7 +171,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             log.warning("adapter %s refused: %s", request.path, error)
             return pb.LoraResponse(ok=False, message=str(error))
         log.info("adapter %d loaded from %s", request.lora_id, request.path)
-        return pb.LoraResponse(ok=True)
+        return pb.LoraResponse(ok=True, digest=adapter.digest)
 
     async def UnloadLora(self, request: pb.UnloadLoraRequest, context: grpc.aio.ServicerContext) -> pb.LoraResponse:
         found = await self._on_worker(context, self._runner.unload_lora, request.lora_id)
@@ -244,19 +244,19 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
 
     async def _save(self, request: pb.SaveSnapshotRequest) -> SnapshotReply:
         self._parts.folder(request.dir_name)  # fail before copying anything (disabled, bad name)
-        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash, request.adapter)
         token_ids = list(request.token_ids)
         layout, kv = await self._run(self._worker, self._runner.read_kv, list(request.block_ids), len(token_ids))
         num_bytes = await self._run(self._io, self._parts.save, request.dir_name, fingerprint, token_ids, layout, kv)
         return SnapshotReply(SnapshotStatus.OK, num_bytes=num_bytes)
 
     async def _load(self, request: pb.LoadSnapshotRequest) -> SnapshotReply:
-        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash, request.adapter)
         loaded = await self._run(self._io, self._parts.load, request.dir_name, request.load_id, fingerprint)
         return SnapshotReply(SnapshotStatus.OK, num_bytes=loaded.num_bytes, token_ids=loaded.header.token_ids)
 
     async def _commit(self, request: pb.CommitSnapshotRequest) -> SnapshotReply:
-        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash)
+        fingerprint = model_fingerprint(self._runner.info(), request.tokenizer_hash, request.adapter)
         manifest = await self._run(self._io, self._parts.commit, request.staging_name, request.name,
                                    fingerprint, list(request.token_ids))
         return SnapshotReply(SnapshotStatus.OK, num_bytes=manifest.num_bytes)

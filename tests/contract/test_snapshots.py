@@ -35,20 +35,21 @@ class SnapshotFakeClient(FakeShardClient):
         self.parts = PartStore(root, rank=0, world_size=1)
         self.fill_calls: list[list[int]] = []
 
-    async def _fingerprint(self, tokenizer_hash: str) -> dict:
-        return model_fingerprint(await self.info(), tokenizer_hash)
+    async def _fingerprint(self, tokenizer_hash: str, adapter: str = "") -> dict:
+        return model_fingerprint(await self.info(), tokenizer_hash, adapter)
 
-    async def save_snapshot(self, dir_name, block_ids, token_ids, tokenizer_hash) -> list[SnapshotReply]:
+    async def save_snapshot(self, dir_name, block_ids, token_ids, tokenizer_hash, adapter="") -> list[SnapshotReply]:
         bs = self.block_size
         values = [self.shard.device[block_ids[p // bs]][p % bs] for p in range(len(token_ids))]
         assert values == list(token_ids), "the held blocks do not hold the sequence"
         kv = memoryview(struct.pack(f"<{2 * len(values)}f", *values, *values))  # "K" then "V"
         layout = KVLayout(1, len(values), 1, 1, "float32")
-        return [await _reply(asyncio.to_thread(self.parts.save, dir_name, await self._fingerprint(tokenizer_hash),
-                                               list(token_ids), layout, kv))]
+        return [await _reply(asyncio.to_thread(self.parts.save, dir_name,
+                                               await self._fingerprint(tokenizer_hash, adapter), list(token_ids),
+                                               layout, kv))]
 
-    async def load_snapshot(self, dir_name, load_id, tokenizer_hash) -> list[SnapshotReply]:
-        fingerprint = await self._fingerprint(tokenizer_hash)
+    async def load_snapshot(self, dir_name, load_id, tokenizer_hash, adapter="") -> list[SnapshotReply]:
+        fingerprint = await self._fingerprint(tokenizer_hash, adapter)
         return [await _reply(asyncio.to_thread(self.parts.load, dir_name, load_id, fingerprint))]
 
     async def fill_snapshot(self, load_id, block_ids, block_indices) -> list[SnapshotReply]:
@@ -60,8 +61,8 @@ class SnapshotFakeClient(FakeShardClient):
                 self.shard.device[block_id] = [int(v) for v in values[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]]
         return [SnapshotReply(SnapshotStatus.OK)]
 
-    async def commit_snapshot(self, staging_name, name, token_ids, tokenizer_hash) -> SnapshotReply:
-        fingerprint = await self._fingerprint(tokenizer_hash)
+    async def commit_snapshot(self, staging_name, name, token_ids, tokenizer_hash, adapter="") -> SnapshotReply:
+        fingerprint = await self._fingerprint(tokenizer_hash, adapter)
         manifest = asyncio.to_thread(self.parts.commit, staging_name, name, fingerprint, list(token_ids))
         return await _reply(_bytes_of(manifest))
 

@@ -8,6 +8,7 @@ name away."""
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.unit.shard.lora_adapters import ATTENTION, MLP, greedy, merged_model,
 pytestmark = pytest.mark.slow
 PROMPTS = {None: [5, 9, 13, 17, 21, 2, 3], "a1": [7, 8, 9, 10], "a2": [30, 31, 32, 33, 34, 35, 36, 37, 38],
            "a3": [11, 60, 12, 61, 13]}
+SNAPSHOT_PROMPT = [40, 44, 41, 45, 42, 46, 43, 47, 48, 52, 49, 53, 50]  # three full blocks of 4 and one token
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def lora_folder(e2e_dir: Path) -> tuple[Path, dict[str | None, list[int]], dict[
                 "a3": write_adapter(hf, e2e_dir / "lora-a3", seed=3, rank=2, targets=MLP)}
     expected = {name: greedy(hf if name is None else merged_model(hf, adapters[name]), prompt, NUM_NEW)
                 for name, prompt in PROMPTS.items()}
+    expected["a1 snapshot"] = greedy(merged_model(hf, adapters["a1"]), SNAPSHOT_PROMPT, NUM_NEW)
     return base, expected, adapters
 
 
@@ -44,6 +47,7 @@ def served(request: pytest.FixtureRequest, e2e_dir: Path, lora_folder) -> Iterat
     base, _, adapters = lora_folder
     with serving(e2e_dir, "--model-id", str(base), "--dtype", "float32", "--block-size", "4",
                  "--max-total-tokens", "128", "--max-batch-total-tokens", "1024", *request.param,
+                 "--snapshot-dir", tempfile.mkdtemp(dir=e2e_dir),
                  "--max-loras-per-batch", "3",
                  "--lora-adapter", f"a1={adapters['a1']}", "--lora-adapter", f"a2={adapters['a2']}") as launcher:
         yield launcher
@@ -112,3 +116,45 @@ def test_bad_and_unknown_adapters(served: Launcher, lora_folder, tmp_path: Path)
     assert unloaded.status_code == 200, unloaded.text
     assert complete(served, "a3", PROMPTS["a3"]).status_code == 404
     assert "a3" not in model_ids(served)
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def snapshot(launcher: Launcher, name: str, action: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{launcher.base_url}/snapshots/{name}?action={action}", json=body, timeout=60)
+
+
+def reload(launcher: Launcher, name: str, path: Path) -> None:
+    unloaded = httpx.post(f"{launcher.base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    assert load(launcher, name, path).status_code == 200
+
+
+def test_snapshots_record_the_adapter(served: Launcher, lora_folder) -> None:
+    """A snapshot saved for an adapter holds that adapter's KV and says so; restored, it serves
+    requests naming the same adapter (same files), never the base model or another adapter."""
+    _, expected, adapters = lora_folder
+    saved = snapshot(served, "a1-prompt", "save", {"token_ids": SNAPSHOT_PROMPT, "model": "a1"})
+    assert saved.status_code == 200, saved.text
+    assert snapshot(served, "x", "save", {"token_ids": SNAPSHOT_PROMPT, "model": "nope"}).status_code == 404
+    listed = {s["name"]: s for s in httpx.get(f"{served.base_url}/snapshots", timeout=10).json()["snapshots"]}
+    assert listed["a1-prompt"]["adapter"] == "a1" and listed["a1-prompt"]["fits"]
+    # Loaded again (a new number: the cache entries of the old one can never be hit) from the same
+    # files, the adapter still fits the snapshot; restoring it gives its requests the prefix.
+    reload(served, "a1", adapters["a1"])
+    assert snapshot(served, "a1-prompt", "restore").status_code == 200
+    hit = complete(served, "a1", SNAPSHOT_PROMPT)
+    assert cached_tokens(hit) == 12 and tokens_of(hit) == expected["a1 snapshot"]
+    assert cached_tokens(complete(served, None, SNAPSHOT_PROMPT)) == 0  # the base model's KV differs
+    # Another adapter's files under the same name: the snapshot does not fit it.
+    reload(served, "a1", adapters["a2"])
+    listed = {s["name"]: s for s in httpx.get(f"{served.base_url}/snapshots", timeout=10).json()["snapshots"]}
+    assert not listed["a1-prompt"]["fits"] and "LoRA adapter 'a1'" in listed["a1-prompt"]["reason"]
+    refused = snapshot(served, "a1-prompt", "restore")
+    assert refused.status_code == 409, refused.text
+    reload(served, "a1", adapters["a1"])
+    deleted = httpx.delete(f"{served.base_url}/snapshots/a1-prompt", timeout=60)
+    assert deleted.status_code == 200 and deleted.json()["cached_blocks_dropped"] == 0  # not restored for this load

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from loom_router.core.request import lora_hash_root
 from loom_router.types import BadRequestError, NotFoundError
 
 UNLOAD_POLL_S = 0.05
 
 
 class LoraBackend(Protocol):
-    async def load_lora(self, lora_id: int, path: str) -> list[tuple[bool, str]]: ...
+    async def load_lora(self, lora_id: int, path: str) -> list[tuple[bool, str, str]]: ...
     async def unload_lora(self, lora_id: int) -> None: ...
 
 
@@ -31,6 +32,17 @@ class Adapter:
     name: str
     lora_id: int
     path: str
+    digest: str = ""  # sha256 of its files, as the shards read them
+
+    @property
+    def identity(self) -> str:
+        """What a KV snapshot computed with it records: its name and its files' digest."""
+        return f"{self.name}@sha256:{self.digest}"
+
+    @property
+    def hash_root(self) -> int:
+        """The parent hash of its sequences' first KV block (loom_router.core.request.Sequence.hash_root)."""
+        return lora_hash_root(self.lora_id)  # type: ignore[return-value]
 
 
 class AdapterRegistry:
@@ -51,10 +63,19 @@ class AdapterRegistry:
         """The shards' number for an adapter name (None: the base model). Raises NotFoundError."""
         if name is None:
             return None
+        return self.get(name).lora_id
+
+    def get(self, name: str) -> Adapter:
+        """The adapter loaded under name. Raises NotFoundError."""
         adapter = self._by_name.get(name)
         if adapter is None:
             raise NotFoundError(f"The model `{name}` does not exist.")
-        return adapter.lora_id
+        return adapter
+
+    def by_identity(self, identity: str) -> Adapter | None:
+        """The loaded adapter with this identity (`Adapter.identity`): same name, same files."""
+        adapter = self._by_name.get(identity.rpartition("@sha256:")[0])
+        return adapter if adapter is not None and adapter.identity == identity else None
 
     async def load(self, name: str, path: str) -> Adapter:
         """Load on every rank. Raises BadRequestError (nothing changed)."""
@@ -67,12 +88,12 @@ class AdapterRegistry:
                 raise BadRequestError(f"The lora adapter '{name}' has already been loaded.")
             lora_id = next(self._ids)
             replies = await self._client.load_lora(lora_id, path)
-            refusals = [message for ok, message in replies if not ok]
+            refusals = [message for ok, message, _ in replies if not ok]
             if refusals:
-                if any(ok for ok, _ in replies):
+                if any(ok for ok, _, _ in replies):
                     await self._client.unload_lora(lora_id)
                 raise BadRequestError(f"adapter '{name}' cannot be loaded: {refusals[0]}")
-            adapter = Adapter(name, lora_id, path)
+            adapter = Adapter(name, lora_id, path, replies[0][2])
             self._by_name[name] = adapter
             return adapter
 

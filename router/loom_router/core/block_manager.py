@@ -86,9 +86,20 @@ class _SeqTokens:
         return self._seq.hash_root
 
 
+class RootedTokens(list[int]):
+    """Token ids under a hash root: a LoRA adapter's KV (a snapshot of it), outside any sequence."""
+
+    __slots__ = ("hash_root",)
+
+    def __init__(self, token_ids: Iterable[int], hash_root: int | None) -> None:
+        super().__init__(token_ids)
+        self.hash_root = hash_root
+
+
 def _root(token_ids: Seq[int]) -> int | None:
-    """The parent hash of token_ids' first block: a sequence's adapter's (_SeqTokens), else None."""
-    return token_ids.hash_root if isinstance(token_ids, _SeqTokens) else None
+    """The parent hash of token_ids' first block: a sequence's adapter's (_SeqTokens) or the one
+    RootedTokens carry, else None (the base model)."""
+    return token_ids.hash_root if isinstance(token_ids, (_SeqTokens, RootedTokens)) else None
 
 
 @dataclass(slots=True)
@@ -99,6 +110,7 @@ class CachedFill:
     """
 
     token_ids: list[int]
+    root: int | None = None  # the parent hash of the first block (an adapter's KV)
     block_ids: list[int] = field(default_factory=list)
     block_indices: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chain hash of every full block of token_ids
@@ -590,8 +602,8 @@ class BlockManager:
         return len(fill.block_indices) <= self.num_free_blocks
 
     def _plan_fill(self, token_ids: Seq[int]) -> CachedFill:
-        fill = CachedFill(list(token_ids))
-        parent_hash = None
+        fill = CachedFill(list(token_ids), _root(token_ids))
+        parent_hash = fill.root
         for index in range(len(token_ids) // self.block_size):
             block_hash, block_id = self._lookup(parent_hash, self._block_tokens(token_ids, index))
             if block_id is None:
@@ -612,7 +624,7 @@ class BlockManager:
     def commit_cached(self, fill: CachedFill) -> None:
         """The shard filled the blocks: make them cache entries (ref 0, most recently used)."""
         for block_id, index in zip(fill.block_ids, fill.block_indices):
-            parent_hash = fill.hashes[index - 1] if index > 0 else None
+            parent_hash = fill.hashes[index - 1] if index > 0 else fill.root
             tokens = self._block_tokens(fill.token_ids, index)
             self._register(self.blocks[block_id], fill.hashes[index], parent_hash, tokens)
             self._release_block(block_id)

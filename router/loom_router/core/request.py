@@ -21,6 +21,11 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # stopped or cancelled; holds nothing
 
 
+def lora_hash_root(lora_id: int | None) -> int | None:
+    """The parent hash of the first KV block of a sequence run with this LoRA adapter (None: the base model's)."""
+    return None if lora_id is None else hash(("lora", lora_id))
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One choice of a request: its tokens, how far its KV is computed, and where it lives.
@@ -76,8 +81,7 @@ class Sequence:
     @property
     def hash_root(self) -> int | None:
         """The parent hash of its first block: its adapter's, so that two adapters never share KV."""
-        lora_id = self.group.lora_id
-        return None if lora_id is None else hash(("lora", lora_id))
+        return lora_hash_root(self.group.lora_id)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list."""

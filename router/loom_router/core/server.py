@@ -175,7 +175,7 @@ class EngineCoreServer:
         if call.method == "lora_list":
             return [[adapter.name, adapter.path] for adapter in adapters.list()]
         if call.method.startswith("snapshot_"):
-            return await snapshots.run(self._snapshots, call.method, call.name, call.token_ids)
+            return await snapshots.run(self._snapshots, call.method, call.name, call.token_ids, call.adapter)
         if call.method.startswith("response_"):  # one store for every frontend
             return self.responses.run(call.method, call.name, call.payload)
         raise ValueError(f"unknown call {call.method!r}")

@@ -270,11 +270,11 @@ class ShardClient:
 
     # ---- LoRA adapters: every rank holds its share of each ----------------------------------
 
-    async def load_lora(self, lora_id: int, path: str) -> list[tuple[bool, str]]:
-        """Each rank reads and checks the adapter; (ok, why not) per rank, in rank order."""
+    async def load_lora(self, lora_id: int, path: str) -> list[tuple[bool, str, str]]:
+        """Each rank reads and checks the adapter; (ok, why not, its files' sha256) per rank, in rank order."""
         request = pb.LoadLoraRequest(lora_id=lora_id, path=path)
         replies = await self._on_all(lambda r: r.stub.LoadLora(request, metadata=self._auth))
-        return [(m.ok, m.message) for m in replies]
+        return [(m.ok, m.message, m.digest) for m in replies]
 
     async def unload_lora(self, lora_id: int) -> None:
         request = pb.UnloadLoraRequest(lora_id=lora_id)
@@ -283,17 +283,20 @@ class ShardClient:
     # ---- snapshots: every rank handles its own part; the replies come back in rank order ----
 
     async def save_snapshot(self, dir_name: str, block_ids: Sequence[int], token_ids: Sequence[int],
-                            tokenizer_hash: str) -> list[SnapshotReply]:
-        """Each rank copies the blocks' KV and writes its part into the staging folder dir_name."""
+                            tokenizer_hash: str, adapter: str = "") -> list[SnapshotReply]:
+        """Each rank copies the blocks' KV and writes its part into the staging folder dir_name
+        (adapter: the LoRA adapter's identity the KV was computed with; empty: the base model)."""
         request = pb.SaveSnapshotRequest(dir_name=dir_name, block_ids=block_ids, token_ids=token_ids,
-                                         tokenizer_hash=tokenizer_hash)
+                                         tokenizer_hash=tokenizer_hash, adapter=adapter)
         metadata = self._metadata()
         replies = await self._on_all(lambda r: r.stub.SaveSnapshot(request, metadata=metadata))
         return [snapshot_reply_from_pb(m) for m in replies]
 
-    async def load_snapshot(self, dir_name: str, load_id: str, tokenizer_hash: str) -> list[SnapshotReply]:
+    async def load_snapshot(self, dir_name: str, load_id: str, tokenizer_hash: str,
+                            adapter: str = "") -> list[SnapshotReply]:
         """Each rank reads and verifies its part, keeping its KV under load_id."""
-        request = pb.LoadSnapshotRequest(dir_name=dir_name, load_id=load_id, tokenizer_hash=tokenizer_hash)
+        request = pb.LoadSnapshotRequest(dir_name=dir_name, load_id=load_id, tokenizer_hash=tokenizer_hash,
+                                         adapter=adapter)
         metadata = self._metadata()
         replies = await self._on_all(lambda r: r.stub.LoadSnapshot(request, metadata=metadata))
         return [snapshot_reply_from_pb(m) for m in replies]
@@ -309,10 +312,10 @@ class ShardClient:
     # ---- the snapshot folders: rank 0 handles them (the ranks share the directory) ----
 
     async def commit_snapshot(self, staging_name: str, name: str, token_ids: Sequence[int],
-                              tokenizer_hash: str) -> SnapshotReply:
+                              tokenizer_hash: str, adapter: str = "") -> SnapshotReply:
         """Rank 0 writes the manifest and renames the staging folder to `name`."""
         request = pb.CommitSnapshotRequest(staging_name=staging_name, name=name, token_ids=token_ids,
-                                           tokenizer_hash=tokenizer_hash)
+                                           tokenizer_hash=tokenizer_hash, adapter=adapter)
         metadata = self._metadata()
         reply = await self._on_rank0(lambda r: r.stub.CommitSnapshot(request, metadata=metadata))
         return snapshot_reply_from_pb(reply)

@@ -20,11 +20,12 @@ from loom_proto import snapshot as snap
 from loom_proto.snapshot import Manifest, SnapshotError, SnapshotReply, SnapshotStatus
 from loom_proto.step import SamplingParams
 from loom_router.contract import PromptInfo, Submit
-from loom_router.core.block_manager import CachedFill
+from loom_router.core.adapters import Adapter
+from loom_router.core.block_manager import CachedFill, RootedTokens
 from loom_router.core.engine import Engine
 from loom_router.core.scheduler import Scheduler
 from loom_router.core.shard_client import ShardError
-from loom_router.types import SnapshotHTTPError, ValidationError, error_for_status
+from loom_router.types import NotFoundError, SnapshotHTTPError, ValidationError, error_for_status
 
 log = logging.getLogger("loom.snapshots")
 
@@ -55,14 +56,14 @@ class _OneToken:
             self.done.set_exception(error_for_status(status, message))
 
 
-async def run(service: Snapshots, method: str, name: str, token_ids: list[int]) -> Any:
+async def run(service: Snapshots, method: str, name: str, token_ids: list[int], adapter: str | None = None) -> Any:
     """One snapshot operation for a frontend's Call; raises SnapshotHTTPError (ShardError: 500)."""
     if not service.engine.config.snapshot_dir:
         raise SnapshotHTTPError(501, DISABLED_MESSAGE, "disabled")
     try:
         with _span(service, method, name):  # the shards' snapshot spans are its children
             if method == "snapshot_save":
-                return await service.save(name, token_ids)
+                return await service.save(name, token_ids, adapter)
             if method == "snapshot_restore":
                 return await service.restore(name)
             if method == "snapshot_delete":
@@ -94,8 +95,17 @@ class Snapshots:
             self._tokenizer_hash = await asyncio.to_thread(self.engine.tokenizer.token_bytes_hash)
         return self._tokenizer_hash
 
-    async def fingerprint(self) -> dict[str, Any]:
-        return snap.model_fingerprint(self.engine.model_info, await self.tokenizer_hash())
+    async def fingerprint(self, adapter: str = "") -> dict[str, Any]:
+        return snap.model_fingerprint(self.engine.model_info, await self.tokenizer_hash(), adapter)
+
+    def _adapter(self, name: str | None) -> Adapter | None:
+        """The loaded adapter named (None: the base model). Raises SnapshotHTTPError 404."""
+        if name is None:
+            return None
+        try:
+            return self.engine.adapters.get(name)
+        except NotFoundError as error:
+            raise SnapshotHTTPError(404, str(error), "not_found") from None
 
     @property
     def world_size(self) -> int:
@@ -103,8 +113,11 @@ class Snapshots:
 
     # ---- save ----
 
-    async def save(self, name: str, token_ids: list[int]) -> dict[str, Any]:
+    async def save(self, name: str, token_ids: list[int], adapter_name: str | None = None) -> dict[str, Any]:
+        """Save token_ids' KV (computed with the adapter named, or the base model) as `name`."""
         start = time.perf_counter()
+        adapter = self._adapter(adapter_name)
+        identity = adapter.identity if adapter else ""
         try:
             self.engine.validate_lengths(len(token_ids), 1, 1)  # the frontend checked already
         except ValidationError as error:
@@ -113,18 +126,19 @@ class Snapshots:
         async with self._locks[name]:
             staging = f"{snap.STAGING_PREFIX}{uuid.uuid4().hex}"
             try:
-                await self._compute_and_write(staging, token_ids)
-                reply = await client.commit_snapshot(staging, name, token_ids, await self.tokenizer_hash())
+                await self._compute_and_write(staging, token_ids, adapter)
+                reply = await client.commit_snapshot(staging, name, token_ids, await self.tokenizer_hash(), identity)
                 _raise_for([reply])
             except BaseException:
                 await _quietly(client.delete_snapshot(staging))  # a partial staging folder
                 raise
         return _answer(name, len(token_ids), reply.num_bytes, start)
 
-    async def _compute_and_write(self, staging: str, token_ids: list[int]) -> None:
-        """Prefill what the cache lacks (one greedy token), then have the shards write the
-        KV of every token while the request's blocks are still held."""
-        request = Submit(-1, 0, token_ids, [SamplingParams(seed=0)], max_new_tokens=1, ignore_eos=True)
+    async def _compute_and_write(self, staging: str, token_ids: list[int], adapter: Adapter | None) -> None:
+        """Prefill what the cache lacks (one greedy token, with the adapter), then have the shards
+        write the KV of every token while the request's blocks are still held."""
+        request = Submit(-1, 0, token_ids, [SamplingParams(seed=0)], max_new_tokens=1, ignore_eos=True,
+                         adapter=adapter.name if adapter else None)
         sink = _OneToken()
         group_id = self.engine.add(request, sink, hold_blocks=True)
         try:
@@ -134,7 +148,8 @@ class Snapshots:
             num_blocks = -(-len(token_ids) // self.engine.scheduler.block_manager.block_size)
             block_ids = held.block_table[:num_blocks]
             replies = await self.engine.client.save_snapshot(staging, block_ids, token_ids,
-                                                             await self.tokenizer_hash())
+                                                             await self.tokenizer_hash(),
+                                                             adapter.identity if adapter else "")
         finally:
             self.engine.cancel(group_id)  # a no-op once finished
             self.engine.release_held(group_id)
@@ -147,12 +162,15 @@ class Snapshots:
         async with self._locks[name]:
             manifest = await self._manifest(name)
             await self._check(manifest)
+            identity = manifest.fingerprint.get("adapter") or ""
+            adapter = self.engine.adapters.by_identity(identity) if identity else None
+            root = adapter.hash_root if adapter else None  # its blocks are hit by requests naming it
             load_id = uuid.uuid4().hex
             client = self.engine.client
             try:
-                replies = await client.load_snapshot(name, load_id, await self.tokenizer_hash())
+                replies = await client.load_snapshot(name, load_id, await self.tokenizer_hash(), identity)
                 _raise_for(replies)
-                token_ids = _agreed_tokens(replies, manifest)
+                token_ids = RootedTokens(_agreed_tokens(replies, manifest), root)
                 fill = await self._between_steps(lambda s: _reserve(s, token_ids))
                 await self._fill(load_id, fill)
             finally:
@@ -177,7 +195,11 @@ class Snapshots:
     async def _mismatch(self, manifest: Manifest) -> str | None:
         if manifest.num_shards != self.world_size:
             return f"shard count: the snapshot has {manifest.num_shards}, the server {self.world_size} (--num-shard)"
-        mismatch = snap.find_mismatch(await self.fingerprint(), manifest.fingerprint)
+        identity = manifest.fingerprint.get("adapter") or ""
+        if identity and self.engine.adapters.by_identity(identity) is None:
+            return (f"its KV was computed with the LoRA adapter {_adapter_name(identity)!r}, which is not loaded "
+                    "(or not from the same files)")
+        mismatch = snap.find_mismatch(await self.fingerprint(identity), manifest.fingerprint)
         return None if mismatch is None else f"the snapshot is for another model: {mismatch}"
 
     async def _fill(self, load_id: str, fill: CachedFill) -> None:
@@ -211,15 +233,17 @@ class Snapshots:
 
     async def delete(self, name: str) -> dict[str, Any]:
         async with self._locks[name]:
+            _, found = await self.engine.client.list_snapshots(name)  # its manifest names its adapter
             reply = await self.engine.client.delete_snapshot(name)
             _raise_for([reply])
         # Its prefix-cache entries go too, unless a running request still uses them or another
         # snapshot (a copy, a longer one) holds the same tokens.
-        token_ids = reply.token_ids
+        manifest = found[0].manifest if found else None
+        token_ids = self._cached_tokens(manifest) if manifest else RootedTokens(reply.token_ids, None)
         listed, entries = await self.engine.client.list_snapshots()
         if listed.status is not SnapshotStatus.OK:
             return {"name": name, "deleted": True, "cached_blocks_dropped": 0}
-        keep = [entry.manifest.token_ids for entry in entries if entry.manifest is not None]
+        keep = [self._cached_tokens(entry.manifest) for entry in entries if entry.manifest is not None]
         num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids, keep))
         return {"name": name, "deleted": True, "cached_blocks_dropped": num_dropped}
 
@@ -234,9 +258,18 @@ class Snapshots:
                                "reason": entry.error.message})
                 continue
             manifest, reason = entry.manifest, await self._mismatch(entry.manifest)
+            identity = manifest.fingerprint.get("adapter")
             listed.append({"name": entry.name, "tokens": manifest.num_tokens, "bytes": manifest.num_bytes,
-                           "created": manifest.created, "fits": reason is None, "reason": reason})
+                           "created": manifest.created, "adapter": _adapter_name(identity) if identity else None,
+                           "fits": reason is None, "reason": reason})
         return listed
+
+    def _cached_tokens(self, manifest: Manifest) -> RootedTokens:
+        """A snapshot's tokens under the hash root its blocks are cached with: its adapter's while
+        that adapter is loaded (an unloaded one's blocks can never be hit again, and age out)."""
+        identity = manifest.fingerprint.get("adapter") or ""
+        adapter = self.engine.adapters.by_identity(identity) if identity else None
+        return RootedTokens(manifest.token_ids, adapter.hash_root if adapter else None)
 
 
 async def _quietly(call: Awaitable[Any]) -> None:
@@ -252,6 +285,10 @@ def _raise_for(replies: list[SnapshotReply]) -> None:
         if reply.status is not SnapshotStatus.OK:
             prefix = f"shard {rank}: " if len(replies) > 1 else ""
             raise SnapshotHTTPError(HTTP_STATUS.get(reply.status, 500), prefix + reply.message, reply.status.value)
+
+
+def _adapter_name(identity: str) -> str:
+    return identity.rpartition("@sha256:")[0]
 
 
 def _agreed_tokens(replies: list[SnapshotReply], manifest: Manifest) -> list[int]:

@@ -215,12 +215,13 @@ class EngineClient:
             return False
 
     async def call(self, method: str, name: str = "", token_ids: list[int] | None = None,
-                   timeout_s: float = CALL_TIMEOUT_S, payload: bytes = b"", path: str = "") -> Any:
+                   timeout_s: float = CALL_TIMEOUT_S, payload: bytes = b"", path: str = "",
+                   adapter: str | None = None) -> Any:
         """One answer from the core. Raises SnapshotHTTPError or the engine error it failed with."""
         call_id = next(self._numbers)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(Call(self.frontend, call_id, method, name, token_ids or [], payload, path))
+        self._send(Call(self.frontend, call_id, method, name, token_ids or [], payload, path, adapter))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:

@@ -4,7 +4,7 @@
 copies and all the file I/O). Save a sequence's KV to `--snapshot-dir`, restore it into the
 prefix cache, list and delete snapshots:
 
-    POST   /snapshots/{name}?action=save     {"inputs"} | {"messages"} | {"token_ids"}
+    POST   /snapshots/{name}?action=save     {"inputs"} | {"messages"} | {"token_ids"}, and "model": an adapter
     POST   /snapshots/{name}?action=restore
     DELETE /snapshots/{name}
     GET    /snapshots
@@ -25,9 +25,10 @@ from starlette.convertors import PathConvertor, register_url_convertor
 
 from loom_router.frontend.http_common import AppState, encode, get_state
 from loom_router.frontend.json_body import UnicodeJSONRoute
+from loom_router.frontend.openai_api import check_model
 from loom_router.frontend.validation import ChatMessage, Text, TokenIds
 from loom_router.observability.metrics import note_snapshot_failure
-from loom_router.types import SnapshotHTTPError
+from loom_router.types import APIError, SnapshotHTTPError
 
 MAX_NAME_BYTES = 255
 FORBIDDEN_CHARS = frozenset('/\\:*?"<>|')
@@ -87,6 +88,7 @@ def name_from_request(request: Request) -> bytes:
 
 class _SaveBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None  # a LoRA adapter's name: its KV is saved (and restored for it); else the base model's
 
 
 class SaveInputs(_SaveBody):
@@ -171,7 +173,16 @@ async def snapshot_action(name: str, action: Literal["save", "restore"], request
         raise SnapshotHTTPError(422, "save needs a body with `inputs`, `messages` or `token_ids`", "validation")
     token_ids = await _prompt_ids(state, body)
     state.engine.validate_lengths(len(token_ids), 1, 1)  # ValidationError: 422
-    return await state.engine.call("snapshot_save", valid_name, token_ids)
+    return await state.engine.call("snapshot_save", valid_name, token_ids, adapter=_adapter(state, body.model))
+
+
+def _adapter(state: AppState, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (the engine core answers 404 for an unknown one), None for
+    the base model; with LoRA off, a name other than the served model's is a 404."""
+    try:
+        return check_model(state, model)
+    except APIError as error:
+        raise SnapshotHTTPError(404, str(error), "not_found") from None
 
 
 async def delete_snapshot(name: str, request: Request) -> Any:

@@ -4,6 +4,7 @@ refused with a message naming it (`AdapterError`), before any state changes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -37,6 +38,7 @@ class LoraAdapter:
 
     rank: int
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""  # sha256 of its files
 
     @property
     def modules(self) -> set[str]:
@@ -54,7 +56,18 @@ def read_adapter(path: str | Path, base: ModuleShapes, max_rank: int) -> LoraAda
         raise AdapterError(f"adapter rank {rank} is above --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     factors = _read_factors(folder, base, rank)
-    return LoraAdapter(rank, {key: (a.float(), b.float() * scaling) for key, (a, b) in factors.items()})
+    return LoraAdapter(rank, {key: (a.float(), b.float() * scaling) for key, (a, b) in factors.items()},
+                       _digest(folder))
+
+
+def _digest(folder: Path) -> str:
+    """sha256 of the adapter's config and weights files, as read: what a KV snapshot records."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        with open(folder / name, "rb") as file:
+            while chunk := file.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _read_config(folder: Path) -> dict:

@@ -23,10 +23,11 @@ from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 
 @dataclass(slots=True, frozen=True)
 class HostAdapter:
-    """An adapter in host memory: its rank and, per LoraLinear in order, (A, B per part) or None."""
+    """An adapter in host memory: its rank, per LoraLinear in order (A, B per part) or None, its digest."""
 
     rank: int
     factors: list[tuple[torch.Tensor, list[torch.Tensor]] | None]
+    digest: str  # sha256 of its files (LoraAdapter.digest)
 
 
 def on_kernels(param: torch.Tensor) -> bool:
@@ -98,7 +99,7 @@ class LoraSlots:
             if pair is not None and pin:  # copied to the device slot without a staging copy
                 pair = (pair[0].pin_memory(), [b.pin_memory() for b in pair[1]])
             factors.append(pair)
-        return HostAdapter(adapter.rank, factors)
+        return HostAdapter(adapter.rank, factors, adapter.digest)
 
     def unload(self, lora_id: int) -> bool:
         """Forget the adapter (its slot becomes free); False when it was not loaded."""

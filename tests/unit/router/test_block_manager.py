@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from loom_proto.step import SamplingParams
-from loom_router.core.block_manager import BlockManager
-from loom_router.core.request import Sequence, SequenceGroup
+from loom_router.core.block_manager import BlockManager, RootedTokens
+from loom_router.core.request import Sequence, SequenceGroup, lora_hash_root
 
 _ids = itertools.count()
 
@@ -238,6 +238,28 @@ def test_drop_cached_forgets_unused_blocks_and_keeps_used_ones():
     assert refs(bm)[:3] == [1, 0, 0] and bm.num_cached_blocks == 0
     assert bm.allocate(make_seq(tokens + [7])) == 4  # only block 0 still hits
     assert bm.drop_cached([99] * 8) == 0
+
+
+def make_lora_seq(prompt: list[int], lora_id: int) -> Sequence:
+    group_id = next(_ids)
+    return SequenceGroup.create(group_id, prompt, [SamplingParams(seed=0)], first_seq_id=group_id,
+                                lora_id=lora_id).seqs[0]
+
+
+def test_cached_fill_under_an_adapters_root_is_hit_by_that_adapter_only():
+    """A snapshot of an adapter's KV restored under its hash root: its requests hit the blocks,
+    the base model's and another adapter's do not; dropping needs the same root."""
+    bm = BlockManager(block_size=4, num_blocks=16)
+    tokens = list(range(12))
+    bm.commit_cached(bm.allocate_cached(RootedTokens(tokens, lora_hash_root(3))))
+    assert bm.num_cached_blocks == 3
+    assert bm.allocate(make_seq(tokens + [7])) == 0  # the base model: no cached token
+    assert bm.allocate(make_lora_seq(tokens + [7], lora_id=4)) == 0  # another adapter: none either
+    hit = make_lora_seq(tokens + [7], lora_id=3)
+    assert bm.allocate(hit) == 12 and hit.block_table[:3] == [0, 1, 2]
+    bm.free(hit)
+    assert bm.drop_cached(tokens) == 0  # the base model's tokens name other blocks
+    assert bm.drop_cached(RootedTokens(tokens, lora_hash_root(3)), keep=[RootedTokens(tokens[:4], lora_hash_root(3))]) == 2
 
 
 def test_pending_prefix_from_allocation_until_computed():
