@@ -136,3 +136,14 @@ async def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
 
 
 __all__ = ["InProcessRouter", "served_router", "start_router", "wait_for"]
+
+
+async def settled_used_blocks(engine: Engine, timeout_s: float = 10.0) -> int:
+    """The blocks still in use once the engine core has caught up: a choice that stopped on a stop
+    string is freed when the core reads the frontend's StopChoice, which may come after its client's
+    stream ended. Polls between steps until none is used or timeout_s passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (used := await engine.run_between_steps(lambda s: s.block_manager.num_used_blocks)) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return used

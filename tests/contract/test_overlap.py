@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 from api_fakes import WORDS, FakeShardClient
 from fake_shard import FailAt
-from router_harness import InProcessRouter, start_router
+from router_harness import InProcessRouter, settled_used_blocks, start_router
 from test_api import router_config
 
 from loom_proto.step import SamplingParams, StepPlan, StepResult
@@ -131,8 +131,7 @@ async def run_both(tokenizer: Tokenizer, requests: list[tuple[str, GenerationPar
 
 async def assert_all_free(engine: Engine) -> None:
     assert engine.scheduler is not None
-    used = await engine.run_between_steps(lambda s: s.block_manager.num_used_blocks)
-    assert used == 0
+    assert await settled_used_blocks(engine) == 0
     assert engine._late == []
 
 

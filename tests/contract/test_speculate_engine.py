@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from api_fakes import WORDS, FakeShardClient
-from router_harness import start_router
+from router_harness import settled_used_blocks, start_router
 from test_api import router_config
 from test_overlap import params
 
@@ -60,8 +60,7 @@ async def run(tokenizer: Tokenizer, requests: list[tuple[str, GenerationParams]]
     try:
         streams = await asyncio.gather(*(router.client.submit(tokenizer.encode(prompt), p) for prompt, p in requests))
         outs = list(await asyncio.gather(*(events(s) for s in streams)))
-        used = await engine.run_between_steps(lambda s: s.block_manager.num_used_blocks)
-        assert used == 0
+        assert await settled_used_blocks(engine) == 0
     finally:
         await router.stop()
     return outs, engine, backend
