@@ -345,11 +345,15 @@ def start_driver(tmp_path: Path, notes: Path) -> tuple[subprocess.Popen[bytes], 
              json.dumps([[as_json[0]], as_json[1], f"http://127.0.0.1:{port}/health"])],
             stderr=log_file, stdout=log_file)
     deadline = time.monotonic() + 20
-    while "Loom is serving" not in log_path.read_text() and time.monotonic() < deadline:
+
+    def serving() -> bool:  # the launcher says so, and it is our router that answered its health check
+        return "Loom is serving" in log_path.read_text() and "router serving" in notes_of(notes)
+
+    while not serving() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if "Loom is serving" not in log_path.read_text():
+    if not serving():
         launcher.kill()
-        raise AssertionError(f"driver did not serve:\n{log_path.read_text()}")
+        raise AssertionError(f"driver did not serve:\n{log_path.read_text()}\nnotes: {notes_of(notes)}")
     return launcher, log_path
 
 
@@ -405,7 +409,7 @@ def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
         for pid in re.findall(r"\(pid (\d+)\)", log_path.read_text()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-    assert stopped
+    assert stopped, f"notes: {notes_of(notes)}\nlauncher log:\n{log_path.read_text()}"
 
 
 def test_boolean_flags_are_switches_that_also_take_a_value() -> None:
