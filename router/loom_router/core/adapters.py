@@ -20,6 +20,12 @@ from loom_router.core.request import lora_hash_root
 from loom_router.types import BadRequestError, NotFoundError
 
 UNLOAD_POLL_S = 0.05
+IDENTITY_SEPARATOR = "@sha256:"
+
+
+def name_of(identity: str) -> str:
+    """The adapter name in an `Adapter.identity`."""
+    return identity.rpartition(IDENTITY_SEPARATOR)[0]
 
 
 class LoraBackend(Protocol):
@@ -37,7 +43,7 @@ class Adapter:
     @property
     def identity(self) -> str:
         """What a KV snapshot computed with it records: its name and its files' digest."""
-        return f"{self.name}@sha256:{self.digest}"
+        return f"{self.name}{IDENTITY_SEPARATOR}{self.digest}"
 
     @property
     def hash_root(self) -> int:
@@ -74,7 +80,7 @@ class AdapterRegistry:
 
     def by_identity(self, identity: str) -> Adapter | None:
         """The loaded adapter with this identity (`Adapter.identity`): same name, same files."""
-        adapter = self._by_name.get(identity.rpartition("@sha256:")[0])
+        adapter = self._by_name.get(name_of(identity))
         return adapter if adapter is not None and adapter.identity == identity else None
 
     async def load(self, name: str, path: str) -> Adapter:

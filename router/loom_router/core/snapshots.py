@@ -20,7 +20,7 @@ from loom_proto import snapshot as snap
 from loom_proto.snapshot import Manifest, SnapshotError, SnapshotReply, SnapshotStatus
 from loom_proto.step import SamplingParams
 from loom_router.contract import PromptInfo, Submit
-from loom_router.core.adapters import Adapter
+from loom_router.core.adapters import Adapter, name_of
 from loom_router.core.block_manager import CachedFill, RootedTokens
 from loom_router.core.engine import Engine
 from loom_router.core.scheduler import Scheduler
@@ -197,7 +197,7 @@ class Snapshots:
             return f"shard count: the snapshot has {manifest.num_shards}, the server {self.world_size} (--num-shard)"
         identity = manifest.fingerprint.get("adapter") or ""
         if identity and self.engine.adapters.by_identity(identity) is None:
-            return (f"its KV was computed with the LoRA adapter {_adapter_name(identity)!r}, which is not loaded "
+            return (f"its KV was computed with the LoRA adapter {name_of(identity)!r}, which is not loaded "
                     "(or not from the same files)")
         mismatch = snap.find_mismatch(await self.fingerprint(identity), manifest.fingerprint)
         return None if mismatch is None else f"the snapshot is for another model: {mismatch}"
@@ -260,7 +260,7 @@ class Snapshots:
             manifest, reason = entry.manifest, await self._mismatch(entry.manifest)
             identity = manifest.fingerprint.get("adapter")
             listed.append({"name": entry.name, "tokens": manifest.num_tokens, "bytes": manifest.num_bytes,
-                           "created": manifest.created, "adapter": _adapter_name(identity) if identity else None,
+                           "created": manifest.created, "adapter": name_of(identity) if identity else None,
                            "fits": reason is None, "reason": reason})
         return listed
 
@@ -285,10 +285,6 @@ def _raise_for(replies: list[SnapshotReply]) -> None:
         if reply.status is not SnapshotStatus.OK:
             prefix = f"shard {rank}: " if len(replies) > 1 else ""
             raise SnapshotHTTPError(HTTP_STATUS.get(reply.status, 500), prefix + reply.message, reply.status.value)
-
-
-def _adapter_name(identity: str) -> str:
-    return identity.rpartition("@sha256:")[0]
 
 
 def _agreed_tokens(replies: list[SnapshotReply], manifest: Manifest) -> list[int]:
