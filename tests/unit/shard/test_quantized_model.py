@@ -12,6 +12,7 @@ from gguf.quants import quantize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from loom_proto.config import ShardConfig
+from loom_shard import kernels
 from loom_shard.attention.metadata import SeqSpan
 from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
@@ -181,15 +182,15 @@ def test_quantized_weights_stay_only_on_one_cpu_rank(caplog: pytest.LogCaptureFi
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decoder_layers_apply_lora_as_the_modules_do(tmp_path: Path, dtype: str,
+def test_fused_decoder_layers_apply_lora_as_the_modules_do(tmp_path: Path, dtype: str, kernel_isa: kernels.Isa,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A step mixing two adapters and the base model: loom::decoder_layers adds each token's LoRA
-    deltas bit for bit as the LoraLinear modules do."""
+    deltas bit for bit as the LoraLinear modules do, on every kernel build this CPU runs."""
     path = tmp_path / "tiny.gguf"
     reference = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
     write_quantized_gguf(path, "llama", reference, tied=True)
     config = ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize="auto", block_size=16,
-                         enable_lora=True, max_loras_per_batch=3, max_lora_rank=8)
+                         enable_lora=True, max_loras_per_batch=3, max_lora_rank=8, cpu_kernels=kernel_isa.name)
     runner = ModelRunner(config)
     for lora_id, rank in ((1, 4), (2, 8)):
         runner.load_lora(lora_id, str(write_adapter(reference, tmp_path / str(lora_id), seed=lora_id, rank=rank)))
