@@ -14,7 +14,7 @@
 // while it is in L1. Factors may be bfloat16 or float32; accumulation is float32.
 //
 // A token's delta depends only on its own row and its adapter's factors: every h[t, w] is one
-// dot product reduced in simd.h's fixed lane order, every output one FMA chain over r = 0..R-1,
+// dot product reduced in simd.h's fixed lane order, every output one FMA chain over its slot's ranks,
 // whatever the batch, the grouping, the thread or the ISA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,7 +33,7 @@ using loom::simd::F16;
 
 constexpr int kGroupRows = 4;   // tokens of one slot sharing each load of A
 constexpr int kFactorRows = 4;  // rows of A sharing each load of a token's x
-constexpr int64_t kExpandCols = 128;   // output columns of one expand work item
+constexpr int64_t kExpandCols = 128;  // output columns of one expand work item
 
 struct Groups {
   std::vector<std::vector<int64_t>> rows;  // batch rows per slot, in batch order; empty: no token
