@@ -162,7 +162,7 @@ class Snapshots:
         async with self._locks[name]:
             manifest = await self._manifest(name)
             await self._check(manifest)
-            identity = manifest.fingerprint.get("adapter") or ""
+            identity = _identity(manifest)
             adapter = self.engine.adapters.by_identity(identity) if identity else None
             root = adapter.hash_root if adapter else None  # its blocks are hit by requests naming it
             load_id = uuid.uuid4().hex
@@ -195,7 +195,7 @@ class Snapshots:
     async def _mismatch(self, manifest: Manifest) -> str | None:
         if manifest.num_shards != self.world_size:
             return f"shard count: the snapshot has {manifest.num_shards}, the server {self.world_size} (--num-shard)"
-        identity = manifest.fingerprint.get("adapter") or ""
+        identity = _identity(manifest)
         if identity and self.engine.adapters.by_identity(identity) is None:
             return (f"its KV was computed with the LoRA adapter {name_of(identity)!r}, which is not loaded "
                     "(or not from the same files)")
@@ -233,17 +233,17 @@ class Snapshots:
 
     async def delete(self, name: str) -> dict[str, Any]:
         async with self._locks[name]:
-            _, found = await self.engine.client.list_snapshots(name)  # its manifest names its adapter
+            listed, entries = await self.engine.client.list_snapshots()  # its manifest names its adapter
             reply = await self.engine.client.delete_snapshot(name)
             _raise_for([reply])
         # Its prefix-cache entries go too, unless a running request still uses them or another
         # snapshot (a copy, a longer one) holds the same tokens.
-        manifest = found[0].manifest if found else None
-        token_ids = self._cached_tokens(manifest) if manifest else RootedTokens(reply.token_ids, None)
-        listed, entries = await self.engine.client.list_snapshots()
         if listed.status is not SnapshotStatus.OK:
             return {"name": name, "deleted": True, "cached_blocks_dropped": 0}
-        keep = [self._cached_tokens(entry.manifest) for entry in entries if entry.manifest is not None]
+        manifests = {entry.name: entry.manifest for entry in entries if entry.manifest is not None}
+        deleted = manifests.pop(name, None)
+        token_ids = self._cached_tokens(deleted) if deleted else RootedTokens(reply.token_ids, None)
+        keep = [self._cached_tokens(manifest) for manifest in manifests.values()]
         num_dropped = await self.engine.run_between_steps(lambda s: s.block_manager.drop_cached(token_ids, keep))
         return {"name": name, "deleted": True, "cached_blocks_dropped": num_dropped}
 
@@ -258,7 +258,7 @@ class Snapshots:
                                "reason": entry.error.message})
                 continue
             manifest, reason = entry.manifest, await self._mismatch(entry.manifest)
-            identity = manifest.fingerprint.get("adapter")
+            identity = _identity(manifest)
             listed.append({"name": entry.name, "tokens": manifest.num_tokens, "bytes": manifest.num_bytes,
                            "created": manifest.created, "adapter": name_of(identity) if identity else None,
                            "fits": reason is None, "reason": reason})
@@ -267,7 +267,7 @@ class Snapshots:
     def _cached_tokens(self, manifest: Manifest) -> RootedTokens:
         """A snapshot's tokens under the hash root its blocks are cached with: its adapter's while
         that adapter is loaded (an unloaded one's blocks can never be hit again, and age out)."""
-        identity = manifest.fingerprint.get("adapter") or ""
+        identity = _identity(manifest)
         adapter = self.engine.adapters.by_identity(identity) if identity else None
         return RootedTokens(manifest.token_ids, adapter.hash_root if adapter else None)
 
@@ -285,6 +285,11 @@ def _raise_for(replies: list[SnapshotReply]) -> None:
         if reply.status is not SnapshotStatus.OK:
             prefix = f"shard {rank}: " if len(replies) > 1 else ""
             raise SnapshotHTTPError(HTTP_STATUS.get(reply.status, 500), prefix + reply.message, reply.status.value)
+
+
+def _identity(manifest: Manifest) -> str:
+    """The LoRA adapter a snapshot's KV was computed with (`Adapter.identity`); empty: the base model."""
+    return manifest.fingerprint.get("adapter") or ""
 
 
 def _agreed_tokens(replies: list[SnapshotReply], manifest: Manifest) -> list[int]:
