@@ -44,7 +44,7 @@ class FusedLayers:
             wrapped = [p for p in linears if isinstance(p, LoraLinear)]
             if not wrapped:
                 self._lora = ([], None)
-            elif len(wrapped) == len(linears) and all(p.on_kernels for p in wrapped):
+            elif len(wrapped) == len(linears) and wrapped[0].batch.on_kernels:
                 self._lora = ([t for p in wrapped for t in (p.lora_a, *p.lora_b)], wrapped[0].batch)
             else:
                 self._lora = ([], wrapped[0].batch)

@@ -42,12 +42,13 @@ class LoraBatch:
     max_group: int = 0
     pad_full: bool = False  # every padded row holds a token (even groups): no zero row to add
     delta_rows: torch.Tensor | None = None  # [num_tokens] each token's row of the deltas; the last: zeros
-    token_slot: torch.Tensor | None = None  # [num_tokens] each token's slot, -1 for the base model (the kernels')
+    token_slot: torch.Tensor | None = None  # [num_tokens] each token's slot, -1 for the base model
     slot_ranks: torch.Tensor | None = None  # [num_slots] int64, each slot's adapter's rank (LoraSlots keeps it)
+    on_kernels: bool = False  # Loom's CPU kernels apply the factors: they need token_slot and slot_ranks only
 
     @property
     def active(self) -> bool:
-        return self.token_index is not None
+        return self.token_slot is not None
 
     @property
     def padded(self) -> bool:
@@ -70,14 +71,16 @@ class LoraBatch:
         if not rows:
             return
         self.num_tokens = offset
+        self.token_slot = torch.tensor([-1 if slot is None else slot for slot, n in seq_slots for _ in range(n)],
+                                       dtype=torch.long, device=device)
+        if self.on_kernels:
+            return  # the kernels group the tokens themselves
         order: list[int] = []
         for slot in sorted(rows):
             start = len(order)
             order.extend(rows[slot])
             self.segments.append((slot, start, len(order)))
         self.token_index = torch.tensor(order, dtype=torch.long, device=device)
-        self.token_slot = torch.tensor([-1 if slot is None else slot for slot, n in seq_slots for _ in range(n)],
-                                       dtype=torch.long, device=device)
         self.max_group = longest = max(len(r) for r in rows.values())
         delta_row = [-1] * offset  # -1: a base-model token (the zero row)
         if num_slots * longest <= PAD_WASTE * len(order):
@@ -103,11 +106,11 @@ class LoraLinear(nn.Module):
     lora_a [num_slots, P*R, in] and lora_b (one per fused part p: [num_slots, R, out_p]) are device
     slots that `loom_shard.lora.slots.LoraSlots` fills (loom_shard.lora.layout); `reduce_shrink`: a
     row-parallel projection under tensor parallelism, whose partial shrinks are summed over the ranks
-    before the expand; `on_kernels`: the factors are applied by Loom's CPU kernels.
+    before the expand.
     """
 
     def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: list[torch.Tensor], batch: LoraBatch,
-                 reduce_shrink: bool, on_kernels: bool = False) -> None:
+                 reduce_shrink: bool) -> None:
         super().__init__()
         self.base = base
         self.lora_a = lora_a  # not buffers: made on the model's device, never moved, never saved
@@ -116,7 +119,6 @@ class LoraLinear(nn.Module):
         self.num_out = sum(b.shape[2] for b in lora_b)
         self.batch = batch
         self.reduce_shrink = reduce_shrink
-        self.on_kernels = on_kernels
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -125,9 +127,9 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.batch
-        if batch.delta_rows is None:
+        if not batch.active:
             return out
-        if self.on_kernels:
+        if batch.on_kernels:
             return self._kernels(x, out)
         deltas = self._padded(x) if batch.padded else self._segmented(x)  # [rows + 1, out], the last zeros
         return out.add_(deltas.index_select(0, batch.delta_rows))

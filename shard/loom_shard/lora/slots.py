@@ -62,7 +62,7 @@ class LoraSlots:
     def _install(self, model: nn.Module) -> None:
         param = next(model.parameters())
         self.dtype = factor_dtype(param)
-        use_kernels = on_kernels(param)
+        self.batch.on_kernels = on_kernels(param)
         for index, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
                 if proj.parts[0] not in self.shapes.shapes:
@@ -74,7 +74,7 @@ class LoraSlots:
                 a = torch.zeros(self.num_slots, width, in_local, dtype=self.dtype, device=param.device)
                 b = [torch.zeros(self.num_slots, self.max_rank, out, dtype=self.dtype, device=param.device)
                      for out in outs]
-                linear = LoraLinear(base, a, b, self.batch, proj.row_parallel and self.world_size > 1, use_kernels)
+                linear = LoraLinear(base, a, b, self.batch, proj.row_parallel and self.world_size > 1)
                 setattr(owner, proj.name, linear)
                 self.linears.append((index, proj, linear))
 

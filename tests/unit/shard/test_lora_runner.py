@@ -77,7 +77,8 @@ def cpu_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def test_mixed_batch_matches_merged_adapters(pair, adapters, cpu_kernels: str) -> None:
     runner = _runner(pair, slots=4, cpu_kernels=cpu_kernels)
-    assert all(linear.on_kernels == (cpu_kernels == "auto") for _, _, linear in runner.lora.linears)
+    assert runner.lora.batch.on_kernels == (cpu_kernels == "auto")
+    assert all(linear.batch is runner.lora.batch for _, _, linear in runner.lora.linears)
     for lora_id, folder in adapters.items():
         runner.load_lora(lora_id, str(folder))
     prompts = {10: (random_tokens(9, 1), None), 11: (random_tokens(5, 2), 1), 12: (random_tokens(12, 3), 2),
