@@ -48,7 +48,7 @@ class Adapter:
     @property
     def hash_root(self) -> int:
         """The parent hash of its sequences' first KV block (loom_router.core.request.Sequence.hash_root)."""
-        return lora_hash_root(self.lora_id)  # type: ignore[return-value]
+        return lora_hash_root(self.lora_id)
 
 
 class AdapterRegistry:

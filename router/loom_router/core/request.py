@@ -21,9 +21,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # stopped or cancelled; holds nothing
 
 
-def lora_hash_root(lora_id: int | None) -> int | None:
-    """The parent hash of the first KV block of a sequence run with this LoRA adapter (None: the base model's)."""
-    return None if lora_id is None else hash(("lora", lora_id))
+def lora_hash_root(lora_id: int) -> int:
+    """The parent hash of the first KV block of a sequence run with this LoRA adapter."""
+    return hash(("lora", lora_id))
 
 
 @dataclass(slots=True, eq=False)
@@ -81,7 +81,8 @@ class Sequence:
     @property
     def hash_root(self) -> int | None:
         """The parent hash of its first block: its adapter's, so that two adapters never share KV."""
-        return lora_hash_root(self.group.lora_id)
+        lora_id = self.group.lora_id
+        return None if lora_id is None else lora_hash_root(lora_id)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list."""
