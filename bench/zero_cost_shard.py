@@ -4,16 +4,15 @@ prompt is done, so that what remains of a serving run is the router's own cost
 (bench/bench_ceiling.py).
 
 Started as the launcher starts `loom_shard.server` (`--config-json` with a ShardConfig), it prints
-the same readiness line. Its Step handler reads the plan with protobuf and writes the reply's
-bytes from per-sequence pieces encoded once, so that at 512 sequences it stays far cheaper than
-the router it stands in front of (it shares the machine's cores with it).
+the same readiness line. Its Step handler reads the plan with protobuf and answers in StepResult's sampled-token columns,
+so that at 512 sequences it stays far cheaper than the router it stands in front of (it shares
+the machine's cores with it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,31 +29,30 @@ VOCAB_SIZE = 49152  # the embedded SmolLM2's, so that the router's checks see a 
 MAX_POSITIONS = 8192
 NUM_BLOCKS = 1 << 16  # KV blocks it claims: enough for 512 streams of any benchmark length
 FIRST_TOKEN, NUM_TOKENS = 1000, 1000  # it answers ids in this range: ordinary sub-words of the vocabulary
-LOGPROB = struct.pack("<d", -0.5)
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def token_field(token_id: int) -> bytes:
-    """SeqOutput's token_id (2) and logprob (3) fields."""
-    return b"\x10" + varint(token_id) + b"\x19" + LOGPROB
-
-
-TOKEN_FIELDS = [token_field(FIRST_TOKEN + i) for i in range(NUM_TOKENS)]
+LOGPROB = -0.5
 
 
 @dataclass(slots=True)
 class _Seq:
     num_known: int  # tokens the shard knows (prompt + sampled)
     num_computed: int
-    id_field: bytes  # SeqOutput's request_id field, encoded once
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A step's answer, in StepResult's sampled-token columns."""
+
+    request_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, seq: _Seq, request_id: int) -> None:
+        self.request_ids.append(request_id)
+        self.token_ids.append(FIRST_TOKEN + (request_id * 7 + seq.num_known) % NUM_TOKENS)
+        seq.num_known += 1
+
+    def encode(self) -> bytes:
+        return pb.StepResult(sampled_request_ids=self.request_ids, sampled_token_ids=self.token_ids,
+                             sampled_logprobs=[LOGPROB] * len(self.token_ids)).SerializeToString()
 
 
 @dataclass(slots=True)
@@ -68,9 +66,9 @@ class ZeroCostShard:
         plan = pb.StepPlan.FromString(data)
         for request_id in plan.released_ids:
             self.seqs.pop(request_id, None)
-        out: list[bytes] = []
+        out = _Sampled()
         for new in plan.new_requests:
-            seq = _Seq(len(new.token_ids), new.num_cached, b"\x08" + varint(new.request_id))
+            seq = _Seq(len(new.token_ids), new.num_cached)
             self.seqs[new.request_id] = seq
             self._compute(seq, new.request_id, new.num_compute, out)
             self._fork(new.forks, seq, out)
@@ -78,24 +76,21 @@ class ZeroCostShard:
             seq = self.seqs[running.request_id]
             self._compute(seq, running.request_id, running.num_compute, out)
             self._fork(running.forks, seq, out)
-        return b"".join(out)
-
-    def _compute(self, seq: _Seq, request_id: int, num_compute: int, out: list[bytes]) -> None:
-        seq.num_computed += num_compute
-        if seq.num_computed >= seq.num_known:
-            self._sample(seq, request_id, out)
-
-    def _fork(self, forks: Sequence[pb.Fork], parent: _Seq, out: list[bytes]) -> None:
-        for fork in forks:
-            child = _Seq(parent.num_computed, parent.num_computed, b"\x08" + varint(fork.request_id))
-            self.seqs[fork.request_id] = child
-            self._sample(child, fork.request_id, out)
+        for request_id in plan.decode_ids:
+            self._compute(self.seqs[request_id], request_id, 1, out)
+        return out.encode()
 
     @staticmethod
-    def _sample(seq: _Seq, request_id: int, out: list[bytes]) -> None:
-        body = seq.id_field + TOKEN_FIELDS[(request_id * 7 + seq.num_known) % NUM_TOKENS]
-        seq.num_known += 1
-        out.append(b"\x0a" + varint(len(body)) + body)  # StepResult.outputs (1)
+    def _compute(seq: _Seq, request_id: int, num_compute: int, out: _Sampled) -> None:
+        seq.num_computed += num_compute
+        if seq.num_computed >= seq.num_known:
+            out.add(seq, request_id)
+
+    def _fork(self, forks: Sequence[pb.Fork], parent: _Seq, out: _Sampled) -> None:
+        for fork in forks:
+            child = _Seq(parent.num_computed, parent.num_computed)
+            self.seqs[fork.request_id] = child
+            out.add(child, fork.request_id)
 
     def info(self) -> pb.ModelInfo:
         return pb.ModelInfo(architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3,

@@ -137,11 +137,12 @@ def _pairs_to_pb(pairs: Iterable[tuple[int, int]]) -> list[pb.BlockPair]:
 def _plan_to_pb(plan: StepPlan) -> pb.StepPlan:
     return pb.StepPlan(
         new_requests=[to_pb(r) for r in plan.new_requests],
-        running_requests=[_running_request_to_pb(r) for r in plan.running_requests],
+        running_requests=[_running_request_to_pb(r) for r in plan.running_requests if not r.plain_decode],
         released_ids=plan.released_ids,
         swap_out=_pairs_to_pb(plan.swap_out),
         swap_in=_pairs_to_pb(plan.swap_in),
         allowed_token_masks=plan.allowed_token_masks,
+        decode_ids=[r.request_id for r in plan.running_requests if r.plain_decode],
     )
 
 
@@ -177,10 +178,25 @@ def _seq_output_to_pb(o: SeqOutput) -> pb.SeqOutput:
     )
 
 
+def _sampled_only(o: SeqOutput) -> bool:
+    """Is the output one sampled token and its log-probability, nothing else (a plain decode)?"""
+    return o.token_id is not None and o.logprob is not None and not (
+        o.top_tokens or o.prompt_logprobs or o.draft_samples or o.prompt_top_tokens or o.embedding is not None)
+
+
 @to_pb.register
 def _step_result_to_pb(r: StepResult) -> pb.StepResult:
+    sampled: list[SeqOutput] = []
+    others: list[SeqOutput] = []
+    for o in r.outputs:
+        (sampled if _sampled_only(o) else others).append(o)
     return pb.StepResult(
-        outputs=[_seq_output_to_pb(o) for o in r.outputs], forward_ms=r.forward_ms, total_ms=r.total_ms
+        outputs=[_seq_output_to_pb(o) for o in others],
+        forward_ms=r.forward_ms,
+        total_ms=r.total_ms,
+        sampled_request_ids=[o.request_id for o in sampled],
+        sampled_token_ids=[o.token_id for o in sampled],
+        sampled_logprobs=[o.logprob for o in sampled],
     )
 
 
@@ -242,9 +258,12 @@ def _pairs_from_pb(pairs: Iterable[pb.BlockPair]) -> list[tuple[int, int]]:
 
 
 def _plan_from_pb(m: pb.StepPlan) -> StepPlan:
+    """The running requests' messages first, then the decode_ids column's."""
+    running = [_running_request_from_pb(r) for r in m.running_requests]
+    running += [RunningRequest(request_id, 1) for request_id in m.decode_ids]
     return StepPlan(
         new_requests=[_new_request_from_pb(r) for r in m.new_requests],
-        running_requests=[_running_request_from_pb(r) for r in m.running_requests],
+        running_requests=running,
         released_ids=list(m.released_ids),
         swap_out=_pairs_from_pb(m.swap_out),
         swap_in=_pairs_from_pb(m.swap_in),
@@ -274,9 +293,11 @@ def _seq_output_from_pb(m: pb.SeqOutput) -> SeqOutput:
 
 
 def _step_result_from_pb(m: pb.StepResult) -> StepResult:
-    return StepResult(
-        outputs=[_seq_output_from_pb(o) for o in m.outputs], forward_ms=m.forward_ms, total_ms=m.total_ms
-    )
+    """The columns' outputs first, then the messages' (the router finds outputs by request id)."""
+    outputs = list(map(SeqOutput, m.sampled_request_ids, m.sampled_token_ids, m.sampled_logprobs))
+    if m.outputs:
+        outputs += [_seq_output_from_pb(o) for o in m.outputs]
+    return StepResult(outputs=outputs, forward_ms=m.forward_ms, total_ms=m.total_ms)
 
 
 _FROM_PB: dict[type, Callable[[Any], Any]] = {

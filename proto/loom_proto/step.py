@@ -110,6 +110,11 @@ class RunningRequest:
     # Speculative decoding: tokens guessed to follow the last sampled one (num_compute == 1 + len).
     draft_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def plain_decode(self) -> bool:
+        """One token to decode and nothing else (it travels in StepPlan's decode_ids column)."""
+        return self.num_compute == 1 and not (self.new_block_ids or self.forks or self.draft_token_ids)
+
 
 @dataclass(slots=True)
 class StepPlan:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from loom_proto.codec import to_pb
+from loom_proto.codec import pb, to_pb
 from loom_proto.step import RunningRequest, StepPlan
 
 _SMALL = [bytes([i]) for i in range(128)]
@@ -40,7 +40,7 @@ def _packed(key: bytes, values: Iterable[int]) -> bytes:
 
 
 # Keys: StepPlan (1 new_requests, 2 running_requests, 3 released_ids, 4 swap_out, 5 swap_in,
-# 7 allowed_token_masks); RunningRequest (1 request_id, 2 num_compute, 3 new_block_ids, 4 forks,
+# 7 allowed_token_masks; 8 decode_ids is serialized by protobuf); RunningRequest (1 request_id, 2 num_compute, 3 new_block_ids, 4 forks,
 # 5 draft_token_ids); BlockPair (1 src, 2 dst); a map entry (1 key, 2 value).
 _NEW, _RUNNING, _RELEASED, _SWAP_OUT, _SWAP_IN, _MASKS = b"\x0a", b"\x12", b"\x1a", b"\x22", b"\x2a", b"\x3a"
 _ID, _COMPUTE, _BLOCKS, _FORKS, _DRAFTS = b"\x08", b"\x10", b"\x1a", b"\x22", b"\x2a"
@@ -79,10 +79,17 @@ def encode_plan(plan: StepPlan) -> bytes:
     sampling) goes through `to_pb`, which checks every value's range; what is written here by
     hand is the router's own counting (ids, block ids, token counts)."""
     parts = [_delimited(_NEW, to_pb(request).SerializeToString()) for request in plan.new_requests]
-    parts += [_running(request) for request in plan.running_requests]
+    decode_ids: list[int] = []
+    for request in plan.running_requests:
+        if request.plain_decode:
+            decode_ids.append(request.request_id)
+        else:
+            parts.append(_running(request))
     if plan.released_ids:
         parts.append(_packed(_RELEASED, plan.released_ids))
     parts += _pairs(_SWAP_OUT, plan.swap_out)
     parts += _pairs(_SWAP_IN, plan.swap_in)
     parts += [_mask(request_id, mask) for request_id, mask in plan.allowed_token_masks.items()]
+    if decode_ids:  # a message holding only this field serializes to exactly its bytes, in C
+        parts.append(pb.StepPlan(decode_ids=decode_ids).SerializeToString())
     return b"".join(parts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loom_proto.codec import from_pb, pb, to_pb
@@ -151,16 +153,47 @@ def test_unknown_types_are_rejected_both_ways():
 
 
 def test_every_step_dataclass_has_a_message_with_the_same_fields():
-    # A field added to loom/common/step.py without the proto and codec fails here.
-    import dataclasses
-
+    # A field added to loom/common/step.py without the proto and codec fails here. The columns of
+    # plain decodes are wire only: the dataclasses hold every output and running request in one list.
     from loom_proto import step
 
+    wire_only = {"StepResult": {"sampled_request_ids", "sampled_token_ids", "sampled_logprobs"},
+                 "StepPlan": {"decode_ids"}}
     classes = [c for c in vars(step).values() if dataclasses.is_dataclass(c) and c.__module__ == step.__name__]
     assert len(classes) == 11
     for cls in classes:
-        message = getattr(pb, cls.__name__)
-        assert {f.name for f in dataclasses.fields(cls)} == set(message.DESCRIPTOR.fields_by_name), cls.__name__
+        fields = set(getattr(pb, cls.__name__).DESCRIPTOR.fields_by_name) - wire_only.get(cls.__name__, set())
+        assert {f.name for f in dataclasses.fields(cls)} == fields, cls.__name__
+
+
+def mixed_result() -> StepResult:
+    return StepResult(outputs=[
+        SeqOutput(3, 7, -0.25),
+        SeqOutput(1, None, None),  # a prefill chunk
+        SeqOutput(2**40, 0, 0.0),
+        SeqOutput(4, 5, -1.0, top_tokens=[TokenLogprob(5, -1.0)]),
+        SeqOutput(5, 2, -0.5, prompt_logprobs=[-2.0]),
+        SeqOutput(6, 9, -0.125, draft_samples=[TokenSample(9, -0.5)]),
+        SeqOutput(8, None, None, embedding=[0.5, -0.25]),
+        SeqOutput(9, 49151, -3.5),
+    ], forward_ms=1.0, total_ms=2.0)
+
+
+def test_plain_decodes_travel_in_the_sampled_columns():
+    message = to_pb(mixed_result())
+    assert list(message.sampled_request_ids) == [3, 2**40, 9]
+    assert list(message.sampled_token_ids) == [7, 0, 49151]
+    assert list(message.sampled_logprobs) == [-0.25, 0.0, -3.5]
+    assert [o.request_id for o in message.outputs] == [1, 4, 5, 6, 8]
+
+
+def test_a_mixed_result_keeps_every_output():
+    result = mixed_result()
+    back = round_trip(result)
+    assert (back.forward_ms, back.total_ms) == (1.0, 2.0)
+    by_id = {o.request_id: o for o in back.outputs}
+    assert len(by_id) == len(back.outputs) == len(result.outputs)
+    assert [by_id[o.request_id] for o in result.outputs] == result.outputs
 
 
 def test_missing_stubs_say_how_to_generate_them():
@@ -189,7 +222,24 @@ def test_the_plan_written_by_hand_is_the_protobuf_message(plan: StepPlan) -> Non
 
     wire = encode_plan(plan)
     assert pb.StepPlan.FromString(wire) == to_pb(plan)
-    assert from_pb(pb.StepPlan.FromString(wire)) == plan
+    assert from_pb(pb.StepPlan.FromString(wire)) == as_the_shard_sees_it(plan)
+
+
+def as_the_shard_sees_it(plan: StepPlan) -> StepPlan:
+    """The plain decodes (StepPlan.decode_ids) come after the other running requests."""
+    running = sorted(plan.running_requests, key=lambda r: r.plain_decode)
+    return dataclasses.replace(plan, running_requests=running)
+
+
+def test_plain_decodes_travel_in_the_decode_ids_column() -> None:
+    from loom_proto.wire import encode_plan
+
+    plan = StepPlan(running_requests=[RunningRequest(7, 1), RunningRequest(2**40, 1, [3]), RunningRequest(0, 1),
+                                      RunningRequest(9, 2), RunningRequest(300, 1)])
+    message = pb.StepPlan.FromString(encode_plan(plan))
+    assert list(message.decode_ids) == [7, 0, 300]
+    assert [r.request_id for r in message.running_requests] == [2**40, 9]
+    assert [r.request_id for r in from_pb(message).running_requests] == [2**40, 9, 7, 0, 300]
 
 
 def test_the_hand_written_plan_refuses_a_negative_id() -> None:
