@@ -38,6 +38,7 @@ SHARD_MODULE = "zero_cost_shard"
 LAUNCHER = ("import sys, loom_launcher.cli as cli; cli.SHARD_MODULE = {module!r}; "
             "sys.exit(cli.main(sys.argv[1:]))")
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+RUN_TOKENS = 1 << 17  # tokens a run streams by default, above one stream
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate_stream": "/generate_stream"}
 
 
@@ -254,6 +255,15 @@ class Variant:
         return cls(name, dict(item.split("=", 1) for item in env_items), flags.split())
 
 
+def requests_per_stream(streams: int, new_tokens: int) -> int:
+    """Enough that a run streams about RUN_TOKENS tokens (at least 2 requests per stream): a
+    short run is mostly its ramp up and its tail, where fewer streams share each step. One
+    stream makes a token a step: 32 requests."""
+    if streams == 1:
+        return 32
+    return max(2, round(RUN_TOKENS / (streams * new_tokens)))
+
+
 def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]) -> list[RunResult]:
     port = free_port()
     flags = ["--port", str(port), "--hostname", "127.0.0.1", "--shard-uds-path", tempfile.mktemp(prefix="loom-ceil-"),
@@ -273,7 +283,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]
             for endpoint in endpoints:
                 warm_up(url, endpoint)
                 for streams in args.streams:
-                    num_requests = args.requests or (8 if streams == 1 else 2)
+                    num_requests = args.requests or requests_per_stream(streams, args.new_tokens)
                     result = run(url, pid, endpoint, streams, num_requests, args.new_tokens, args.client_procs)
                     results.append(result)
                     print(row(result) + f"  (load {os.getloadavg()[0]:.1f})", flush=True)
@@ -288,7 +298,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128, 256, 512])
     parser.add_argument("--endpoint", choices=ENDPOINTS, action="append", help="default: all three")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--requests", type=int, help="requests per stream; default: 8 at one stream, else 2")
+    parser.add_argument("--requests", type=int, help="requests per stream; default: about 128k tokens a run "
+                        "(at least 2 per stream), 32 at one stream")
     parser.add_argument("--client-procs", type=int, default=4, help="load generator processes")
     parser.add_argument("--launcher-flag", action="append", default=[], help="extra launcher flag (repeatable)")
     parser.add_argument("--variant", action="append", type=Variant.parse, default=[],

@@ -2,7 +2,8 @@
 message object per running request (`to_pb`) cost ~1.7 us each, as much as the rest of the
 router's work on a decoding sequence. The bytes are the protobuf encoding of `to_pb(plan)` (same
 fields, in field-number order); tests/unit/test_codec.py parses them back against it. Nested
-messages that only new requests and forks carry are still built by `to_pb`.
+messages that only new requests and forks carry are still built by `to_pb`; the plain decodes
+(most of a decode step) are one packed column of ids, `decode_ids`.
 
 Wire format reminder: a field is a varint key (field number << 3 | wire type) then its value;
 wire type 0 is a varint, 2 a length-delimited run (a nested message, bytes, or a packed repeated
@@ -40,8 +41,9 @@ def _packed(key: bytes, values: Iterable[int]) -> bytes:
 
 
 # Keys: StepPlan (1 new_requests, 2 running_requests, 3 released_ids, 4 swap_out, 5 swap_in,
-# 7 allowed_token_masks; 8 decode_ids is serialized by protobuf); RunningRequest (1 request_id, 2 num_compute, 3 new_block_ids, 4 forks,
-# 5 draft_token_ids); BlockPair (1 src, 2 dst); a map entry (1 key, 2 value).
+# 7 allowed_token_masks; 8 decode_ids, serialized by protobuf); RunningRequest (1 request_id,
+# 2 num_compute, 3 new_block_ids, 4 forks, 5 draft_token_ids); BlockPair (1 src, 2 dst); a map
+# entry (1 key, 2 value).
 _NEW, _RUNNING, _RELEASED, _SWAP_OUT, _SWAP_IN, _MASKS = b"\x0a", b"\x12", b"\x1a", b"\x22", b"\x2a", b"\x3a"
 _ID, _COMPUTE, _BLOCKS, _FORKS, _DRAFTS = b"\x08", b"\x10", b"\x1a", b"\x22", b"\x2a"
 _FIRST, _SECOND, _SECOND_BYTES = b"\x08", b"\x10", b"\x12"

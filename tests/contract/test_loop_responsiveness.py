@@ -19,6 +19,7 @@ from router_harness import served_router
 
 from loom_proto.config import RouterConfig
 from loom_router.core.engine import Engine
+from loom_router.frontend.http_common import INLINE_CHARS
 from loom_router.tokenizer import Tokenizer
 from tests.net import free_port
 
@@ -79,25 +80,43 @@ async def test_health_answers_while_the_largest_inputs_are_processed(served: tup
 SLOW_S = 1.0  # a tokenization this slow (a huge input on a busy machine) must not hold the loop
 
 
+# Longer than what the frontend tokenizes on the loop (a short prompt's thread hop would cost more
+# than its tokenizing): made slow below, it stands for a long input.
+LONG = "hello world " * (INLINE_CHARS // 12 + 1)
+
+
 @pytest.mark.parametrize("path, body", [
     ("/tokenize", {"inputs": "hello world"}),
-    ("/generate", {"inputs": "hello world", "parameters": {"max_new_tokens": 2}}),
-    ("/v1/completions", {"prompt": "hello world", "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}),
+    ("/generate", {"inputs": LONG, "parameters": {"max_new_tokens": 2}}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 2}),
 ])
 async def test_slow_tokenization_runs_off_the_loop(served: tuple[str, Engine], path: str, body: dict) -> None:
+    await answers_while_slow(served, ("encode", "encode_with_offsets"), path, body)
+
+
+async def test_a_chat_template_with_tools_renders_off_the_loop(served: tuple[str, Engine]) -> None:
+    # Short messages, but the tools' JSON schemas (of any size) are rendered too.
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    await answers_while_slow(served, ("apply_chat_template",), "/v1/chat/completions", body)
+
+
+async def answers_while_slow(served: tuple[str, Engine], methods: tuple[str, ...], path: str, body: dict) -> None:
+    """/health keeps answering while the request runs with the tokenizer's `methods` slowed."""
     url, engine = served
     tokenizer = engine.tokenizer
-    encode, encode_with_offsets = tokenizer.encode, tokenizer.encode_with_offsets
 
     def slow(fn):  # noqa: ANN001, ANN202 (blocks its thread as a long tokenization would)
         return lambda *args, **kwargs: (time.sleep(SLOW_S), fn(*args, **kwargs))[1]
 
-    tokenizer.encode, tokenizer.encode_with_offsets = slow(encode), slow(encode_with_offsets)
+    for name in methods:
+        setattr(tokenizer, name, slow(getattr(tokenizer, name)))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             response, answered = await health_answers_during(url, client.post(path, json=body))
         assert response.status_code == 200, response.text
-        assert answered >= 3, f"/health answered {answered} times in {SLOW_S} s of tokenizing"
+        assert answered >= 3, f"/health answered {answered} times in {SLOW_S} s of slowed {methods}"
     finally:
-        del tokenizer.encode, tokenizer.encode_with_offsets
+        for name in methods:
+            delattr(tokenizer, name)

@@ -4,7 +4,6 @@ share: the chat path (`prepare_chat`), `model` and context checks, OpenAI's erro
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from loom_router.frontend.http_common import (
+    INLINE_CHARS,
     AppState,
     ChoiceResult,
     EventStreamResponse,
@@ -26,6 +26,7 @@ from loom_router.frontend.http_common import (
     encode,
     generate,
     get_state,
+    off_the_loop_if,
     sse,
     submit,
 )
@@ -211,9 +212,11 @@ async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: st
     tool_plan = plan_tools(body, tool_format_of(template))
     spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
-    check_input_chars(state, sum(len(str(m.get("content") or "")) for m in messages), "messages")
+    num_chars = sum(len(str(m.get("content") or "")) for m in messages)
+    check_input_chars(state, num_chars, "messages")
     extra = {**(body.chat_template_kwargs or {}), **extra}  # vLLM's: e.g. Qwen3's enable_thinking
-    prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True, **extra)
+    long = num_chars > INLINE_CHARS or "tools" in extra  # tools: their JSON schemas are rendered too
+    prompt = await off_the_loop_if(long, state.tokenizer.apply_chat_template, messages, True, **extra)
     ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     check_context(state, len(ids), body.requested_max_tokens)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
