@@ -13,7 +13,7 @@ import sys
 import threading
 from collections import deque
 
-from loom_proto.process import parent_death_signal
+from loom_proto.process import parent_pid_env
 
 SHARD_MODULE = "loom_shard.server"
 SHARD_READY_MARKER = "loom-shard ready"
@@ -57,10 +57,11 @@ class ShardHost:
         argv = [sys.executable, "-m", SHARD_MODULE, "--config-json", config_json]
         if secrets_json is not None:
             argv.append("--secrets-on-stdin")
+        # The actor dies: so does its shard (the shard sets its parent-death signal itself: a Ray
+        # worker runs gRPC's threads, so no preexec_fn).
         self._process = subprocess.Popen(
-            argv, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
-            preexec_fn=parent_death_signal())  # the actor dies: so does its shard
+            argv, env={**os.environ, **env, **parent_pid_env()}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
         assert self._process.stdin is not None
         with self._process.stdin:
             self._process.stdin.write((secrets_json or "") + "\n")

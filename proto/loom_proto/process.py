@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_PID_ENV = "LOOM_PARENT_PID"
 
 
 def parent_death_signal() -> Callable[[], None] | None:
@@ -22,3 +24,22 @@ def parent_death_signal() -> Callable[[], None] | None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
     return set_parent_death_signal
+
+
+def parent_pid_env() -> dict[str, str]:
+    """For the environment of a child that calls `die_with_parent` first thing: this process is its
+    parent. For parents with threads in native libraries (gRPC's, ZeroMQ's): Popen's preexec_fn
+    makes Popen fork() such a process, and the child of that fork can deadlock or abort (gRPC's
+    fork handlers) before it reaches exec; without one, Popen uses vfork, which runs no handlers."""
+    return {PARENT_PID_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child started with `parent_pid_env`: get SIGTERM when that parent dies without cleaning
+    up (Linux). A parent gone before this call ends the process at once. Elsewhere a no-op."""
+    expected = os.environ.pop(PARENT_PID_ENV, None)  # not the grandchildren's
+    if expected is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(expected):
+        raise SystemExit(f"the parent process {expected} is gone")

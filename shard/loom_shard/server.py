@@ -22,6 +22,7 @@ from loom_proto import shard_pb2_grpc, step_channel
 from loom_proto.codec import from_pb, pb, snapshot_status_to_pb, to_pb
 from loom_proto.config import ShardConfig
 from loom_proto.event_loop import run_event_loop
+from loom_proto.process import die_with_parent
 from loom_proto.snapshot import KVLayout, SnapshotEntry, SnapshotError, SnapshotReply, SnapshotStatus, model_fingerprint
 from loom_proto.step import ModelInfo, StepPlan, StepResult, WarmupResult
 from loom_shard.auth import SecretInterceptor
@@ -402,6 +403,7 @@ def fail(message: str, status: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # where its parent asked for it (a Ray actor's shard)
     config = parse_config(argv)
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom_proto.config import FrontendConfig, RouterConfig, child_environment, public_json, secrets_json
-from loom_proto.process import parent_death_signal
+from loom_proto.process import parent_pid_env
 
 log = logging.getLogger("loom.frontends")
 
@@ -79,7 +79,6 @@ class FrontendPool:
         self._frontends: dict[int, _Frontend] = {}
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
-        self._before_exec = parent_death_signal()
 
     @property
     def pids(self) -> list[int]:
@@ -99,9 +98,10 @@ class FrontendPool:
         if secrets is not None:
             argv.append("--secrets-on-stdin")
         extra = {"PROMETHEUS_MULTIPROC_DIR": self._metrics_folder} if self._metrics_folder else {}
+        # No preexec_fn: this process runs gRPC's and ZeroMQ's threads (the frontend sets its own
+        # parent-death signal).
         process = subprocess.Popen(argv, stdin=subprocess.PIPE if secrets else subprocess.DEVNULL,
-                                   pass_fds=(self._listen.fileno(),), env=child_environment(extra),
-                                   preexec_fn=self._before_exec)
+                                   pass_fds=(self._listen.fileno(),), env=child_environment({**extra, **parent_pid_env()}))
         if process.stdin is not None:
             with process.stdin:
                 process.stdin.write((secrets or "").encode() + b"\n")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from loom_proto.config import FrontendConfig, parse_config
 from loom_proto.event_loop import freeze_startup_heap, run_event_loop
+from loom_proto.process import die_with_parent
 from loom_router.frontend.api import create_app
 from loom_router.frontend.engine_client import EngineClient
 from loom_router.frontend.http_server import server_config
@@ -53,6 +54,7 @@ async def serve(config: FrontendConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # the engine core
     config = parse_config(FrontendConfig, argv, "loom-router frontend", __doc__ or "")
     configure_logging(config.log_level, config.json_output, f"frontend {config.frontend_index}")
     try:
