@@ -4,9 +4,9 @@ prompt is done, so that what remains of a serving run is the router's own cost
 (bench/bench_ceiling.py).
 
 Started as the launcher starts `loom_shard.server` (`--config-json` with a ShardConfig), it prints
-the same readiness line. Its Step handler reads the plan with protobuf and answers in StepResult's sampled-token columns,
-so that at 512 sequences it stays far cheaper than the router it stands in front of (it shares
-the machine's cores with it).
+the same readiness line. Its Step handler reads the plan with protobuf and answers in
+StepResult's sampled-token columns, so that at 512 sequences it stays far cheaper than the router
+it stands in front of (it shares the machine's cores with it).
 """
 
 from __future__ import annotations

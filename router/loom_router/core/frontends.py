@@ -101,7 +101,8 @@ class FrontendPool:
         # No preexec_fn: this process runs gRPC's and ZeroMQ's threads (the frontend sets its own
         # parent-death signal).
         process = subprocess.Popen(argv, stdin=subprocess.PIPE if secrets else subprocess.DEVNULL,
-                                   pass_fds=(self._listen.fileno(),), env=child_environment({**extra, **parent_pid_env()}))
+                                   pass_fds=(self._listen.fileno(),),
+                                   env=child_environment({**extra, **parent_pid_env()}))
         if process.stdin is not None:
             with process.stdin:
                 process.stdin.write((secrets or "").encode() + b"\n")

@@ -28,7 +28,7 @@ class RequestSummary:
     finish_reason: str
 
     def fields(self) -> dict[str, object]:
-        """The log line's fields, durations in milliseconds (written out: once per request)."""
+        """The log line's fields, durations in milliseconds."""
         return {
             "request_id": self.request_id,
             "num_input_tokens": self.num_input_tokens,
