@@ -72,7 +72,11 @@ class PlanCheck:
         if drafts:
             self._drafts(running, state)
         self._compute(rid, state.num_computed, running.num_compute, len(state.token_ids) + len(drafts))
-        self._blocks(rid, state.block_table + running.new_block_ids, state.num_computed + running.num_compute)
+        # The blocks it holds were checked when they came: only the new ones' ids are (once a step,
+        # for every running request, this must not cost a pass over whole block tables).
+        self._table_size(rid, len(state.block_table) + len(running.new_block_ids),
+                         state.num_computed + running.num_compute)
+        self._block_ids(rid, running.new_block_ids)
 
     def _drafts(self, running: RunningRequest, state: RequestState) -> None:
         """Drafts ride only on a plain decode: the last sampled token plus the guesses."""
@@ -92,13 +96,20 @@ class PlanCheck:
             )
 
     def _blocks(self, rid: int, block_table: list[int], num_tokens: int) -> None:
-        if len(block_table) % self.num_groups:
-            raise ValueError(f"request {rid}: {len(block_table)} blocks are not whole sets of {self.num_groups} KV groups")
-        if len(block_table) // self.num_groups * self.kv.block_size < num_tokens:
-            raise ValueError(f"request {rid}: {len(block_table)} blocks cannot hold {num_tokens} tokens")
-        bad = [b for b in block_table if not 0 <= b < self.kv.num_blocks]
-        if bad:
-            raise ValueError(f"request {rid}: block ids {bad} outside 0..{self.kv.num_blocks - 1}")
+        self._table_size(rid, len(block_table), num_tokens)
+        self._block_ids(rid, block_table)
+
+    def _table_size(self, rid: int, num_blocks: int, num_tokens: int) -> None:
+        if num_blocks % self.num_groups:
+            raise ValueError(f"request {rid}: {num_blocks} blocks are not whole sets of {self.num_groups} KV groups")
+        if num_blocks // self.num_groups * self.kv.block_size < num_tokens:
+            raise ValueError(f"request {rid}: {num_blocks} blocks cannot hold {num_tokens} tokens")
+
+    def _block_ids(self, rid: int, block_ids: list[int]) -> None:
+        num_blocks = self.kv.num_blocks
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+            bad = [b for b in block_ids if not 0 <= b < num_blocks]
+            raise ValueError(f"request {rid}: block ids {bad} outside 0..{num_blocks - 1}")
 
     @staticmethod
     def _pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:

@@ -110,6 +110,8 @@ def test_swap_out_and_in_preserves_logits(runner) -> None:
         (StepPlan(new_requests=[_new(1, [1, 2, 3], [0])]), "already exists"),
         (StepPlan(new_requests=[_new(3, [1, 2, 3, 4, 5], [0])]), "cannot hold"),
         (StepPlan(new_requests=[_new(3, [1, 2], [32])]), "outside"),
+        (StepPlan(running_requests=[RunningRequest(1, 1, [1, 32])]), "outside"),  # a new block of a running one
+        (StepPlan(running_requests=[RunningRequest(1, 1, [-1])]), "outside"),
         (StepPlan(running_requests=[RunningRequest(1, 2)]), "cannot compute"),
         (StepPlan(new_requests=[_new(3, [1, 2], [4])], swap_out=[(0, 8)]), "swap_out"),
         (StepPlan(new_requests=[_new(3, [1, 10_000], [4])]), "vocabulary"),
