@@ -293,6 +293,8 @@ def _build_samples(
     # One device-to-host transfer for the whole step: float64 holds every token id and
     # float32 logprob exactly. Row: [token_id, logprob, top ids..., top logprobs...]
     table = torch.cat(columns, dim=1).cpu().tolist()
+    if max_top_n == 0:  # no alternatives asked for in the whole step (most decode steps)
+        return [Sample(token_id=int(row[0]), logprob=row[1], top_tokens=[]) for row in table]
     samples = []
     for row, state in zip(table, states):
         n = state.params.top_n_tokens
