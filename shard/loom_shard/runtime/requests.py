@@ -82,29 +82,20 @@ def logit_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int | None],
     logprob_rows: list[list[int]] = []
     offset = 0
     for s in scheduled:
-        state = s.state
-        first = state.num_computed
-        if s.num_compute == 1 and not s.num_drafts and first >= state.num_prompt_tokens - 1:
-            # A decode (or a prompt's last token): no prompt position to score, at most its sample.
-            logprob_rows.append([])
-            if first + 1 == len(state.token_ids) and state.pooling is Pooling.NONE:
-                sample_rows.append(len(rows))
-                rows.append(offset)
-            else:
-                sample_rows.append(None)
-            offset += 1
-            continue
+        state, first, num_compute = s.state, s.state.num_computed, s.num_compute
         # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
-        last_scored = min(first + s.num_compute, state.num_prompt_tokens - 1) if state.prompt_logprobs else first
-        scored = range(first, last_scored)
-        logprob_rows.append(list(range(len(rows), len(rows) + len(scored))))
-        rows.extend(offset + q - first for q in scored)
-        sample_row = None
-        if s.reaches_end and state.pooling is Pooling.NONE:  # its last token's logits, after each of its drafts' before them
-            sample_row = len(rows)
-            rows.extend(offset + s.num_compute - 1 - d for d in range(s.num_drafts, -1, -1))
-        sample_rows.append(sample_row)
-        offset += s.num_compute
+        num_scored = min(first + num_compute, state.num_prompt_tokens - 1) - first if state.prompt_logprobs else 0
+        if num_scored > 0:
+            logprob_rows.append(list(range(len(rows), len(rows) + num_scored)))
+            rows.extend(range(offset, offset + num_scored))
+        else:
+            logprob_rows.append([])
+        if s.reaches_end and state.pooling is Pooling.NONE:
+            sample_rows.append(len(rows))  # its last token's logits, after each of its drafts' before them
+            rows.extend(range(offset + num_compute - 1 - s.num_drafts, offset + num_compute))
+        else:
+            sample_rows.append(None)
+        offset += num_compute
     return rows, sample_rows, logprob_rows
 
 
