@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 # PEFT's target names that map onto Loom's projections (fused q/k/v and gate/up included).
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -50,31 +50,33 @@ def read_adapter(path: str | Path, base: ModuleShapes, max_rank: int) -> LoraAda
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"adapter folder {str(folder)!r} does not exist")
-    config = _read_config(folder)
+    config_bytes = _read_bytes(folder / "adapter_config.json")
+    config = _parse_config(config_bytes)
     rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     if rank > max_rank:
         raise AdapterError(f"adapter rank {rank} is above --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    factors = _read_factors(folder, base, rank)
+    weights_bytes = _read_bytes(folder / "adapter_model.safetensors")
+    factors = _read_factors(weights_bytes, base, rank)
+    # What a KV snapshot records: the sha256 of the very bytes parsed above (config, then weights).
+    digest = hashlib.sha256(config_bytes)
+    digest.update(weights_bytes)
     return LoraAdapter(rank, {key: (a.float(), b.float() * scaling) for key, (a, b) in factors.items()},
-                       _digest(folder))
+                       digest.hexdigest())
 
 
-def _digest(folder: Path) -> str:
-    """sha256 of the adapter's config and weights files, as read: what a KV snapshot records."""
-    digest = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        with open(folder / name, "rb") as file:
-            while chunk := file.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _read_config(folder: Path) -> dict:
+def _read_bytes(file: Path) -> bytes:
     try:
-        config = json.loads((folder / "adapter_config.json").read_text())
+        return file.read_bytes()
     except FileNotFoundError:
-        raise AdapterError(f"{folder} has no adapter_config.json") from None
+        raise AdapterError(f"{file.parent} has no {file.name}") from None
+    except OSError as error:
+        raise AdapterError(f"{file.name} cannot be read: {error}") from None
+
+
+def _parse_config(raw: bytes) -> dict:
+    try:
+        config = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise AdapterError(f"adapter_config.json is not valid JSON: {error}") from None
     if not isinstance(config, dict):
@@ -95,13 +97,10 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-def _read_factors(folder: Path, base: ModuleShapes, rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    file = folder / "adapter_model.safetensors"
-    if not file.exists():
-        raise AdapterError(f"{folder} has no adapter_model.safetensors")
+def _read_factors(raw: bytes, base: ModuleShapes, rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     try:
-        tensors = load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as error:
+        tensors = load(raw)
+    except (SafetensorError, ValueError) as error:
         raise AdapterError(f"adapter_model.safetensors cannot be read (damaged?): {error}") from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():

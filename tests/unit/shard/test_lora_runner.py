@@ -131,3 +131,14 @@ def test_bad_adapters_are_refused_and_change_nothing(pair, adapters, tmp_path) -
     assert runner.lora.host == {} and json.loads((adapters[1] / "adapter_config.json").read_text())["r"] == 4
     with pytest.raises(ValueError, match="not loaded"):
         _run(runner, {1: (random_tokens(4, 1), 1)})
+
+
+def test_an_adapter_is_identified_by_the_bytes_it_was_read_from(pair, adapters, tmp_path) -> None:
+    import hashlib
+
+    runner = _runner(pair, slots=2, max_rank=8)
+    folder = adapters[1]
+    files = [(folder / name).read_bytes() for name in ("adapter_config.json", "adapter_model.safetensors")]
+    assert runner.read_lora(str(folder)).digest == hashlib.sha256(b"".join(files)).hexdigest()
+    other = write_adapter(pair.hf, tmp_path / "other", seed=9)  # same config, other weights
+    assert runner.read_lora(str(other)).digest != runner.read_lora(str(folder)).digest
