@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -161,17 +162,62 @@ inline simd::F16 cap_scores(simd::F16 scores, float softcap) {
   return simd::load(lanes);
 }
 
-// One row's online-softmax step over the keys [first, last) of a block: scores in, probabilities
-// out (0 where not visible).
-inline void softmax_step(simd::F16 scores, int first, int last, float& m, float& l, float* p, simd::F16* acc, int D) {
-  const float m_new = std::max(m, simd::max_range(scores, first, last));
-  const float alpha = std::isinf(m) ? 0.0f : simd::exp1(m - m_new);
-  const simd::F16 probs = simd::keep_range(simd::exp(simd::sub(scores, simd::set1(m_new))), first, last);
-  l = std::fma(l, alpha, simd::sum(probs));
-  simd::store(p, probs);
-  const simd::F16 a = simd::set1(alpha);
-  for (int d = 0; d < D; ++d) acc[d] = simd::mul(acc[d], a);
-  m = m_new;
+// The online-softmax step of a block's rows over their visible keys [lo[r], hi[r]): scores in,
+// probabilities out (0 where not visible). A row that sees none of the block's keys adds exact
+// zeros. The rescale factors of all rows come from one vector exp, lane r each (simd::exp is
+// lane-wise: the same value as exp1 of that lane alone).
+template <int R, int D>
+inline void softmax_step(const simd::F16 (&scores)[R], const int (&lo)[R], const int (&hi)[R], float (&m)[R],
+                         float (&l)[R], float (&p)[R][kKeyBlock], simd::F16 (&acc)[R][D]) {
+  alignas(64) float shift[16] = {0.0f};
+  float m_new[R];
+  for (int r = 0; r < R; ++r) {
+    if (lo[r] >= hi[r]) continue;
+    m_new[r] = std::max(m[r], simd::max_range(scores[r], lo[r], hi[r]));
+    shift[r] = std::isinf(m[r]) ? 0.0f : m[r] - m_new[r];
+  }
+  alignas(64) float alpha[16];
+  simd::store(alpha, simd::exp(simd::load(shift)));
+  for (int r = 0; r < R; ++r) {
+    if (lo[r] >= hi[r]) {
+      simd::store(p[r], simd::zero());
+      continue;
+    }
+    const float a = std::isinf(m[r]) ? 0.0f : alpha[r];
+    const simd::F16 probs = simd::keep_range(simd::exp(simd::sub(scores[r], simd::set1(m_new[r]))), lo[r], hi[r]);
+    l[r] = std::fma(l[r], a, simd::sum(probs));
+    simd::store(p[r], probs);
+    const simd::F16 av = simd::set1(a);
+    for (int d = 0; d < D; ++d) acc[r][d] = simd::mul(acc[r][d], av);
+    m[r] = m_new[r];
+  }
+}
+
+// A head's 16 * D elements as D vectors, 32 at a time by simd::load_pairs: for bfloat16 the even
+// then the odd elements of each 32, for float32 their order. Dot products and P.V run in this
+// order; store_slots puts a row back in element order.
+template <typename T, int D>
+inline void load_slots(const T* src, simd::F16 (&v)[D]) {
+  static_assert(D % 2 == 0, "head_dim is a multiple of 32");
+#pragma GCC unroll 8
+  for (int d = 0; d < D; d += 2) simd::load_pairs(src + 16 * d, v[d], v[d + 1]);
+}
+
+template <typename T, int D>
+inline void store_slots(T* dst, const simd::F16 (&v)[D]) {
+  alignas(64) float row[16 * D];
+  for (int d = 0; d < D; ++d) simd::store(row + 16 * d, v[d]);
+  if constexpr (std::is_same_v<T, float>) {
+    store_row(dst, row, 16 * D);
+  } else {
+    alignas(64) float ordered[16 * D];
+    for (int d = 0; d < D; d += 2)
+      for (int i = 0; i < 16; ++i) {
+        ordered[16 * d + 2 * i] = row[16 * d + i];
+        ordered[16 * d + 2 * i + 1] = row[16 * (d + 1) + i];
+      }
+    store_row(dst, ordered, 16 * D);
+  }
 }
 
 template <typename T, int D, int R>
@@ -185,8 +231,9 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
   float m[R], l[R];
   for (int r = 0; r < R; ++r) {
     const int64_t row = task.first_row + r;
-    const T* src = v.q + v.row_offset(g, task.kv_head, row);
-    for (int d = 0; d < 16 * D; ++d) q[r][d] = loom::to_float(src[d]) * g.scale;
+    F16 qv[D];
+    load_slots<T, D>(v.q + v.row_offset(g, task.kv_head, row), qv);
+    for (int d = 0; d < D; ++d) simd::store(q[r] + 16 * d, simd::mul(qv[d], simd::set1(g.scale)));
     limit[r] = v.row_limit(g, row);
     first[r] = v.row_first(g, row);
     m[r] = -std::numeric_limits<float>::infinity();
@@ -202,10 +249,8 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
       v.prefetch(g, task.kv_head, b + kKeyBlock, static_cast<int>(std::min<int64_t>(kKeyBlock, task.keys - b - kKeyBlock)));
     // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below.
     for (int j = j0; j < nk; ++j) {
-      const T* kp = key_at[j];
       F16 k[D];
-#pragma GCC unroll 16
-      for (int d = 0; d < D; ++d) k[d] = simd::load(kp + 16 * d);
+      load_slots<T, D>(key_at[j], k);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         F16 s = simd::mul(simd::load(q[r]), k[0]);
@@ -218,23 +263,21 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
       for (int j = 0; j < j0; ++j) lanes[r][j] = simd::zero();
       for (int j = nk; j < kKeyBlock; ++j) lanes[r][j] = simd::zero();
     }
+    F16 scores[R];
+    int lo[R], hi[R];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const int64_t lo = std::max<int64_t>(first[r] - b, 0), hi = std::min<int64_t>(limit[r] - b, kKeyBlock);
-      if (lo >= hi) {  // none of this row's keys is in this block: it adds exact zeros
-        simd::store(p[r], simd::zero());
-        continue;
-      }
-      simd::F16 scores = simd::reduce16(lanes[r]);
-      if (g.softcap > 0.0f) scores = cap_scores(scores, g.softcap);
-      softmax_step(scores, static_cast<int>(lo), static_cast<int>(hi), m[r], l[r], p[r], acc[r], D);
+      lo[r] = static_cast<int>(std::max<int64_t>(first[r] - b, 0));
+      hi[r] = static_cast<int>(std::min<int64_t>(limit[r] - b, kKeyBlock));
+      if (lo[r] >= hi[r]) continue;
+      scores[r] = simd::reduce16(lanes[r]);
+      if (g.softcap > 0.0f) scores[r] = cap_scores(scores[r], g.softcap);
     }
+    softmax_step<R, D>(scores, lo, hi, m, l, p, acc);
     // P.V: keys in ascending order, one FMA per (row, key, 16 dims).
     for (int j = j0; j < nk; ++j) {
-      const T* vp = key_at[j] + g.v_offset;
       F16 val[D];
-#pragma GCC unroll 8
-      for (int d = 0; d < D; ++d) val[d] = simd::load(vp + 16 * d);
+      load_slots<T, D>(key_at[j] + g.v_offset, val);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const F16 pj = simd::set1(p[r][j]);
@@ -243,7 +286,6 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
       }
     }
   }
-  alignas(64) float result[16 * D];
   for (int r = 0; r < R; ++r) {
     if (g.sinks != nullptr) {
       float rescale = 1.0f;
@@ -252,8 +294,9 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
       for (int d = 0; d < D; ++d) acc[r][d] = simd::mul(acc[r][d], a);
     }
     const F16 inv = simd::set1(l[r]);
-    for (int d = 0; d < D; ++d) simd::store(result + 16 * d, simd::div(acc[r][d], inv));
-    store_row(v.out + v.row_offset(g, task.kv_head, task.first_row + r), result, 16 * D);
+    F16 result[D];
+    for (int d = 0; d < D; ++d) result[d] = simd::div(acc[r][d], inv);
+    store_slots<T, D>(v.out + v.row_offset(g, task.kv_head, task.first_row + r), result);
   }
 }
 

@@ -33,6 +33,13 @@ inline F16 load(const c10::BFloat16* p) {  // bfloat16 is the high half of a flo
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
 inline F16 load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// 32 bfloat16 from p, exact: elements 0, 2, .., 30 in `even` and 1, 3, .., 31 in `odd` (one load,
+// then one shift or one mask each: half the work of widening 16 at a time).
+inline void load_pairs(const c10::BFloat16* p, F16& even, F16& odd) {
+  const __m512i bits = _mm512_loadu_si512(p);
+  even = {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))};
+  odd = {_mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
 inline void store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
 // Rounded to the nearest bfloat16, ties to even, NaN as 0x7FC0: c10::BFloat16's own conversion.
 inline void store(c10::BFloat16* p, F16 a) {
@@ -94,8 +101,9 @@ inline int first_max_lane(F16 a, float x) {
   const __mmask16 hit = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(x), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
   return hit ? __builtin_ctz(hit) : 16;
 }
-inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
-  return _mm512_mask_reduce_max_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), a.v);
+inline float max_range(F16 a, int first, int last) {  // max of lanes first..last-1 (first < last): exact
+  const unsigned upto_last = last >= 16 ? 0xFFFFu : (1u << last) - 1;
+  return _mm512_mask_reduce_max_ps(__mmask16(upto_last & ~((1u << first) - 1)), a.v);
 }
 
 #else  // AVX2 + FMA + F16C
@@ -117,6 +125,13 @@ inline F16 load(const c10::BFloat16* p) {
 inline F16 load(const c10::Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void load_pairs(const c10::BFloat16* p, F16& even, F16& odd) {  // as on AVX-512
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, high_half)), _mm256_castsi256_ps(_mm256_and_si256(hi, high_half))};
 }
 inline void store(float* p, F16 a) {
   _mm256_storeu_ps(p, a.lo);
@@ -198,13 +213,15 @@ inline int first_max_lane(F16 a, float x) {
   const int hit = hits(a.lo) | (hits(a.hi) << 8);
   return hit ? __builtin_ctz(hit) : 16;
 }
-inline float max_first(F16 a, int n) {  // max of lanes 0..n-1 (n >= 1): exact in any order
-  const F16 kept = keep_first(a, n);
+inline float max_range(F16 a, int first, int last) {  // max of lanes first..last-1 (first < last): exact
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 low_inf = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), index));
-  const __m256 hi_inf = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), index));
+  const auto inside = [&](int offset) {  // lanes offset + i within [first, last)
+    const __m256i lane = _mm256_add_epi32(index, _mm256_set1_epi32(offset));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(first - 1)),
+                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(last), lane)));
+  };
   const __m256 neg = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 m = _mm256_max_ps(_mm256_blendv_ps(neg, kept.lo, low_inf), _mm256_blendv_ps(neg, kept.hi, hi_inf));
+  __m256 m = _mm256_max_ps(_mm256_blendv_ps(neg, a.lo, inside(0)), _mm256_blendv_ps(neg, a.hi, inside(8)));
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
@@ -231,11 +248,13 @@ inline float sum(F16 a) {  // the halving tree of sum_lanes: lane i + i+8, then 
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-inline float max_range(F16 a, int first, int last) {  // max of lanes first..last-1 (first < last)
-  alignas(64) float lanes[16];
-  store(lanes, a);
-  return *std::max_element(lanes + first, lanes + std::min(last, 16));
+// 32 float32 from p in their order (the float32 twin of the bfloat16 load_pairs).
+inline void load_pairs(const float* p, F16& first, F16& second) {
+  first = load(p);
+  second = load(p + 16);
 }
+
+inline float max_first(F16 a, int n) { return max_range(a, 0, n); }  // max of lanes 0..n-1 (n >= 1)
 
 // Where reduce16_raw leaves each vector's sum: found once by reducing vectors filled with their
 // index (exact in float32), so the shuffles need no hand-derived table.
