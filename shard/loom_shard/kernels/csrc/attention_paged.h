@@ -220,12 +220,53 @@ inline void store_slots(T* dst, const simd::F16 (&v)[D]) {
   }
 }
 
+// One key's score partials for every row (16 lanes each, summed by simd::reduce16): a fixed chain
+// of D FMAs per row; zeros for a key that is not read (nullptr).
+template <typename T, int D, int R>
+inline void key_scores(const T* key, const float (&q)[R][16 * D], simd::F16 (&s)[R]) {
+  if (key == nullptr) {
+    for (int r = 0; r < R; ++r) s[r] = simd::zero();
+    return;
+  }
+  simd::F16 k[D];
+  load_slots<T, D>(key, k);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    simd::F16 score = simd::mul(simd::load(q[r]), k[0]);
+#pragma GCC unroll 8
+    for (int d = 1; d < D; ++d) score = simd::fma(simd::load(q[r] + 16 * d), k[d], score);
+    s[r] = score;
+  }
+}
+
+// P.V of a block: keys in ascending order, one FMA per (row, key, 16 dims). The accumulators run
+// in a local copy: acc itself is memory that the loads of p might alias (vector types may alias
+// any), and GCC would store every accumulator back after each key.
+template <typename T, int D, int R>
+inline void accumulate_values(const T* const* key_at, int j0, int nk, int64_t v_offset, const float (&p)[R][kKeyBlock],
+                              simd::F16 (&acc)[R][D]) {
+  simd::F16 a[R][D];
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < D; ++d) a[r][d] = acc[r][d];
+  for (int j = j0; j < nk; ++j) {
+    simd::F16 val[D];
+    load_slots<T, D>(key_at[j] + v_offset, val);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const simd::F16 pj = simd::set1(p[r][j]);
+#pragma GCC unroll 8
+      for (int d = 0; d < D; ++d) a[r][d] = simd::fma(pj, val[d], a[r][d]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < D; ++d) acc[r][d] = a[r][d];
+}
+
 template <typename T, int D, int R>
 void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
   using simd::F16;
   alignas(64) float q[R][16 * D];
   alignas(64) float p[R][kKeyBlock];
-  F16 lanes[R][kKeyBlock];
   F16 acc[R][D];
   int64_t limit[R], first[R];
   float m[R], l[R];
@@ -247,21 +288,15 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
     v.keys(g, task.kv_head, b, nk, key_at);
     if (b + kKeyBlock < task.keys)  // the next block loads while this one computes
       v.prefetch(g, task.kv_head, b + kKeyBlock, static_cast<int>(std::min<int64_t>(kKeyBlock, task.keys - b - kKeyBlock)));
-    // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below.
-    for (int j = j0; j < nk; ++j) {
-      F16 k[D];
-      load_slots<T, D>(key_at[j], k);
+    // Scores: each (row, key) is a fixed chain of D FMAs, reduced by one fixed tree below whose
+    // first level (keys j and j + 8) runs as soon as both are computed. Keys not read score 0.
+    F16 half[R][kKeyBlock / 2];
+    for (int j = 0; j < kKeyBlock / 2; ++j) {
+      F16 low[R], high[R];
+      key_scores<T, D, R>(j >= j0 && j < nk ? key_at[j] : nullptr, q, low);
+      key_scores<T, D, R>(j + 8 >= j0 && j + 8 < nk ? key_at[j + 8] : nullptr, q, high);
 #pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        F16 s = simd::mul(simd::load(q[r]), k[0]);
-#pragma GCC unroll 8
-        for (int d = 1; d < D; ++d) s = simd::fma(simd::load(q[r] + 16 * d), k[d], s);
-        lanes[r][j] = s;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < j0; ++j) lanes[r][j] = simd::zero();
-      for (int j = nk; j < kKeyBlock; ++j) lanes[r][j] = simd::zero();
+      for (int r = 0; r < R; ++r) half[r][j] = simd::fold_pair(low[r], high[r]);
     }
     F16 scores[R];
     int lo[R], hi[R];
@@ -270,21 +305,11 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
       lo[r] = static_cast<int>(std::max<int64_t>(first[r] - b, 0));
       hi[r] = static_cast<int>(std::min<int64_t>(limit[r] - b, kKeyBlock));
       if (lo[r] >= hi[r]) continue;
-      scores[r] = simd::reduce16(lanes[r]);
+      scores[r] = simd::reduce16_halves(half[r]);
       if (g.softcap > 0.0f) scores[r] = cap_scores(scores[r], g.softcap);
     }
     softmax_step<R, D>(scores, lo, hi, m, l, p, acc);
-    // P.V: keys in ascending order, one FMA per (row, key, 16 dims).
-    for (int j = j0; j < nk; ++j) {
-      F16 val[D];
-      load_slots<T, D>(key_at[j] + g.v_offset, val);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const F16 pj = simd::set1(p[r][j]);
-#pragma GCC unroll 8
-        for (int d = 0; d < D; ++d) acc[r][d] = simd::fma(pj, val[d], acc[r][d]);
-      }
-    }
+    accumulate_values<T, D, R>(key_at, j0, nk, g.v_offset, p, acc);
   }
   for (int r = 0; r < R; ++r) {
     if (g.sinks != nullptr) {

@@ -72,19 +72,21 @@ inline F16 keep_range(F16 a, int first, int last) {
   return {_mm512_maskz_mov_ps(__mmask16(upto_last & ~((1u << first) - 1)), a.v)};
 }
 
-// The 16 horizontal sums of v[0..15], in the tree's own lane order (see reduce16 below).
-inline F16 reduce16_raw(const F16* v) {
-  auto fold256 = [](__m512 a, __m512 b) {  // [a.lo + a.hi | b.lo + b.hi]
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  };
-  auto fold128 = [](__m512 x, __m512 y) {  // 128-bit lane pairs of two fold256 results
+// The reduction tree's first level for two vectors: [a's lanes i + i+8 | b's lanes i + i+8].
+inline F16 fold_pair(F16 a, F16 b) {
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xEE))};
+}
+
+// The 16 horizontal sums of v[0..15] from half[i] = fold_pair(v[i], v[i + 8]), in the tree's
+// own lane order (see reduce16 below).
+inline F16 reduce16_folded(const F16* half) {
+  auto fold128 = [](__m512 x, __m512 y) {  // 128-bit lane pairs of two fold_pair results
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
   };
   auto fold64 = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE)); };
   auto fold32 = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD)); };
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = fold256(v[i].v, v[i + 8].v);
-  for (int i = 0; i < 4; ++i) b[i] = fold128(a[i], a[i + 4]);
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; ++i) b[i] = fold128(half[i].v, half[i + 4].v);
   for (int i = 0; i < 2; ++i) c[i] = fold64(b[i], b[i + 2]);
   return {fold32(c[0], c[1])};
 }
@@ -189,15 +191,16 @@ inline F16 keep_range(F16 a, int first, int last) {
   return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
 }
 
-inline F16 reduce16_raw(const F16* v) {
+inline F16 fold_pair(F16 a, F16 b) { return {_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi)}; }  // as on AVX-512
+
+inline F16 reduce16_folded(const F16* half) {
   auto fold128 = [](__m256 x, __m256 y) {  // [x.lo128 + x.hi128 | y.lo128 + y.hi128]
     return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
   };
   auto fold64 = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE)); };
   auto fold32 = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD)); };
-  __m256 a[16], b[8], c[4];
-  for (int i = 0; i < 16; ++i) a[i] = _mm256_add_ps(v[i].lo, v[i].hi);
-  for (int i = 0; i < 8; ++i) b[i] = fold128(a[i], a[i + 8]);
+  __m256 b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = fold128(half[i].lo, half[i].hi);
   for (int i = 0; i < 4; ++i) c[i] = fold64(b[i], b[i + 4]);
   return {fold32(c[0], c[2]), fold32(c[1], c[3])};
 }
@@ -256,6 +259,13 @@ inline void load_pairs(const float* p, F16& first, F16& second) {
 
 inline float max_first(F16 a, int n) { return max_range(a, 0, n); }  // max of lanes 0..n-1 (n >= 1)
 
+// The 16 horizontal sums of v[0..15], in the tree's own lane order (see reduce16 below).
+inline F16 reduce16_raw(const F16* v) {
+  F16 half[8];
+  for (int i = 0; i < 8; ++i) half[i] = fold_pair(v[i], v[i + 8]);
+  return reduce16_folded(half);
+}
+
 // Where reduce16_raw leaves each vector's sum: found once by reducing vectors filled with their
 // index (exact in float32), so the shuffles need no hand-derived table.
 inline const int* key_order() {
@@ -275,6 +285,8 @@ inline const int* key_order() {
 
 // Lane k = the sum of the 16 lanes of v[k], each by the halving tree.
 inline F16 reduce16(const F16* v) { return permute(reduce16_raw(v), key_order()); }
+// The same from half[i] = fold_pair(v[i], v[i + 8]).
+inline F16 reduce16_halves(const F16* half) { return permute(reduce16_folded(half), key_order()); }
 
 // exp(x) in float32 (Cephes' polynomial, about 1 ulp); exp(0) is exactly 1.
 inline F16 exp(F16 x) {
