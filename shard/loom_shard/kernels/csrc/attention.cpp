@@ -19,12 +19,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "attention_paged.h"
+#include "parallel.h"
 
 namespace {
 
@@ -75,12 +75,7 @@ void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry&
     for (const Task& task : tasks) run(task);
     return;
   }
-  std::atomic<int64_t> next{0};
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t first, int64_t last) {
-    for (int64_t worker = first; worker < last; ++worker)
-      for (int64_t i = next++; i < num_tasks; i = next++) run(tasks[i]);
-  });
+  loom::parallel_dynamic(static_cast<int64_t>(tasks.size()), [&](int64_t i) { run(tasks[i]); });
 }
 
 // Every key a task reads must lie in the cache: a wrong table is an error, never a stray read.

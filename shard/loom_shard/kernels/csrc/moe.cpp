@@ -15,10 +15,10 @@
 
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <vector>
 
 #include "common.h"
+#include "parallel.h"
 
 namespace {
 
@@ -76,11 +76,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   if (num_active <= 1 || at::get_num_threads() == 1) {
     for (int64_t e : active) run(e);  // one expert: its GEMMs use every thread
   } else {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t first, int64_t last) {
-      for (int64_t worker = first; worker < last; ++worker)
-        for (int64_t i = next++; i < num_active; i = next++) run(active[i]);
-    });
+    loom::parallel_dynamic(num_active, [&](int64_t i) { run(active[i]); });
   }
   at::Tensor y = at::zeros({tokens * k, hidden}, x.options());
   for (int64_t e : active) y.index_copy_(0, rows[e], outs[e]);

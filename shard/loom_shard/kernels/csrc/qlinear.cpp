@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "parallel.h"
 #include "qlinear_tiles.h"
 
 namespace {
@@ -152,10 +153,10 @@ void run_rows(Format format, const QTiles& w, const QRows& x, int64_t r0, int ro
 template <typename T>
 void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n, int64_t groups, const float* bias, T* out) {
   static_assert(kTiles % kTileCols == 0, "register tiles cover a group's tiles");
-  // Parallel over column groups only: a column is computed whole by one thread.
-  // Rows go in chunks so that a chunk's activations stay in L2 while the thread's tiles stream by;
-  // a group's first row tile prefetches the thread's next group.
-  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+  // A thread computes column groups [first, last) whole. Rows go in chunks so that a chunk's
+  // activations stay in L2 while the thread's tiles stream by; a group's first row tile
+  // prefetches the thread's next group.
+  auto compute = [&](int64_t first, int64_t last) {
     for (int64_t chunk = 0; chunk < m; chunk += kRowChunk)
       for (int64_t g = first; g < last; ++g)
         for (int tile = 0; tile < kTiles; tile += kTileCols) {
@@ -167,7 +168,18 @@ void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n
             run_rows<T>(format, wg, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), n, bias, out);
           }
         }
-  });
+  };
+  const int64_t threads = at::get_num_threads();
+  if (m < kRowChunk || threads == 1) {  // decode: one contiguous range per thread, prefetched end to end
+    at::parallel_for(0, groups, 1, compute);
+    return;
+  }
+  // Prefill: runs of groups handed out as threads ask (about 8 per thread), so that a thread the
+  // OS preempts (the router shares these cores) does not hold the other at the barrier. Which
+  // thread computes a column never changes its result.
+  const int64_t run = std::max<int64_t>(1, (groups + 8 * threads - 1) / (8 * threads));
+  const int64_t runs = (groups + run - 1) / run;
+  loom::parallel_dynamic(runs, [&](int64_t i) { compute(i * run, std::min(groups, (i + 1) * run)); });
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
