@@ -29,7 +29,6 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.cpp"))
 # -fopenmp: with torch's OpenMP backend, at::parallel_for is an `omp parallel` in a header, so
 # without the flag every kernel ran on one thread. The library then needs libgomp.so.1, which the
 # loader resolves to the one torch has already loaded: one thread pool, torch.set_num_threads holds.
@@ -106,31 +105,33 @@ def _flags(isa: Isa) -> list[str]:
     return [*CFLAGS, *isa.cflags, f"-DLOOM_ISA={isa.name}"]
 
 
-def build_dir(isa: Isa) -> Path:
+def build_dir(isa: Isa, csrc: Path = CSRC) -> Path:
     digest = hashlib.sha256(" ".join([torch.__version__, *_flags(isa), *LDFLAGS]).encode())
-    for source in sorted(CSRC.iterdir()):
+    for source in sorted(csrc.iterdir()):
         digest.update(source.name.encode() + source.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     return root / f"loom_kernels_{isa.name}_{digest.hexdigest()[:16]}"
 
 
-def library_path(isa: Isa) -> Path:
-    return build_dir(isa) / f"loom_kernels_{isa.name}.so"
+def library_path(isa: Isa, csrc: Path = CSRC) -> Path:
+    return build_dir(isa, csrc) / f"loom_kernels_{isa.name}.so"
 
 
-def build(isa: Isa) -> Path:
-    """Compile one ISA's build (any host can build any of them; nothing is loaded). Raises on failure."""
-    path = library_path(isa)
+def build(isa: Isa, csrc: Path = CSRC) -> Path:
+    """Compile one ISA's build of the sources in `csrc` (any host can build any of them; nothing is
+    loaded). Raises on failure."""
+    path = library_path(isa, csrc)
     if path.exists():
         return path
     # torch's JIT builder without its loader: a build this CPU cannot run must not be loaded.
     from torch.utils.cpp_extension import _write_ninja_file_and_build_library
 
     start = time.perf_counter()
-    log.info("building Loom's CPU kernels for %s (%d sources, about 30 s)", isa.name, len(SOURCES))
+    sources = sorted(csrc.glob("*.cpp"))
+    log.info("building Loom's CPU kernels for %s (%d sources, about 30 s)", isa.name, len(sources))
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_ninja_file_and_build_library(
-        name=path.stem, sources=[str(s) for s in SOURCES], extra_cflags=_flags(isa), extra_cuda_cflags=[],
+        name=path.stem, sources=[str(s) for s in sources], extra_cflags=_flags(isa), extra_cuda_cflags=[],
         extra_sycl_cflags=[], extra_ldflags=list(LDFLAGS), extra_include_paths=[], build_directory=str(path.parent),
         verbose=False, with_cuda=False, with_sycl=False)
     log.info("built Loom's CPU kernels for %s in %.1f s", isa.name, time.perf_counter() - start)

@@ -1,0 +1,188 @@
+"""Two versions of Loom's CPU kernels in one process: the working tree's against a commit's (or
+another source folder's), each built as an op namespace of its own, taking turns; min and median
+of the rounds. What a kernel change buys, on the CPU that runs it.
+
+    python bench/bench_kernel_ab.py --base d29a32c                      # every case, 2 threads
+    python bench/bench_kernel_ab.py --base d29a32c --cases qlinear --rows 8 200 --load 0.3
+    python bench/bench_kernel_ab.py --base /tmp/other/csrc --threads 1 --clock cpu
+
+Cases, on the embedded SmolLM2-135M's shapes: `attention-decode` (one step's paged attention at
+batch 32, 200-330 cached tokens each, over 30 layers' K/V so that they come from memory),
+`attention-prefill` (8 prompts of 150-200 tokens, 30 layers), `qlinear` (every linear of a step on
+the embedded GGUF's weights, at each of --rows). Each case prints the largest difference between
+the two versions' outputs (0: bit-identical). --load F runs a process that keeps F of one core
+busy in 2 ms slices, as the router's processes do beside a shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from loom_shard import kernels
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC_IN_REPO = kernels.CSRC.relative_to(REPO)
+Case = tuple[str, Callable[[object], None], Callable[[object, object], float]]  # label, run(ops), diff(a, b)
+
+
+def sources(spec: str, into: Path) -> Path:
+    """A folder of kernel sources: `spec` itself, or the kernels of git revision `spec`."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", spec, str(CSRC_IN_REPO)],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into / CSRC_IN_REPO
+
+
+def load(csrc: Path, name: str) -> object:
+    """Build (once) and load the sources in `csrc` as torch.ops.loom_<name>."""
+    isa = dataclasses.replace(kernels.runnable_isas()[0], name=name)
+    torch.ops.load_library(str(kernels.build(isa, csrc)))
+    return getattr(torch.ops, isa.namespace)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _paged_case(label: str, lengths: list[int], computes: list[int], layers: int) -> Case:
+    """Paged attention over `layers` caches: sequence i computes computes[i] tokens after
+    lengths[i] - computes[i] cached ones; blocks scattered over the cache."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    need = [-(-n // block_size) for n in lengths]
+    order = torch.randperm(sum(need), generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = order[start : start + n]
+        start += n
+    caches = [torch.randn(2, sum(need), block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+              for _ in range(layers)]
+    q = torch.randn(sum(computes), heads, head_dim, generator=gen).to(torch.bfloat16)
+    query_starts = torch.tensor([0, *torch.tensor(computes).cumsum(0).tolist()], dtype=torch.int32)
+    cached = torch.tensor([n - c for n, c in zip(lengths, computes)], dtype=torch.int32)
+
+    def attend(ops: object, kv: torch.Tensor) -> torch.Tensor:
+        return ops.paged_attention(q, kv, tables, query_starts, cached, head_dim**-0.5, 0, 0.0, None)
+
+    def run(ops: object) -> None:
+        for kv in caches:
+            attend(ops, kv)
+
+    return label, run, lambda a, b: _max_diff(attend(a, caches[0]), attend(b, caches[0]))
+
+
+def attention_case(name: str) -> Case:
+    gen = torch.Generator().manual_seed(1)
+    if name == "attention-decode":
+        return _paged_case("attention, decode at batch 32 x 30 layers",
+                           torch.randint(200, 331, (32,), generator=gen).tolist(), [1] * 32, 30)
+    prompts = torch.randint(150, 201, (8,), generator=gen).tolist()
+    return _paged_case("attention, prefill of 8 prompts x 30 layers", prompts, prompts, 30)
+
+
+def qlinear_cases(rows: list[int]) -> Iterator[Case]:
+    from bench_qlinear import layer_sources
+
+    from loom_shard.layers.quant_linear import QuantKind
+    from loom_shard.loading.gguf_file import open_gguf
+    from loom_shard.loading.loader import resolve_model_path
+
+    layers = layer_sources(open_gguf(resolve_model_path("")), 30)
+    packed: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
+
+    def weights(ops: object) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        if id(ops) not in packed:  # each version packs its own layout
+            repack = {QuantKind.Q4_1: ops.qlinear_repack_q4_1, QuantKind.Q8_0: ops.qlinear_repack_q8_0}
+            packed[id(ops)] = [(*repack[s.kind](s.raw.contiguous(), s.in_features), s.in_features, s.out_features)
+                               for s in layers]
+        return packed[id(ops)]
+
+    for count in rows:
+        xs = {k: torch.randn(count, k, dtype=torch.bfloat16) for k in {s.in_features for s in layers}}
+
+        def run(ops: object, xs: dict[int, torch.Tensor] = xs) -> None:
+            for w, scales, k, n in weights(ops):
+                ops.qlinear(xs[k], w, scales.view(torch.float16), n, None)
+
+        def diff(a: object, b: object, xs: dict[int, torch.Tensor] = xs) -> float:
+            return max(_max_diff(a.qlinear(xs[k], wa, sa.view(torch.float16), n, None),
+                                 b.qlinear(xs[k], wb, sb.view(torch.float16), n, None))
+                       for (wa, sa, k, n), (wb, sb, _, _) in zip(weights(a), weights(b)))
+
+        yield f"qlinear, one step's linears at {count} rows", run, diff
+
+
+def busy(fraction: float) -> subprocess.Popen:
+    """A process that keeps `fraction` of one core busy, in 2 ms slices."""
+    code = ("import time\nwhile True:\n    t = time.perf_counter()\n"
+            f"    while time.perf_counter() - t < {0.002 * fraction}: pass\n    time.sleep({0.002 * (1 - fraction)})")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def measure(case: Case, base: object, exp: object, rounds: int, clock: Callable[[], float]) -> None:
+    label, run, diff = case
+    times: dict[str, list[float]] = {"base": [], "exp": []}
+    for _ in range(rounds):
+        for name, ops in (("base", base), ("exp", exp)):  # taking turns
+            start = clock()
+            run(ops)
+            times[name].append(clock() - start)
+    b, e = times["base"], times["exp"]
+    print(f"{label}: base {min(b) * 1e3:.2f} ms (median {statistics.median(b) * 1e3:.2f}), "
+          f"this tree {min(e) * 1e3:.2f} ms (median {statistics.median(e) * 1e3:.2f}); "
+          f"base / this tree {min(b) / min(e):.2f}x min, {statistics.median(b) / statistics.median(e):.2f}x median; "
+          f"max output difference {diff(base, exp):.3g}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="a git revision, or a folder of kernel sources")
+    parser.add_argument("--exp", default=str(kernels.CSRC), help="the other version (default: this working tree's)")
+    parser.add_argument("--cases", nargs="+", default=["attention-decode", "attention-prefill", "qlinear"],
+                        choices=["attention-decode", "attention-prefill", "qlinear"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 200], help="qlinear's row counts")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time (steadier on a shared machine, with --threads 1)")
+    parser.add_argument("--load", type=float, default=0.0, help="keep this fraction of one core busy meanwhile")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"{kernels.cpu_model()}; {args.threads} threads, {args.clock} clock, load {args.load}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load(sources(args.base, Path(tmp) / "base"), "ab_base")
+        exp = load(sources(args.exp, Path(tmp) / "exp"), "ab_exp")
+    hog = busy(args.load) if args.load > 0 else None
+    try:
+        with torch.inference_mode():
+            for name in args.cases:
+                for case in qlinear_cases(args.rows) if name == "qlinear" else [attention_case(name)]:
+                    measure(case, base, exp, args.rounds, clock)
+    finally:
+        if hog is not None:
+            hog.kill()
+
+
+if __name__ == "__main__":
+    main()
