@@ -220,8 +220,8 @@ inline void store_slots(T* dst, const simd::F16 (&v)[D]) {
   }
 }
 
-// One key's score partials for every row (16 lanes each, summed by simd::reduce16): a fixed chain
-// of D FMAs per row; zeros for a key that is not read (nullptr).
+// One key's score partials for every row (16 lanes each, summed by simd::reduce16_halves): a
+// fixed chain of D FMAs per row; zeros for a key that is not read (nullptr).
 template <typename T, int D, int R>
 inline void key_scores(const T* key, const float (&q)[R][16 * D], simd::F16 (&s)[R]) {
   if (key == nullptr) {

@@ -10,7 +10,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -62,10 +61,6 @@ inline F16 abs(F16 a) { return {_mm512_abs_ps(a.v)}; }
 inline F16 round_even(F16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // a * 2^n for integral n in [-126, 127]: 2^n is exact, so this rounds once, like a multiply.
 inline F16 scale_pow2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
-// Lanes n.. set to zero.
-inline F16 keep_first(F16 a, int n) {
-  return {_mm512_maskz_mov_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), a.v)};
-}
 // Lanes outside [first, last) set to zero (0 <= first <= last <= 16).
 inline F16 keep_range(F16 a, int first, int last) {
   const unsigned upto_last = last >= 16 ? 0xFFFFu : (1u << last) - 1;
@@ -78,7 +73,7 @@ inline F16 fold_pair(F16 a, F16 b) {
 }
 
 // The 16 horizontal sums of v[0..15] from half[i] = fold_pair(v[i], v[i + 8]), in the tree's
-// own lane order (see reduce16 below).
+// own lane order (see reduce16_halves below).
 inline F16 reduce16_folded(const F16* half) {
   auto fold128 = [](__m512 x, __m512 y) {  // 128-bit lane pairs of two fold_pair results
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
@@ -174,13 +169,6 @@ inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127], built from
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 inline F16 scale_pow2(F16 a, F16 n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
-inline F16 keep_first(F16 a, int n) {
-  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i limit = _mm256_set1_epi32(n);
-  const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, index));
-  const __m256 keep_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, _mm256_add_epi32(index, _mm256_set1_epi32(8))));
-  return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
-}
 inline F16 keep_range(F16 a, int first, int last) {
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i index_hi = _mm256_add_epi32(index, _mm256_set1_epi32(8));
@@ -259,7 +247,7 @@ inline void load_pairs(const float* p, F16& first, F16& second) {
 
 inline float max_first(F16 a, int n) { return max_range(a, 0, n); }  // max of lanes 0..n-1 (n >= 1)
 
-// The 16 horizontal sums of v[0..15], in the tree's own lane order (see reduce16 below).
+// The 16 horizontal sums of v[0..15], in the tree's own lane order (see reduce16_halves below).
 inline F16 reduce16_raw(const F16* v) {
   F16 half[8];
   for (int i = 0; i < 8; ++i) half[i] = fold_pair(v[i], v[i + 8]);
@@ -283,9 +271,8 @@ inline const int* key_order() {
   return order.at;
 }
 
-// Lane k = the sum of the 16 lanes of v[k], each by the halving tree.
-inline F16 reduce16(const F16* v) { return permute(reduce16_raw(v), key_order()); }
-// The same from half[i] = fold_pair(v[i], v[i + 8]).
+// Lane k = the sum of the 16 lanes of v[k], each by the halving tree, from its first level
+// half[i] = fold_pair(v[i], v[i + 8]).
 inline F16 reduce16_halves(const F16* half) { return permute(reduce16_folded(half), key_order()); }
 
 // exp(x) in float32 (Cephes' polynomial, about 1 ulp); exp(0) is exactly 1.
