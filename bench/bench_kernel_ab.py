@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from loom_shard import kernels
 
 REPO = Path(__file__).resolve().parents[1]
-CSRC_IN_REPO = kernels.CSRC.relative_to(REPO)
+CSRC_IN_REPO = Path("shard/loom_shard/kernels/csrc")
 Case = tuple[str, Callable[[object], None], Callable[[object, object], float]]  # label, run(ops), diff(a, b)
 
 
@@ -156,7 +156,7 @@ def measure(case: Case, base: object, exp: object, rounds: int, clock: Callable[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="a git revision, or a folder of kernel sources")
-    parser.add_argument("--exp", default=str(kernels.CSRC), help="the other version (default: this working tree's)")
+    parser.add_argument("--exp", default=str(REPO / CSRC_IN_REPO), help="the other version (default: this working tree's)")
     parser.add_argument("--cases", nargs="+", default=["attention-decode", "attention-prefill", "qlinear"],
                         choices=["attention-decode", "attention-prefill", "qlinear"])
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 200], help="qlinear's row counts")

@@ -38,8 +38,9 @@ def die_with_parent() -> None:
     """In a child started with `parent_pid_env`: get SIGTERM when that parent dies without cleaning
     up (Linux). A parent gone before this call ends the process at once. Elsewhere a no-op."""
     expected = os.environ.pop(PARENT_PID_ENV, None)  # not the grandchildren's
-    if expected is None or not sys.platform.startswith("linux"):
+    set_signal = parent_death_signal()
+    if expected is None or set_signal is None:
         return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    set_signal()
     if os.getppid() != int(expected):
         raise SystemExit(f"the parent process {expected} is gone")
