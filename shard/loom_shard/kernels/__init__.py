@@ -222,3 +222,19 @@ def ops() -> torch._ops._OpNamespace:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation of each row of x [rows, hidden] (float32 accumulation, one pass per row)."""
     return ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)) in one pass; the sum rounds as torch's add does."""
+    return ops().add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """[rows, 2 * intermediate] (gate, then up) -> silu(gate) * up, rounded once."""
+    return ops().silu_mul(gate_up, intermediate)
+
+
+def runs(x: torch.Tensor) -> bool:
+    """True when the kernels are in use and take x (a CPU tensor of a dtype they compute in)."""
+    return x.is_cpu and x.dtype in DTYPES and available()

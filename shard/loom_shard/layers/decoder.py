@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), rope, kv_layer, meta)
         if not self.sandwich:
-            x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x, normed = self.post_attention_layernorm.add_forward(x, attended)
+            return x + self.mlp(normed)
         x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -6,11 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom_shard import kernels
 from loom_shard.model_config import Activation
 
 
-def gated(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """act(gate) * up, in place on gate's result."""
+def gated(gate_up: torch.Tensor, intermediate: int, activation: Activation) -> torch.Tensor:
+    """[rows, 2 * intermediate] (gate, then up) -> act(gate) * up: SiLU's in one pass of Loom's
+    CPU kernel where it runs, else torch's ops (in place on gate's result)."""
+    if activation is Activation.SILU and kernels.runs(gate_up):
+        return kernels.silu_mul(gate_up, intermediate)
+    gate, up = gate_up.split(intermediate, dim=-1)
     if activation is Activation.SILU:
         return F.silu(gate).mul_(up)
     return F.gelu(gate, approximate="tanh").mul_(up)
@@ -26,5 +31,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(gated(gate, up, self.activation))
+        return self.down_proj(gated(gate_up, self.intermediate_size, self.activation))

@@ -47,6 +47,8 @@ def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Ten
 
 def expert_activation(gate_up: torch.Tensor, intermediate: int, activation: ExpertActivation) -> torch.Tensor:
     """[rows, 2 * intermediate] (gate, then up) -> [rows, intermediate]."""
+    if activation is ExpertActivation.SILU and kernels.runs(gate_up):
+        return kernels.silu_mul(gate_up, intermediate)
     gate, up = gate_up.split(intermediate, dim=-1)
     if activation is ExpertActivation.SILU:
         return F.silu(gate) * up

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loom_shard import kernels
+from loom_shard.layers.mlp import GatedMLP
 from loom_shard.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
@@ -40,6 +41,63 @@ def test_rms_norm_module_uses_the_kernel_on_cpu() -> None:
 def test_rms_norm_rejects_a_wrong_weight() -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
         kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [576, 583, 5])
+def test_add_rms_norm_is_torch_add_then_the_norm_bit_for_bit(dtype: torch.dtype, hidden: int) -> None:
+    x, residual = (torch.randn(13, hidden) * 3).to(dtype), torch.randn(13, hidden).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    total, normed = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, kernels.rms_norm(x + residual, weight, 1e-5))
+    torch.testing.assert_close(normed.double(), torch.rms_norm((x + residual).double(), (hidden,), weight.double(), 1e-5),
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_add_rms_norm_refuses_a_residual_of_another_shape() -> None:
+    with pytest.raises(RuntimeError, match="residual must be"):
+        kernels.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-5)
+
+
+def test_rms_norm_module_adds_and_normalises_as_its_two_steps() -> None:
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(4, 576, dtype=torch.bfloat16), torch.randn(4, 576, dtype=torch.bfloat16)
+    total, normed = norm.add_forward(x, residual)
+    assert torch.equal(total, x + residual) and torch.equal(normed, norm(x + residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("intermediate", [1536, 1000, 7])
+def test_silu_mul_matches_float64(dtype: torch.dtype, intermediate: int) -> None:
+    gate_up = (torch.randn(21, 2 * intermediate) * 4).to(dtype)
+    gate, up = gate_up.double().split(intermediate, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_mul(gate_up, intermediate)
+    assert got.dtype == dtype and got.shape == (21, intermediate)
+    # float32: a few ulp of its exp; bfloat16: one rounding of the float32 result.
+    rtol = 2e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=rtol)
+
+
+def test_silu_mul_of_a_row_is_bit_identical_at_any_batch() -> None:
+    gate_up = torch.randn(64, 2 * 1000).to(torch.bfloat16)
+    alone = torch.cat([kernels.silu_mul(gate_up[i : i + 1], 1000) for i in range(64)])
+    for rows in (1, 7, 64):
+        assert torch.equal(kernels.silu_mul(gate_up[:rows], 1000), alone[:rows])
+
+
+def test_silu_mul_of_extremes_is_finite_where_silu_is() -> None:
+    gate = torch.tensor([[-200.0, -90.0, -1.0, 0.0, 1.0, 90.0, 200.0]])
+    got = kernels.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1), 7)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate), atol=1e-30, rtol=1e-6)
+
+
+def test_gated_mlp_uses_the_silu_mul_kernel_on_cpu() -> None:
+    mlp = GatedMLP(64, 96).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(mlp(x), mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(x), 96)))
 
 
 

@@ -38,6 +38,9 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     weight, x = torch.randn(200, 160, generator=gen).to(dtype), torch.randn(37, 160, generator=gen).to(dtype)
     results.append(ops.linear(x, ops.linear_repack(weight), 200, torch.randn(200, generator=gen)))
     results.append(ops.rms_norm(torch.randn(9, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype), 1e-5))
+    results += list(ops.add_rms_norm(*(torch.randn(9, 583, generator=gen).to(dtype) for _ in range(2)),
+                                     torch.randn(583, generator=gen).to(dtype), 1e-5))
+    results.append(ops.silu_mul((torch.randn(9, 2 * 1003, generator=gen) * 4).to(dtype), 1003))
     table = torch.randn(64, 32, generator=gen)
     results.append(ops.rotary(torch.randn(7, 3, 64, generator=gen).to(dtype), torch.arange(7) * 9, table.cos(), table.sin()))
     results += list(ops.greedy_logprob_terms(torch.randn(5, 1003, generator=gen) * 8))

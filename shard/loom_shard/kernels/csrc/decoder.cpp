@@ -1,18 +1,20 @@
 // The decoder layers of a Llama-family model whose projections are Loom's quantized linears (with
 // the LoRA deltas of a batch that names adapters), in one call from Python: the same kernels
-// (loom::rms_norm, qlinear, rotary, paged_attention, lora_shrink, lora_expand_) and ATen ops, in
-// the same order and on the same shapes, as the modules (layers/decoder.py, lora/linear.py), so
-// the result is bit-identical to them. What goes is the Python between the ~15 ops of each
+// (loom::rms_norm, add_rms_norm, qlinear, rotary, paged_attention, silu_mul, lora_shrink,
+// lora_expand_) and ATen ops, in the same order and on the same shapes, as the modules
+// (layers/decoder.py, lora/linear.py), so the result is bit-identical to them. What goes is the Python between the ~15 ops of each
 // layer (module calls, views, dispatch), which a second thread does not shorten: a batch-1 decode
 // step of the embedded model went 6.6 -> 4.1 ms at 2 threads (bench/BENCHMARKS.md).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "activation.h"
 #include "common.h"
 
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -31,6 +33,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("rms_norm"), "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, double)>();
   return op.call(x.contiguous(), weight, eps);
+}
+
+// (x + residual, its rms_norm): bit-identical to torch's add, then rms_norm.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("add_rms_norm"), "").typed<
+      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x.contiguous(), residual.contiguous(), weight, eps);
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
@@ -114,13 +124,15 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
   const LoraSlots lora_slots{token_slot, slot_ranks};
   const int64_t num_tokens = x.size(0), hidden = x.size(1), qk_heads = num_heads + num_kv_heads;
   const int64_t qkv_features = (qk_heads + num_kv_heads) * head_dim;
+  // Each residual add runs with the norm after it (the last layer's add stays alone: the model's
+  // final norm runs outside). normed: the input of the layer's attention.
+  at::Tensor normed = num_layers > 0 ? rms_norm(x, weights[0], eps) : x;
   for (int64_t i = 0; i < num_layers; ++i) {
     const at::Tensor* w = weights.data() + i * kPerLayer;
     const at::ArrayRef<at::Tensor> l = lora.empty() ? lora : lora.slice(i * kLoraPerLayer, kLoraPerLayer);
     auto factors = [&](int64_t first, int64_t count) { return l.empty() ? l : l.slice(first, count); };
     const at::Tensor& kv_layer = kv_cache[i];
     // Attention (Attention.forward, paged_attention).
-    const at::Tensor normed = rms_norm(x, w[0], eps);
     at::Tensor qkv = with_lora(qlinear(normed, w[1], w[2], qkv_features, qkv_biases.get(i)), normed, factors(0, 4),
                                lora_slots)
                          .view({num_tokens, qk_heads + num_kv_heads, head_dim});
@@ -130,14 +142,18 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     write_kv(kv_layer.view({2, kv_layer.size(1) * kv_layer.size(2), num_kv_heads, head_dim}), q_k[1], v, slot_mapping);
     at::Tensor attended =
         paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
-    x = x + with_lora(qlinear(attended, w[3], w[4], hidden), attended, factors(4, 2), lora_slots);
+    at::Tensor normed_mlp;
+    std::tie(x, normed_mlp) =
+        add_rms_norm(x, with_lora(qlinear(attended, w[3], w[4], hidden), attended, factors(4, 2), lora_slots), w[5], eps);
     // Feed-forward (GatedMLP.forward).
-    const at::Tensor normed_mlp = rms_norm(x, w[5], eps);
     at::Tensor gate_up = with_lora(qlinear(normed_mlp, w[6], w[7], 2 * intermediate_size), normed_mlp, factors(6, 3),
                                    lora_slots);
-    std::vector<at::Tensor> g_u = gate_up.split(intermediate_size, -1);
-    const at::Tensor act = at::silu(g_u[0]).mul_(g_u[1]);
-    x = x + with_lora(qlinear(act, w[8], w[9], hidden), act, factors(9, 2), lora_slots);
+    const at::Tensor act = loom::silu_mul(gate_up, intermediate_size);
+    const at::Tensor down = with_lora(qlinear(act, w[8], w[9], hidden), act, factors(9, 2), lora_slots);
+    if (i + 1 == num_layers)
+      x = x + down;
+    else
+      std::tie(x, normed) = add_rms_norm(x, down, w[kPerLayer], eps);
   }
   return x;
 }

@@ -17,6 +17,7 @@
 
 #include <vector>
 
+#include "activation.h"
 #include "common.h"
 #include "parallel.h"
 
@@ -33,8 +34,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 // [rows, 2 * intermediate] (gate, then up) -> [rows, intermediate]; activation 0: silu(gate) * up,
 // 1: gpt-oss's clamped SwiGLU (layers/moe.py's expert_activation).
 at::Tensor activate(const at::Tensor& gate_up, int64_t intermediate, int64_t activation) {
+  if (activation == 0) return loom::silu_mul(gate_up, intermediate);
   std::vector<at::Tensor> parts = gate_up.split(intermediate, -1);
-  if (activation == 0) return at::silu(parts[0]) * parts[1];
   at::Tensor gate = parts[0].clamp_max(kSwigluLimit);
   at::Tensor up = parts[1].clamp(-kSwigluLimit, kSwigluLimit);
   return (up + 1) * (gate * at::sigmoid(gate * kSwigluAlpha));
