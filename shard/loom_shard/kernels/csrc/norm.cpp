@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -36,14 +37,14 @@ float sum_of_squares(const T* row, int64_t n) {
   return loom::sum_lanes(lanes);
 }
 
-// dst = row * scale * weight (float32 weight), rounded once to T.
+// dst = row * scale * weight, rounded once to T.
 template <typename T>
-void scale_row(const T* row, const float* weight, float scale, int64_t n, T* dst) {
+void scale_row(const T* row, const T* weight, float scale, int64_t n, T* dst) {
   const F16 s = simd::set1(scale);
   int64_t i = 0;
   for (; i + loom::kLanes <= n; i += loom::kLanes)
     simd::store(dst + i, simd::mul(simd::mul(simd::load(row + i), s), simd::load(weight + i)));
-  for (; i < n; ++i) dst[i] = loom::from_float<T>(loom::to_float(row[i]) * scale * weight[i]);
+  for (; i < n; ++i) dst[i] = loom::from_float<T>(loom::to_float(row[i]) * scale * loom::to_float(weight[i]));
 }
 
 // dst = a + b, each sum rounded to T as torch's add rounds it.
@@ -60,8 +61,10 @@ void add_row(const T* a, const T* b, int64_t n, T* dst) {
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const at::Tensor& weight, T* sum, T* out, int64_t rows,
                    int64_t hidden, double eps) {
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  const T* w = weight.data_ptr<T>();
+  // A decode batch's rows take a few microseconds: less than waking a second thread costs.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(hidden, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* row = x + r * hidden;
       if (residual != nullptr) {
@@ -74,17 +77,17 @@ void rms_norm_rows(const T* x, const T* residual, const at::Tensor& weight, T* s
   });
 }
 
-// The weight as float32 holding x's dtype's values (a bfloat16 model's weight rounds to bfloat16).
-at::Tensor float_weight(const at::Tensor& x, const at::Tensor& weight) {
+// The weight in x's dtype (a bfloat16 model's weight rounds to bfloat16); no copy when it is.
+at::Tensor weight_as_x(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "rms_norm: x must be a contiguous CPU tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight must be [hidden]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "rms_norm: bfloat16 or float32 only");
-  return weight.to(x.scalar_type()).to(at::kFloat).contiguous();
+  return weight.to(x.scalar_type()).contiguous();
 }
 
 void run(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, const at::Tensor& sum,
          const at::Tensor& out, double eps) {
-  const at::Tensor w = float_weight(x, weight);
+  const at::Tensor w = weight_as_x(x, weight);
   const int64_t hidden = x.size(-1), rows = hidden == 0 ? 0 : x.numel() / hidden;
   if (x.scalar_type() == at::kBFloat16) {
     using T = at::BFloat16;
