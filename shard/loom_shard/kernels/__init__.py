@@ -231,8 +231,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
-    """[rows, 2 * intermediate] (gate, then up) -> silu(gate) * up, rounded once."""
-    return ops().silu_mul(gate_up, intermediate)
+    """[..., 2 * intermediate] (gate, then up) -> silu(gate) * up [..., intermediate], rounded once."""
+    out = ops().silu_mul(gate_up.reshape(-1, gate_up.shape[-1]), intermediate)
+    return out.view(*gate_up.shape[:-1], intermediate)
 
 
 def runs(x: torch.Tensor) -> bool:

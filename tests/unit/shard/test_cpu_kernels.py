@@ -94,6 +94,11 @@ def test_silu_mul_of_extremes_is_finite_where_silu_is() -> None:
     torch.testing.assert_close(got, torch.nn.functional.silu(gate), atol=1e-30, rtol=1e-6)
 
 
+def test_silu_mul_keeps_leading_dimensions() -> None:
+    gate_up = torch.randn(2, 3, 2 * 40).to(torch.bfloat16)
+    assert torch.equal(kernels.silu_mul(gate_up, 40), kernels.silu_mul(gate_up.reshape(6, 80), 40).view(2, 3, 40))
+
+
 def test_gated_mlp_uses_the_silu_mul_kernel_on_cpu() -> None:
     mlp = GatedMLP(64, 96).to(torch.bfloat16)
     x = torch.randn(5, 64, dtype=torch.bfloat16)

@@ -2,9 +2,10 @@
 // the LoRA deltas of a batch that names adapters), in one call from Python: the same kernels
 // (loom::rms_norm, add_rms_norm, qlinear, rotary, paged_attention, silu_mul, lora_shrink,
 // lora_expand_) and ATen ops, in the same order and on the same shapes, as the modules
-// (layers/decoder.py, lora/linear.py), so the result is bit-identical to them. What goes is the Python between the ~15 ops of each
-// layer (module calls, views, dispatch), which a second thread does not shorten: a batch-1 decode
-// step of the embedded model went 6.6 -> 4.1 ms at 2 threads (bench/BENCHMARKS.md).
+// (layers/decoder.py, lora/linear.py), so the result is bit-identical to them. What goes is the
+// Python between the ~15 ops of each layer (module calls, views, dispatch), which a second thread
+// does not shorten: a batch-1 decode step of the embedded model went 6.6 -> 4.1 ms at 2 threads
+// (bench/BENCHMARKS.md).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
