@@ -23,7 +23,7 @@ from loom_router.core.engine import Engine
 from loom_router.core.shard_client import ShardError
 from loom_router.frontend import guard
 from loom_router.tokenizer import Tokenizer
-from loom_router.types import GenerationError, GenerationParams
+from loom_router.types import GenerationError, GenerationParams, UnavailableError
 
 KEYS = ("sk-first-key-0123", "sk-second-key-4567")
 GENERATE = {"inputs": "the quick", "parameters": {"max_new_tokens": 4}}
@@ -251,6 +251,17 @@ async def test_ready_fails_before_warmup_and_from_the_first_instant_of_a_drain(s
     assert response.status_code == 503 and response.json()["error_type"] == "unavailable"
     assert (await client.post("/v1/completions", json=COMPLETION)).json()["error"]["type"] == "server_error"
     assert (await client.get("/health")).status_code == 200  # alive, just not taking work
+
+
+async def test_a_request_that_reaches_a_draining_core_first_is_refused_as_unavailable(serve: Serve) -> None:
+    """The frontend learns of a drain a moment after the core: a request sent in between is
+    refused by the core itself, with the same 503 (a shutting-down server is not overloaded)."""
+    _, engine = await serve()
+    client = serve.routers[-1].client
+    engine.begin_drain()
+    assert not client.draining  # the frontend has not heard yet
+    with pytest.raises(UnavailableError, match="shutting down"):
+        await client.submit([1, 2, 3], GenerationParams(max_new_tokens=4, choices=[SamplingParams(seed=1)]))
 
 
 async def test_drain_lets_in_flight_streams_finish(serve: Serve, backend: FakeShardClient) -> None:
