@@ -151,6 +151,11 @@ class UnavailableError(GenerationError):
     """A shard is down: the request cannot run here (HTTP 503; retry on another replica)."""
 
 
+def shutting_down() -> UnavailableError:
+    """What a draining server answers a new request, in the engine core and in a frontend alike."""
+    return UnavailableError("the server is shutting down; retry on another replica")
+
+
 class APIError(ValidationError):
     """A refusal of an API's own, with its status and machine-readable `code` (OpenAI's
     model_not_found, context_length_exceeded); 422 where an API has no shape for it."""

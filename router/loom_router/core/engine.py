@@ -43,6 +43,7 @@ from loom_router.types import (
     StepRecord,
     UnavailableError,
     ValidationError,
+    shutting_down,
 )
 
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ class Engine(RequestBook):
         n = len(request.choices)
         assert not hold_blocks or n == 1
         if self._draining:  # 503, as the frontends answer once they know: retry elsewhere, not later here
-            raise UnavailableError("the server is shutting down; retry on another replica")
+            raise shutting_down()
         if not self._loop_alive():
             raise GenerationError(f"the engine loop is not running: {self._loop_error!r}")
         if self._watch.down:

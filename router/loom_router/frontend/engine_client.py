@@ -43,7 +43,7 @@ from loom_router.contract import (
 from loom_router.frontend.stream import GenerationStream
 from loom_router.ipc import Inbox, Sender, ipc_address, pull_socket, push_socket
 from loom_router.tokenizer import Tokenizer
-from loom_router.types import GenerationError, GenerationParams, SnapshotHTTPError, error_for_status
+from loom_router.types import GenerationError, GenerationParams, SnapshotHTTPError, error_for_status, shutting_down
 
 log = logging.getLogger("loom.frontend")
 
@@ -154,7 +154,7 @@ class EngineClient:
         compile), OverloadedError (429), UnavailableError (503), GenerationError (424).
         """
         if self.draining:
-            raise error_for_status(503, "the server is shutting down; retry on another replica")
+            raise shutting_down()
         ticket = next(self._numbers)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         stream = GenerationStream(-1, self.tokenizer, prompt_ids, params, self.cancel, self.stop_choice,
@@ -176,7 +176,7 @@ class EngineClient:
         the steps and the KV budget with generation (a prefill that samples nothing). Raises the
         core's errors; a handler cancelled meanwhile cancels the request."""
         if self.draining:
-            raise error_for_status(503, "the server is shutting down; retry on another replica")
+            raise shutting_down()
         ticket = next(self._numbers)
         admitted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         waiter = EmbeddingWaiter()
