@@ -20,7 +20,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _on_cuda(spawn):  # noqa: ANN001, ANN202 - wraps tests/e2e/conftest.spawn_launcher
-    def spawn_on_cuda(folder, *extra_args):  # noqa: ANN001, ANN202
-        return spawn(folder, *extra_args, "--device", "cuda")
+    def spawn_on_cuda(folder, *extra_args, **options):  # noqa: ANN001, ANN003, ANN202
+        return spawn(folder, *extra_args, "--device", "cuda", **options)
 
     return spawn_on_cuda

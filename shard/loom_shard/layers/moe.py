@@ -192,7 +192,7 @@ class MoE(nn.Module):
         k = ids.shape[1]
         local = ids.flatten() - self.experts.expert_start  # [num_tokens * k]
         held = (local >= 0) & (local < self.experts.num_experts)
-        picks = torch.nonzero(held).squeeze(1) if not bool(held.all()) else torch.arange(local.shape[0])
+        picks = torch.nonzero(held).squeeze(1) if not bool(held.all()) else torch.arange(local.shape[0], device=local.device)
         order = picks[torch.argsort(local[picks], stable=True)]  # picks grouped by expert, in token order
         counts = torch.bincount(local[order], minlength=self.experts.num_experts).tolist()
         y_sorted = self.experts(x[order // k], counts)  # [picks, hidden]

@@ -13,13 +13,13 @@ from loom_shard.runtime.runner import ModelRunner
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3714, 28, 7018, 411, 19167, 2, 198, 1]
 
 
-def loom_greedy(dtype: str, num_tokens: int, quantize: str = "none") -> tuple[list[int], list[float]]:
+def loom_greedy(dtype: str, num_tokens: int, quantize: str = "none", device: str = "auto") -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from the embedded model through ModelRunner.
 
     quantize="none" (dequantized weights) is the parity reference; test_quantized_model.py
     judges the quantized weights against it.
     """
-    config = ShardConfig(model_id="", uds_path="", dtype=dtype, block_size=16, quantize=quantize)
+    config = ShardConfig(model_id="", uds_path="", device=device, dtype=dtype, block_size=16, quantize=quantize)
     runner = ModelRunner(config)
     runner.warmup(max_prefill_tokens=32, max_batch_total_tokens=256)
     plan = StepPlan(new_requests=[NewRequest(0, PROMPT, len(PROMPT), 0, len(PROMPT), [0, 1, 2], SamplingParams(seed=0))])

@@ -1,4 +1,7 @@
-"""--quantize auto (GGUF Q4_1 / Q8_0 kept quantized) against --quantize none, the parity reference."""
+"""--quantize auto (GGUF Q4_1 / Q8_0 kept quantized) against --quantize none, the parity reference.
+
+Weights stay quantized on CPUs only (CUDA dequantizes at load), so every runner here is on the CPU,
+also where a GPU is present."""
 
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bo
 
 
 def runner_model(path: Path, quantize_flag: str, dtype: str = "float32") -> torch.nn.Module:
-    config = ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize=quantize_flag, block_size=16)
+    config = ShardConfig(model_id=str(path), uds_path="", device="cpu", dtype=dtype, quantize=quantize_flag,
+                         block_size=16)
     runner = ModelRunner(config)
     assert runner.info().quantization == quantized_summary(runner.model)
     return runner.model
@@ -110,7 +114,8 @@ def test_fused_decoder_layers_match_the_modules_bit_for_bit(
             if name.endswith("bias"):
                 param.normal_(generator=torch.Generator().manual_seed(1))
     write_quantized_gguf(path, arch, reference, tied=True)
-    runner = ModelRunner(ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize="auto", block_size=16))
+    runner = ModelRunner(ShardConfig(model_id=str(path), uds_path="", device="cpu", dtype=dtype, quantize="auto",
+                                         block_size=16))
     model = runner.model
     # Prefill chunks (one after cached tokens) then decodes, over caches holding the same random K/V.
     spans = [SeqSpan(0, 40, [0, 1, 2]), SeqSpan(20, 12, [3, 4]), SeqSpan(37, 1, [5, 6, 7]),
@@ -144,7 +149,7 @@ def test_embedded_model_quantized_stays_close_to_dequantized(dtype: str) -> None
     # Closeness, as MODEL-NOTES asks of non-reference numerics, judged teacher-forced: both models
     # read the reference's own greedy continuation, so one near-tie (which in bfloat16 sends free
     # greedy runs apart for good) counts as one position, not as every later one.
-    expected, _ = loom_greedy(dtype, 16, quantize="none")
+    expected, _ = loom_greedy(dtype, 16, quantize="none", device="cpu")
     sequence = PROMPT + expected
     reference = teacher_forced_logprobs(dtype, "none", sequence)
     quantized = teacher_forced_logprobs(dtype, "auto", sequence)
@@ -159,7 +164,8 @@ def test_embedded_model_quantized_stays_close_to_dequantized(dtype: str) -> None
 
 def teacher_forced_logprobs(dtype: str, quantize: str, sequence: list[int]) -> torch.Tensor:
     """Log-probabilities [generated, vocab] the embedded model gives after each prefix of sequence."""
-    runner = ModelRunner(ShardConfig(model_id="", uds_path="", dtype=dtype, block_size=16, quantize=quantize))
+    runner = ModelRunner(ShardConfig(model_id="", uds_path="", device="cpu", dtype=dtype, block_size=16,
+                                     quantize=quantize))
     runner.warmup(max_prefill_tokens=64, max_batch_total_tokens=256)
     num_blocks = -(-len(sequence) // 16)
     meta = runner.attention.build_metadata([SeqSpan(0, len(sequence), list(range(num_blocks)))], 16)
@@ -189,7 +195,7 @@ def test_fused_decoder_layers_apply_lora_as_the_modules_do(tmp_path: Path, dtype
     path = tmp_path / "tiny.gguf"
     reference = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
     write_quantized_gguf(path, "llama", reference, tied=True)
-    config = ShardConfig(model_id=str(path), uds_path="", dtype=dtype, quantize="auto", block_size=16,
+    config = ShardConfig(model_id=str(path), uds_path="", device="cpu", dtype=dtype, quantize="auto", block_size=16,
                          enable_lora=True, max_loras_per_batch=3, max_lora_rank=8, cpu_kernels=kernel_isa.name)
     runner = ModelRunner(config)
     for lora_id, rank in ((1, 4), (2, 8)):
