@@ -27,6 +27,13 @@ SMOLLM2 = dict(  # MODEL-NOTES.md: the embedded GGUF's metadata
     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
 )
+# A Llama-3.2-1B-shaped model (hidden 2048, 16 layers): the issue's "1B shape" for the decode floor and
+# prefill efficiency.
+LLAMA_1B = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+)
 PROMPT_LEN = 128
 DECODE_STEPS = 64
 BLOCK_SIZE = 16
@@ -57,9 +64,9 @@ def ceilings() -> dict[str, float]:
     return {"d2d_copy_GBps": 2 * src.numel() * 4 / copy_s / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_s / 1e12}
 
 
-def make_runner(cuda_graphs: bool, max_batch: int) -> ModelRunner:
+def make_runner(cuda_graphs: bool, max_batch: int, hf_config: dict | None = None) -> ModelRunner:
     torch.manual_seed(0)
-    model = build_model(config_from_hf(SMOLLM2))
+    model = build_model(config_from_hf(hf_config or SMOLLM2))
     config = ShardConfig(model_id="bench", uds_path="", device="cuda", dtype="bfloat16", block_size=BLOCK_SIZE,
                          cuda_graphs=cuda_graphs, host_kv_cache_bytes=0)
     runner = ModelRunner(config, model=model)
@@ -103,6 +110,51 @@ def prefill_rate(runner: ModelRunner, num_tokens: int, num_seqs: int = 1) -> flo
     return num_tokens * num_seqs / statistics.median(times[1:])
 
 
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes a decode step reads at least: every parameter once (a tied embedding once)."""
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def one_b_shape(copy_GBps: float, matmul_TFLOPs: float) -> dict[str, float]:
+    """The 1B shape: batch-1 decode step (graph replay) against its weight-read floor, and one
+    2,048-token prefill against the bf16 matmul peak measured in this run."""
+    runner = make_runner(True, 32, LLAMA_1B)
+    results: dict[str, float] = {"llama1b_weight_GB": weight_bytes(runner) / 1e9}
+    for batch in (1, 32):
+        results[f"llama1b_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
+        results[f"llama1b_graph_replay_ms_b{batch}"] = cuda_time(runner.decode_graphs.steps[batch].graph.replay, 20) * 1e3
+    floor_ms = weight_bytes(runner) / (copy_GBps * 1e9) * 1e3
+    results["llama1b_weight_read_floor_ms"] = floor_ms
+    results["llama1b_b1_replay_over_floor"] = results["llama1b_graph_replay_ms_b1"] / floor_ms
+    tokens = 2048
+    rate = prefill_rate(runner, tokens)
+    mc = runner.model.config
+    embed = mc.vocab_size * mc.hidden_size
+    dense_params = sum(p.numel() for p in runner.model.parameters()) - embed
+    flops = 2 * dense_params * tokens + 2 * embed + mc.num_layers * 2 * tokens**2 * mc.num_heads * mc.head_dim
+    results["llama1b_prefill_tok_s_2048"] = rate
+    results["llama1b_prefill_TFLOPs_2048"] = flops * rate / tokens / 1e12
+    results["llama1b_prefill_share_of_peak"] = results["llama1b_prefill_TFLOPs_2048"] / matmul_TFLOPs
+    print({k: round(v, 4) for k, v in results.items()}, flush=True)
+    return results
+
+
+def kernel_profile(runner: ModelRunner, rows: int = 25) -> str:
+    """The GPU time of one eager batch-1 decode step by kernel, as torch.profiler sums it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.clear()
+    news = [NewRequest(0, list(range(1, PROMPT_LEN + 1)), PROMPT_LEN, 0, PROMPT_LEN,
+                       list(range(-(-(PROMPT_LEN + 16) // BLOCK_SIZE))), sampling=GREEDY)]
+    runner.step(StepPlan(new_requests=news))
+    plan = StepPlan(running_requests=[RunningRequest(0, 1)])
+    runner.step(plan)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.step(plan)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def transformers_rates(batches: list[int]) -> dict[str, float]:
     """transformers' own generate (static batch, greedy) on the same architecture, bf16."""
     import transformers
@@ -125,7 +177,7 @@ def transformers_rates(batches: list[int]) -> dict[str, float]:
         prefill_only, full = run(1), run(DECODE_STEPS)
         rates[f"hf_generate_decode_tok_s_b{batch}"] = batch * (DECODE_STEPS - 1) / (full - prefill_only)
     try:
-        rates |= _generate_batch_rates(hf_config, batches)
+        rates |= _generate_batch_rates(hf_config, [b for b in batches if b in (32, 128)])
     except Exception as error:  # noqa: BLE001 - continuous batching is newer API; record why not
         rates["hf_generate_batch_error"] = repr(error)[:300]
     return rates
@@ -136,7 +188,15 @@ def _generate_batch_rates(hf_config, batches: list[int]) -> dict[str, float]:  #
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(hf_config, attn_implementation="sdpa_paged")
+    errors = []
+    for attention in ("paged|sdpa", "paged|eager", "sdpa_paged"):  # the names transformers 5 and 4.5x accept
+        try:
+            model = transformers.LlamaForCausalLM._from_config(hf_config, attn_implementation=attention)
+            break
+        except (ValueError, ImportError) as error:
+            errors.append(f"{attention}: {error!r}"[:200])
+    else:
+        raise RuntimeError("; ".join(errors))
     model = model.to("cuda", torch.bfloat16).eval()
     config = transformers.GenerationConfig(max_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=-1,
                                            pad_token_id=0, use_cuda_graph=False)
@@ -149,6 +209,7 @@ def _generate_batch_rates(hf_config, batches: list[int]) -> dict[str, float]:  #
         model.generate_batch(inputs=inputs, generation_config=config)
         torch.cuda.synchronize()
         rates[f"hf_generate_batch_tok_s_b{batch}"] = batch * DECODE_STEPS / (time.perf_counter() - start)
+    rates["hf_generate_batch_attention"] = attention
     return rates
 
 
@@ -156,6 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes (a smoke run)")
+    parser.add_argument("--profile-out", default=None, help="write batch 1's per-kernel GPU time table here")
     args = parser.parse_args()
     batches = [1, 32] if args.quick else [1, 32, 128, 256]
     results: dict[str, float | str] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -172,8 +234,20 @@ def main() -> None:
         if graphs:
             results["loom_prefill_tok_s_2048x1"] = prefill_rate(runner, 2048)
             results["loom_prefill_tok_s_2048x2"] = prefill_rate(runner, 2048, num_seqs=2)
+        elif args.profile_out:
+            try:
+                table = kernel_profile(runner)
+            except Exception as error:  # noqa: BLE001 - the profile is a diagnosis; keep the run
+                table = repr(error)
+            with open(args.profile_out, "w") as f:
+                f.write(table)
         del runner
         torch.cuda.empty_cache()
+    try:
+        results |= one_b_shape(results["d2d_copy_GBps"], results["bf16_matmul_TFLOPs"])
+    except Exception as error:  # noqa: BLE001 - record why, keep the rest of the run
+        results["llama1b_error"] = repr(error)[:300]
+    torch.cuda.empty_cache()
     try:
         results |= transformers_rates(batches)
     except Exception as error:  # noqa: BLE001 - the comparison is optional; say why it is missing
