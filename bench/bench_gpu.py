@@ -1,5 +1,7 @@
 """GPU benchmark of the shard's runner (one CUDA device): decode tokens/s at several batch
-sizes, prefill tokens/s, the GPU's own ceilings, and transformers on the same GPU and model.
+sizes, prefill tokens/s, the GPU's own ceilings, and transformers on the same GPU and model;
+batch 1 and 32 again with torch's elementwise ops in place of the Triton kernels (A/B), and a
+Llama-1B shape against its weight-read floor and the bf16 peak.
 
 The model is SmolLM2-135M's architecture (the embedded model's config) with random bf16
 weights: speed does not depend on the weights' values, and no file has to travel.
@@ -18,6 +20,7 @@ import torch
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_shard.layers import gpu_elementwise
 from loom_shard.loading.hf_folder import config_from_hf
 from loom_shard.models import build_model
 from loom_shard.runtime.runner import ModelRunner
@@ -108,6 +111,21 @@ def prefill_rate(runner: ModelRunner, num_tokens: int, num_seqs: int = 1) -> flo
         runner.step(StepPlan(new_requests=news))
         times.append(time.perf_counter() - start)
     return num_tokens * num_seqs / statistics.median(times[1:])
+
+
+def torch_elementwise_rates() -> dict[str, float]:
+    """The same graphs with torch's elementwise ops instead of the Triton kernels (the A side)."""
+    gpu_elementwise.ENABLED = False
+    try:
+        runner = make_runner(True, 32)
+        results = {}
+        for batch in (1, 32):
+            results[f"loom_torch_elementwise_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
+            replay = runner.decode_graphs.steps[batch].graph.replay
+            results[f"loom_torch_elementwise_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
+        return results
+    finally:
+        gpu_elementwise.ENABLED = True
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -243,6 +261,9 @@ def main() -> None:
                 f.write(table)
         del runner
         torch.cuda.empty_cache()
+    results |= torch_elementwise_rates()
+    print({k: round(v, 3) for k, v in results.items() if "torch_elementwise" in k}, flush=True)
+    torch.cuda.empty_cache()
     try:
         results |= one_b_shape(results["d2d_copy_GBps"], results["bf16_matmul_TFLOPs"])
     except Exception as error:  # noqa: BLE001 - record why, keep the rest of the run

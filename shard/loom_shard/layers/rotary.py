@@ -2,9 +2,10 @@
 each head or its first `rotary_dim` dims (partial rotary: the rest passes through).
 
 `lookup` prepares one step's rotary inputs, shared by all layers; `apply` rotates q and k.
-On CPU with Loom's kernels built, one kernel per layer reads each token's row of a float32
-cos/sin table itself (`kernels/csrc/rotary.cpp`); otherwise cos/sin rows are gathered once per
-step and each layer runs torch's roll + mul + addcmul.
+On CPU with Loom's kernels built (`kernels/csrc/rotary.cpp`) and on CUDA with triton
+(`triton_elementwise`), one kernel per layer reads each token's row of a float32 cos/sin table
+itself; otherwise cos/sin rows are gathered once per step and each layer runs torch's roll + mul +
+addcmul.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from loom_shard import kernels
+from loom_shard.layers import gpu_elementwise
 from loom_shard.layers.rope_scaling import rope_frequencies
 from loom_shard.model_config import RopeScaling
 
@@ -36,14 +38,17 @@ class GatheredRope:
 
 @dataclass(slots=True, frozen=True)
 class KernelRope:
-    """The CPU kernel's inputs: it reads each token's table row itself (no gather)."""
+    """A kernel's inputs (Loom's CPU kernel, or Triton's on CUDA): it reads each token's table row
+    itself (no gather)."""
 
     positions: torch.Tensor  # [num_tokens] int64
     cos: torch.Tensor  # [table_len, rotary_dim // 2] float32
     sin: torch.Tensor  # [table_len, rotary_dim // 2] float32
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.ops().rotary(x, self.positions, self.cos, self.sin)
+        if self.positions.is_cpu:
+            return kernels.ops().rotary(x, self.positions, self.cos, self.sin)
+        return gpu_elementwise.ops().rotary(x, self.positions, self.cos, self.sin)
 
 
 Rope = GatheredRope | KernelRope
@@ -80,8 +85,16 @@ class RotaryEmbedding(nn.Module):
         # sin with the first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin
         self._sin = torch.cat([-sin, sin], dim=-1).to(device=device, dtype=dtype)
 
-    def _build_half(self, length: int) -> None:
-        self._half_cos, self._half_sin = self._half_tables(length)
+    def _build_half(self, length: int, device: torch.device) -> None:
+        cos, sin = self._half_tables(length)
+        self._half_cos, self._half_sin = cos.to(device), sin.to(device)
+
+    def _kernel_runs(self, positions: torch.Tensor, dtype: torch.dtype) -> bool:
+        if not self.use_kernel:
+            return False
+        if positions.is_cpu:
+            return dtype in kernels.DTYPES and kernels.available()
+        return gpu_elementwise.runs(positions)
 
     def lookup(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rope:
         """One step's rotary inputs for `positions` [num_tokens], shared by every layer.
@@ -89,9 +102,9 @@ class RotaryEmbedding(nn.Module):
         max_position (known on the host) sizes the table without a device sync.
         """
         needed = max_position + 1
-        if self.use_kernel and positions.is_cpu and dtype in kernels.DTYPES and kernels.available():
-            if self._half_cos.shape[0] < needed:
-                self._build_half(max(needed, self._initial_len, 2 * self._half_cos.shape[0]))
+        if self._kernel_runs(positions, dtype):
+            if self._half_cos.shape[0] < needed or self._half_cos.device != positions.device:
+                self._build_half(max(needed, self._initial_len, 2 * self._half_cos.shape[0]), positions.device)
             return KernelRope(positions.long(), self._half_cos, self._half_sin)
         if self._cos.shape[0] < needed or self._cos.dtype != dtype or self._cos.device != positions.device:
             self._build(max(needed, self._initial_len, 2 * self._cos.shape[0]), dtype, positions.device)

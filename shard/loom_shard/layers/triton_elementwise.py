@@ -1,0 +1,131 @@
+"""Triton kernels for a CUDA decoder layer's elementwise work, one launch each: the residual add
+with the RMSNorm after it, SiLU(gate) * up, and rotary over q and k reading each token's cos/sin
+row itself (torch's path gathers the rows, rolls and multiplies: five launches a layer).
+
+At small batches a decode step is hundreds of launches of 1-4 µs, so launches are its cost
+(bench/BENCHMARKS.md, the H200's batch-1 profile). Each program computes whole rows (a token's
+hidden vector, or all heads of one token) in one fixed order, so a row's result never depends on
+the batch it is in. Arithmetic in float32, rounded once to the tensor's dtype (the add before a
+norm rounds as torch's add does, since the sum is the residual stream).
+Importing this module needs triton; `loom_shard.layers.gpu_elementwise` decides whether to.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SILU_BLOCK = 1024  # columns of one SiLU·mul program
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, out_ptr, hidden, eps,
+                     stride_x, stride_residual, stride_sum, stride_out,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (xf * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, intermediate, stride_in, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, positions_ptr, cos_ptr, sin_ptr, num_heads,
+                   stride_x_token, stride_x_head, stride_out_token, stride_out_head, stride_table,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr, REST_PAD: tl.constexpr,
+                   HEADS_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    cos = tl.load(cos_ptr + position * stride_table + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + dims, mask=dims < HALF, other=0.0)
+    src = x_ptr + token * stride_x_token + heads * stride_x_head
+    dst = out_ptr + token * stride_out_token + heads * stride_out_head
+    first = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(src + HALF + dims, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + dims, (first * cos - second * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + dims, (second * cos + first * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    if REST > 0:  # partial rotary: the dims past 2 * HALF pass through
+        rest = tl.arange(0, REST_PAD)[None, :]
+        rest_mask = (heads < num_heads) & (rest < REST)
+        tl.store(dst + 2 * HALF + rest, tl.load(src + 2 * HALF + rest, mask=rest_mask), mask=rest_mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit stride along the last dim (a view where it can be)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _norm_warps(block: int) -> int:
+    return min(max(block // 512, 1), 8)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [..., hidden]."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    block = triton.next_power_of_2(rows.shape[1])
+    _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, rows, out, rows.shape[1], eps,
+                                       rows.stride(0), rows.stride(0), rows.stride(0), out.stride(0),
+                                       HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its RMSNorm) in one pass over each row."""
+    rows, res = _rows(x), _rows(residual)
+    total, out = torch.empty_like(rows), torch.empty_like(rows)
+    block = triton.next_power_of_2(rows.shape[1])
+    _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, total, out, rows.shape[1], eps,
+                                       rows.stride(0), res.stride(0), total.stride(0), out.stride(0),
+                                       HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block))
+    return total.view(x.shape), out.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """[..., 2 * intermediate] (gate, then up) -> silu(gate) * up [..., intermediate]."""
+    rows = _rows(gate_up)
+    out = torch.empty(rows.shape[0], intermediate, dtype=rows.dtype, device=rows.device)
+    grid = (rows.shape[0], triton.cdiv(intermediate, SILU_BLOCK))
+    _silu_mul_kernel[grid](rows, out, intermediate, rows.stride(0), out.stride(0), BLOCK=SILU_BLOCK)
+    return out.view(*gate_up.shape[:-1], intermediate)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] (any token and head strides) rotated at each token's position;
+    cos and sin are float32 [table_len, rotary_dim // 2] (half-split layout)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_tokens, num_heads, head_dim = x.shape
+    half = cos.shape[1]
+    rest = head_dim - 2 * half
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rotary_kernel[(num_tokens,)](
+        x, out, positions, cos, sin, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        cos.stride(0), HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
+        REST_PAD=triton.next_power_of_2(rest) if rest else 0, HEADS_PAD=triton.next_power_of_2(num_heads),
+    )
+    return out

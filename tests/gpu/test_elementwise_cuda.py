@@ -1,0 +1,104 @@
+"""The Triton elementwise kernels (`loom_shard.layers.triton_elementwise`) against float64: the
+residual add with its RMSNorm, SiLU·mul and rotary (strided q/k views, partial rotary), each row
+the same at any batch; and the layers choosing them on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from loom_shard.layers import gpu_elementwise
+from loom_shard.layers.mlp import gated
+from loom_shard.layers.norm import RMSNorm
+from loom_shard.layers.rotary import KernelRope, RotaryEmbedding, apply_rotary
+from loom_shard.model_config import Activation
+
+# TRITON_INTERPRET=1 runs these on the CPU too (float32/float16: the interpreter has no bfloat16).
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+LOW = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+DTYPES = [(torch.float32, 1e-5), (LOW, 1e-2)]
+
+
+def _ops():  # noqa: ANN202
+    return gpu_elementwise.ops()
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
+    scale = expected.abs().max().item() or 1.0
+    assert (actual.double() - expected).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+@pytest.mark.parametrize("hidden", [576, 2048, 5])
+def test_add_rms_norm_matches_float64(dtype: torch.dtype, tolerance: float, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(7, hidden, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    total, normed = _ops().add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)  # the residual stream rounds as torch's add
+    ref = total.double()
+    expected = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    _close(normed, expected, tolerance)
+    _close(_ops().rms_norm(total, weight, 1e-5), expected, tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+@pytest.mark.parametrize("intermediate", [1536, 1000])
+def test_silu_mul_matches_float64(dtype: torch.dtype, tolerance: float, intermediate: int) -> None:
+    gate_up = torch.randn(2, 3, 2 * intermediate, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
+    gate, up = gate_up.double().split(intermediate, dim=-1)
+    out = _ops().silu_mul(gate_up, intermediate)
+    assert out.shape == (2, 3, intermediate)
+    _close(out, torch.nn.functional.silu(gate) * up, tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (128, 128), (64, 32)])
+def test_rotary_on_a_strided_qk_view_matches_float64(dtype: torch.dtype, tolerance: float, head_dim: int,
+                                                     rotary_dim: int) -> None:
+    heads, kv_heads, tokens = 9, 3, 11
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    qkv = qkv.to(DEVICE, dtype)
+    qk = qkv[:, : heads + kv_heads]  # the attention layer's view: q and k heads, strided
+    positions = torch.tensor([0, 1, 2, 5, 17, 100, 4095, 3, 3, 64, 9], device=DEVICE)
+    rotary = RotaryEmbedding(head_dim, 10000.0, None, rotary_dim=rotary_dim)
+    half_cos, half_sin = rotary._half_tables(4096)
+    out = _ops().rotary(qk, positions, half_cos.to(DEVICE), half_sin.to(DEVICE))
+    cos = torch.cat([half_cos, half_cos], -1).double()[positions.cpu()].unsqueeze(1)
+    signed_sin = torch.cat([-half_sin, half_sin], -1).double()[positions.cpu()].unsqueeze(1)
+    x = qk.double().cpu()
+    expected = torch.cat([apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]], -1)
+    _close(out.cpu(), expected, tolerance)
+    assert torch.equal(out[..., rotary_dim:], qk[..., rotary_dim:])
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(64, 576, generator=gen).to(DEVICE, LOW) for _ in range(2))
+    weight = torch.randn(576, generator=gen).to(DEVICE, LOW)
+    gate_up = torch.randn(64, 3072, generator=gen).to(DEVICE, LOW)
+    qk = torch.randn(64, 12, 64, generator=gen).to(DEVICE, LOW)
+    positions = torch.randint(0, 4096, (64,), generator=gen).to(DEVICE)
+    cos, sin = (t.to(DEVICE) for t in RotaryEmbedding(64, 10000.0, None)._half_tables(4096))
+    ops = _ops()
+    for rows in (1, 7):
+        assert torch.equal(ops.add_rms_norm(x[:rows], residual[:rows], weight, 1e-5)[1],
+                           ops.add_rms_norm(x, residual, weight, 1e-5)[1][:rows])
+        assert torch.equal(ops.silu_mul(gate_up[:rows], 1536), ops.silu_mul(gate_up, 1536)[:rows])
+        assert torch.equal(ops.rotary(qk[:rows], positions[:rows], cos, sin), ops.rotary(qk, positions, cos, sin)[:rows])
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the layers choose the Triton kernels for CUDA tensors only")
+def test_layers_choose_the_triton_kernels_on_cuda() -> None:
+    x = torch.randn(3, 64, device=DEVICE, dtype=LOW)
+    norm = RMSNorm(64).to(DEVICE, LOW)
+    assert gpu_elementwise.runs(x)
+    total, normed = norm.add_forward(x, x)
+    torch.testing.assert_close(normed, torch.rms_norm(x + x, (64,), norm.weight, norm.eps), atol=2e-2, rtol=2e-2)
+    gate_up = torch.randn(3, 2 * 96, device=DEVICE, dtype=LOW)
+    torch.testing.assert_close(gated(gate_up, 96, Activation.SILU),
+                               torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:], atol=2e-2, rtol=2e-2)
+    rope = RotaryEmbedding(64, 10000.0, None).lookup(torch.arange(3, device=DEVICE), 2, LOW)
+    assert isinstance(rope, KernelRope) and rope.cos.is_cuda
