@@ -42,11 +42,27 @@ async def run_level(url: str, concurrency: int, num_requests: int, new_tokens: i
     return results
 
 
+def sustained_rate(results: list[StreamTiming]) -> float:
+    """Tokens/s between the 10th and 90th percentile of every event's arrival: the run without its
+    first prefill and its tail (an event's tokens spread evenly over the gap before it)."""
+    arrivals: list[tuple[float, float]] = []
+    for r in results:
+        per_event = r.num_tokens / max(len(r.token_times), 1)
+        arrivals += [(r.started + t, per_event) for t in r.token_times]
+    arrivals.sort()
+    if len(arrivals) < 10:
+        return float("nan")
+    low, high = arrivals[len(arrivals) // 10][0], arrivals[len(arrivals) * 9 // 10][0]
+    return sum(n for t, n in arrivals if low < t <= high) / (high - low) if high > low else float("nan")
+
+
 def report(concurrency: int, results: list[StreamTiming], wall_s: float) -> str:
     tokens = sum(r.num_tokens for r in results)
     ttft = [r.ttft_s for r in results]
     itl = [t for r in results for t in r.inter_token_s]
-    return (f"| {concurrency} | {len(results)} | {tokens / wall_s:.1f} | {statistics.median(ttft) * 1000:.0f} | "
+    events = sum(len(r.token_times) for r in results)
+    return (f"| {concurrency} | {len(results)} | {tokens / wall_s:.1f} | {sustained_rate(results):.1f} | "
+            f"{tokens / max(events, 1):.2f} | {statistics.median(ttft) * 1000:.0f} | "
             f"{percentile(ttft, 0.99) * 1000:.0f} | {statistics.median(itl) * 1000:.1f} | "
             f"{percentile(itl, 0.99) * 1000:.1f} |")
 
@@ -63,8 +79,9 @@ def main() -> None:
     def run(url: str) -> None:
         asyncio.run(run_level(url, 1, 1, 8))  # warm the path once
         print(f"machine: {machine()}")
-        print("| concurrency | requests | tokens/s | TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms |")
-        print("|---|---|---|---|---|---|---|")
+        print("| concurrency | requests | tokens/s | sustained tokens/s (p10-p90) | tokens per event | "
+              "TTFT median ms | TTFT p99 ms | time between events median ms | p99 ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for c in args.concurrency:
             n = args.requests_per_level or max(4, 2 * c)
             start = time.perf_counter()

@@ -126,8 +126,9 @@ def _healthy(url: str) -> bool:
 class StreamTiming:
     ttft_s: float
     total_s: float
-    num_tokens: int
-    token_times: list[float] = field(default_factory=list)  # seconds since the request was sent
+    num_tokens: int  # the server's usage count where it sent one, else the events that carried text
+    token_times: list[float] = field(default_factory=list)  # of each event, seconds since the request was sent
+    started: float = 0.0  # time.perf_counter() when the request was sent
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -135,16 +136,25 @@ class StreamTiming:
 
 
 async def stream_completion(client: httpx.AsyncClient, body: dict) -> StreamTiming:
-    """POST a streaming /v1/completions and time every chunk that carries a choice."""
+    """POST a streaming /v1/completions and time every chunk that carries a choice. A server that
+    falls behind may put several tokens in one event: the token count is the final usage chunk's."""
     start = time.perf_counter()
     times: list[float] = []
-    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+    usage_tokens = None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if line.startswith("data:") and "[DONE]" not in line and json.loads(line[5:])["choices"]:
+            if not line.startswith("data:") or "[DONE]" in line:
+                continue
+            event = json.loads(line[5:])
+            if event["choices"]:
                 times.append(time.perf_counter() - start)
+            if event.get("usage"):
+                usage_tokens = event["usage"]["completion_tokens"]
     total = time.perf_counter() - start
-    return StreamTiming(times[0] if times else total, total, len(times), times)
+    tokens = usage_tokens if usage_tokens is not None else len(times)
+    return StreamTiming(times[0] if times else total, total, tokens, times, start)
 
 
 def metrics(url: str) -> dict[str, float]:
