@@ -157,6 +157,26 @@ def one_b_shape(copy_GBps: float, matmul_TFLOPs: float) -> dict[str, float]:
     return results
 
 
+def host_profile(runner: ModelRunner, batch: int, steps: int = 20) -> str:
+    """Where a graph decode step's host time goes at `batch` sequences: cProfile over `steps`
+    steps, the top functions by their own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    decode_rate(runner, batch)  # leaves `batch` sequences decoding
+    plan = StepPlan(running_requests=[RunningRequest(i, 1) for i in range(batch)])
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        runner.step(plan)
+    profiler.disable()
+    out = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(30)
+    return out.getvalue()
+
+
 def kernel_profile(runner: ModelRunner, rows: int = 25) -> str:
     """The GPU time of one eager batch-1 decode step by kernel, as torch.profiler sums it."""
     from torch.profiler import ProfilerActivity, profile
@@ -236,6 +256,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes (a smoke run)")
     parser.add_argument("--profile-out", default=None, help="write batch 1's per-kernel GPU time table here")
+    parser.add_argument("--host-profile-out", default=None, help="write the widest batch's host cProfile here")
     args = parser.parse_args()
     batches = [1, 32] if args.quick else [1, 32, 128, 256]
     results: dict[str, float | str] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -249,6 +270,9 @@ def main() -> None:
             if graphs:  # the GPU's own time per decode step: what the host adds shows beside it
                 replay = runner.decode_graphs.steps[batch].graph.replay
                 results[f"loom_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
+        if graphs and args.host_profile_out:
+            with open(args.host_profile_out, "w") as f:
+                f.write(host_profile(runner, max(batches)))
         if graphs:
             results["loom_prefill_tok_s_2048x1"] = prefill_rate(runner, 2048)
             results["loom_prefill_tok_s_2048x2"] = prefill_rate(runner, 2048, num_seqs=2)
