@@ -133,9 +133,10 @@ def weight_bytes(runner: ModelRunner) -> int:
     return sum(p.numel() * p.element_size() for p in runner.model.parameters())
 
 
-def one_b_shape(copy_GBps: float, matmul_TFLOPs: float) -> dict[str, float]:
+def one_b_shape(copy_GBps: float, matmul_TFLOPs: float, profile_out: str | None = None) -> dict[str, float]:
     """The 1B shape: batch-1 decode step (graph replay) against its weight-read floor, and one
-    2,048-token prefill against the bf16 matmul peak measured in this run."""
+    2,048-token prefill against the bf16 matmul peak measured in this run (its kernels' GPU time
+    to `profile_out`)."""
     runner = make_runner(True, 32, LLAMA_1B)
     results: dict[str, float] = {"llama1b_weight_GB": weight_bytes(runner) / 1e9}
     for batch in (1, 32):
@@ -153,6 +154,9 @@ def one_b_shape(copy_GBps: float, matmul_TFLOPs: float) -> dict[str, float]:
     results["llama1b_prefill_tok_s_2048"] = rate
     results["llama1b_prefill_TFLOPs_2048"] = flops * rate / tokens / 1e12
     results["llama1b_prefill_share_of_peak"] = results["llama1b_prefill_TFLOPs_2048"] / matmul_TFLOPs
+    if profile_out:
+        with open(profile_out, "w") as f:
+            f.write(prefill_profile(runner, tokens))
     print({k: round(v, 4) for k, v in results.items()}, flush=True)
     return results
 
@@ -175,6 +179,18 @@ def host_profile(runner: ModelRunner, batch: int, steps: int = 20) -> str:
     for order in ("tottime", "cumulative"):
         pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(30)
     return out.getvalue()
+
+
+def prefill_profile(runner: ModelRunner, num_tokens: int, rows: int = 25) -> str:
+    """The GPU time of one `num_tokens` prefill by kernel (GEMMs, attention, elementwise)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.clear()
+    news = [NewRequest(0, list(range(1, num_tokens + 1)), num_tokens, 0, num_tokens,
+                       list(range(-(-num_tokens // BLOCK_SIZE))), sampling=GREEDY)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.step(StepPlan(new_requests=news))
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
 def kernel_profile(runner: ModelRunner, rows: int = 25) -> str:
@@ -256,6 +272,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes (a smoke run)")
     parser.add_argument("--profile-out", default=None, help="write batch 1's per-kernel GPU time table here")
+    parser.add_argument("--prefill-profile-out", default=None, help="write the 1B shape's prefill kernels here")
     parser.add_argument("--host-profile-out", default=None, help="write the widest batch's host cProfile here")
     args = parser.parse_args()
     batches = [1, 32] if args.quick else [1, 32, 128, 256]
@@ -289,7 +306,7 @@ def main() -> None:
     print({k: round(v, 3) for k, v in results.items() if "torch_elementwise" in k}, flush=True)
     torch.cuda.empty_cache()
     try:
-        results |= one_b_shape(results["d2d_copy_GBps"], results["bf16_matmul_TFLOPs"])
+        results |= one_b_shape(results["d2d_copy_GBps"], results["bf16_matmul_TFLOPs"], args.prefill_profile_out)
     except Exception as error:  # noqa: BLE001 - record why, keep the rest of the run
         results["llama1b_error"] = repr(error)[:300]
     torch.cuda.empty_cache()

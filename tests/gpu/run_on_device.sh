@@ -61,7 +61,7 @@ if [[ $MODE == *,tests,* ]]; then
   run_pytest unit "${TEST_SECONDS:-240}" -n 12 tests/unit/shard $ignores
 fi
 if [[ $MODE == *,bench,* ]]; then
-  timeout "${BENCH_SECONDS:-180}" python3 bench/bench_gpu.py --out "$OUT/bench.json" --profile-out "$OUT/profile_b1.txt" --host-profile-out "$OUT/host_b256.txt" \
+  timeout "${BENCH_SECONDS:-180}" python3 bench/bench_gpu.py --out "$OUT/bench.json" --profile-out "$OUT/profile_b1.txt" --host-profile-out "$OUT/host_b256.txt" --prefill-profile-out "$OUT/prefill_1b.txt" \
     > "$OUT/bench.log" 2>&1 || status=1
   tail -60 "$OUT/bench.log"
 fi
