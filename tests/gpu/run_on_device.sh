@@ -53,7 +53,8 @@ run_pytest() {  # name, seconds, pytest arguments...: the whole log to $OUT, its
 if [[ $MODE == *,tests,* ]]; then
   # Some of tests/unit/shard also run the CPU kernels, whose first use builds them: one build for all
   # the workers, beside the CUDA tests, instead of every worker waiting on it.
-  python3 -m loom_shard.kernels > "$OUT/kernels.log" 2>&1 &
+  # (its log comes back only on failure: $OUT returns at most 8 files)
+  ( python3 -m loom_shard.kernels > /tmp/kernels.log 2>&1 || { cp /tmp/kernels.log "$OUT/"; exit 1; } ) &
   gpu_free=$(ls tests/gpu/test_*.py | grep -v -F -e batch_invariance_cuda -e full_pool -e serving_cuda)
   run_pytest gpu "${GPU_SECONDS:-90}" -n 4 $gpu_free
   wait || status=1
