@@ -3,6 +3,10 @@ loom_proto.step_channel) and answers every Step at once with one token for each 
 prompt is done, so that what remains of a serving run is the router's own cost
 (bench/bench_ceiling.py).
 
+With ZERO_COST_STEP_MS=T in its environment each step takes T ms of waiting (one step at a time,
+no CPU: a GPU's step as the router sees it), so that a run shows how much the router adds to a
+step it cannot overlap, and what `--overlap-steps` hides.
+
 Started as the launcher starts `loom_shard.server` (`--config-json` with a ShardConfig), it prints
 the same readiness line. Its Step handler reads the plan with protobuf and answers in
 StepResult's sampled-token columns, so that at 512 sequences it stays far cheaper than the router
@@ -12,6 +16,7 @@ it stands in front of (it shares the machine's cores with it).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -30,6 +35,7 @@ MAX_POSITIONS = 8192
 NUM_BLOCKS = 1 << 16  # KV blocks it claims: enough for 512 streams of any benchmark length
 FIRST_TOKEN, NUM_TOKENS = 1000, 1000  # it answers ids in this range: ordinary sub-words of the vocabulary
 LOGPROB = -0.5
+STEP_S = float(os.environ.get("ZERO_COST_STEP_MS", "0")) / 1e3  # each step's simulated device time
 
 
 @dataclass(slots=True)
@@ -100,7 +106,19 @@ class ZeroCostShard:
                             quantization="none", cpu_kernels="")
 
 
-def handler(shard: ZeroCostShard) -> grpc.GenericRpcHandler:
+def timed(shard: ZeroCostShard):  # noqa: ANN201 - the Step answer, after STEP_S of device time
+    device = asyncio.Lock()  # steps run one at a time, as on one GPU
+
+    async def step(data: bytes) -> bytes:
+        async with device:
+            if STEP_S:
+                await asyncio.sleep(STEP_S)
+            return shard.step(data)
+
+    return step
+
+
+def handler(shard: ZeroCostShard, step_after_device) -> grpc.GenericRpcHandler:  # noqa: ANN001
     def unary(fn, request_type):  # noqa: ANN001, ANN202 (gRPC's handler plumbing)
         async def call(request, context):  # noqa: ANN001, ANN202
             return fn(request)
@@ -108,7 +126,7 @@ def handler(shard: ZeroCostShard) -> grpc.GenericRpcHandler:
                                                    response_serializer=lambda m: m.SerializeToString())
 
     async def step(data: bytes, context: object) -> bytes:
-        return shard.step(data)
+        return await step_after_device(data)
 
     def release(request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         for request_id in request.request_ids:
@@ -133,13 +151,14 @@ async def serve(config: ShardConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     shard = ZeroCostShard(config.block_size, config.rank, config.world_size)
+    step_after_device = timed(shard)  # one device for both ways a step arrives
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((handler(shard),))
+    server.add_generic_rpc_handlers((handler(shard, step_after_device),))
     server.add_insecure_port(f"unix://{config.uds_path}")
     await server.start()
 
     async def step_frame(plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
-        return step_channel.OK, shard.step(plan)
+        return step_channel.OK, await step_after_device(plan)
 
     step_server = await step_channel.serve(step_channel.socket_path(config.uds_path), step_frame)
     print(f"loom-shard ready rank={config.rank} uds={config.uds_path} (zero-cost)", flush=True)
