@@ -207,9 +207,11 @@ class RouterFlags(ModelFlags):
     api_workers: Positive | None = Field(
         None, description="frontend processes (HTTP, validation, tokenization, streaming) in front of the "
         "engine core; default: from the CPU cores (1 to 8)")
-    overlap_steps: bool = Field(
-        False, description="plan and send the next decode step while the shards compute the current one "
-        "(one step of lookahead; same tokens)")
+    overlap_steps: bool | None = Field(
+        None, description="plan and send the next decode step while the shards compute the current one "
+        "(one step of lookahead; same tokens); default: on where the shards run on CUDA (the router's "
+        "work per step then hides behind the GPU's) and --speculate is 0, off on CPU (router and shard "
+        "share the cores)")
     speculate: int = Field(0, ge=0, description="tokens drafted per decode step by prompt lookup (n-gram "
                            "speculative decoding, verified in the same step; same tokens); 0: off. Not combined "
                            "with --overlap-steps (speculation then stays off)")
@@ -458,13 +460,19 @@ def build_parser(model: type[BaseModel], prog: str, description: str) -> argpars
         if get_origin(field.annotation) is tuple:
             parser.add_argument(option(singular(name)), dest=name, action="append",
                                 default=argparse.SUPPRESS, help=help_text)
-        elif field.annotation is bool:  # a switch, as TGI's: `--json-output` or `--json-output false`
+        elif _is_switch(field.annotation):  # as TGI's: `--json-output` or `--json-output false`
             parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS, nargs="?", const="true",
                                 help=help_text)
         else:
             parser.add_argument(option(name), dest=name, default=argparse.SUPPRESS,
                                 choices=_choices(field.annotation), help=help_text)
     return parser
+
+
+def _is_switch(annotation: object) -> bool:
+    """A bool field, or one that may also stay unset (None: decided at run time)."""
+    return annotation is bool or (get_origin(annotation) in (typing.Union, types.UnionType)
+                                  and set(get_args(annotation)) == {bool, type(None)})
 
 
 def singular(name: str) -> str:

@@ -34,6 +34,7 @@ class FakeShardClient:
         self.eos_at: int | None = None  # generated index at which every sequence emits EOS
         self.script: list[int] | None = None  # when set, every sequence generates these ids in order
         self.step_delay_s = 0.0
+        self.device = "cpu"  # what Info reports the shards compute on
         self.fail_steps = False
         self.healthy = True
         self.num_steps = 0
@@ -53,7 +54,7 @@ class FakeShardClient:
         return ModelInfo(architecture="LlamaForCausalLM", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                          hidden_size=32, vocab_size=self.vocab_size,
                          max_position_embeddings=self.max_position_embeddings, dtype="float32",
-                         weights_hash="fake", device="cpu", block_size=self.block_size, rank=0, world_size=1)
+                         weights_hash="fake", device=self.device, block_size=self.block_size, rank=0, world_size=1)
 
     async def health(self) -> bool:
         return self.healthy

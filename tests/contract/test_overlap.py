@@ -98,12 +98,13 @@ def params(seed: int, max_new_tokens: int = 12, n: int = 1, **kw: object) -> Gen
     return GenerationParams(choices, max_new_tokens=max_new_tokens, **kw)  # type: ignore[arg-type]
 
 
-async def start(tokenizer: Tokenizer, overlap: bool, num_blocks: int = 256,
-                eos_at: int | None = None) -> tuple[InProcessRouter, FakeShardClient, Probe]:
+async def start(tokenizer: Tokenizer, overlap: bool | None, num_blocks: int = 256, eos_at: int | None = None,
+                device: str = "cpu", **config: object) -> tuple[InProcessRouter, FakeShardClient, Probe]:
     backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
                               num_blocks=num_blocks)
     backend.eos_at = eos_at
-    router = await start_router(router_config(overlap_steps=overlap, max_concurrent_requests=16), backend,
+    backend.device = device
+    router = await start_router(router_config(overlap_steps=overlap, max_concurrent_requests=16, **config), backend,
                                 tokenizer, start=False)
     probe = Probe(router.engine, backend)
     probe.install()
@@ -266,3 +267,29 @@ async def test_a_request_arriving_mid_decode_starts_in_the_step_sent_ahead(token
         if overlap:
             assert any(plan.new_requests for plan in probe.sent_ahead), "the arrival waited for a drain"
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize(("device", "speculate", "expected"), [("cuda", 0, 2), ("cuda:1", 0, 2), ("cpu", 0, 1),
+                                                             ("cuda", 3, 1)])
+async def test_by_default_steps_overlap_where_the_shards_run_on_a_gpu(tokenizer: Tokenizer, device: str,
+                                                                        speculate: int, expected: int) -> None:
+    # Unset, --overlap-steps follows the shards' device: on CUDA the engine core plans the next
+    # step while the GPU runs one; on CPU, or with drafts to verify, one step at a time.
+    router, _, probe = await start(tokenizer, None, device=device, speculate=speculate)
+    try:
+        streams = [await router.client.submit(tokenizer.encode(f"default {i}"), params(i)) for i in range(3)]
+        for stream in streams:
+            assert len(await events(stream)) == 12
+        assert router.engine.overlap_steps is (expected == 2)
+        assert probe.max_in_flight == expected
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_an_explicit_overlap_steps_wins_over_the_device(tokenizer: Tokenizer, overlap: bool) -> None:
+    router, _, _ = await start(tokenizer, overlap, device="cuda" if not overlap else "cpu")
+    try:
+        assert router.engine.overlap_steps is overlap
+    finally:
+        await router.stop()

@@ -56,6 +56,15 @@ T = TypeVar("T")
 DRAIN_ABORT_TIMEOUT_S = 5.0
 
 
+def overlaps(config: RouterConfig, device: str) -> bool:
+    """--overlap-steps, or by default: on where the shards compute on a GPU (the engine core plans
+    step n+1 while the GPU runs step n) and nothing is drafted; off where they share the CPU with
+    the router (there the plan's work would only compete for the same cores)."""
+    if config.overlap_steps is not None:
+        return config.overlap_steps
+    return device.startswith("cuda") and not config.speculate
+
+
 class ShardBackend(Protocol):
     """What the engine needs of the shards: `ShardClient`, or a fake one in tests."""
 
@@ -101,7 +110,8 @@ class Engine(RequestBook):
         self.tracer: RequestTracer | None = None  # --otlp-endpoint: a `step` span around each step
         self.grammars = GrammarCompiler(tokenizer)
         self._masks = MaskFiller(self.grammars)
-        self._ahead_ids: set[int] = set()  # sequences in the step sent ahead (config.overlap_steps)
+        self.overlap_steps = False  # decided at start (overlaps): one step planned ahead of the shards'
+        self._ahead_ids: set[int] = set()  # sequences in the step sent ahead (overlap_steps)
         self._late: list[Sequence] = []  # finished, but in the step ahead: freed after its outputs
         self.adapters = AdapterRegistry(client, config.enable_lora, self._adapter_in_use)  # type: ignore[arg-type]
 
@@ -111,6 +121,7 @@ class Engine(RequestBook):
         """Ask the shards what they hold, size the KV pool, start the step loop."""
         info = await self.client.info()
         self.model_info = info
+        self.overlap_steps = overlaps(self.config, info.device)
         self.max_total_tokens = self.config.max_total_tokens or info.max_position_embeddings
         self.max_input_tokens = self.config.max_input_tokens or self.max_total_tokens - 1
         warm = await self.client.warmup(self.config.max_batch_prefill_tokens, self.config.max_batch_total_tokens)
@@ -141,7 +152,7 @@ class Engine(RequestBook):
         config = self.config
         if not config.speculate:
             return
-        if config.overlap_steps:  # a step planned ahead cannot know how many drafts the one before kept
+        if self.overlap_steps:  # a step planned ahead cannot know how many drafts the one before kept
             log.warning("--speculate %d is off: --overlap-steps is on", config.speculate)
             return
         assert self.scheduler is not None
@@ -336,7 +347,7 @@ class Engine(RequestBook):
                         continue
                     if not self._prepare(plan):
                         continue
-                    if not self.config.overlap_steps:
+                    if not self.overlap_steps:
                         self._take_outputs(plan, await self._step(plan), None)
                         await asyncio.sleep(0)  # let handlers stream and requests arrive
                         continue
