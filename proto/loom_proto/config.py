@@ -214,7 +214,7 @@ class RouterFlags(ModelFlags):
         "share the cores)")
     speculate: int = Field(0, ge=0, description="tokens drafted per decode step by prompt lookup (n-gram "
                            "speculative decoding, verified in the same step; same tokens); 0: off. Not combined "
-                           "with --overlap-steps (speculation then stays off)")
+                           "with an explicit --overlap-steps true (speculation then stays off)")
     speculate_ngram_max: Positive = Field(3, description="longest n-gram looked up for drafts (--speculate)")
     speculate_ngram_min: Positive = Field(1, description="shortest n-gram looked up for drafts (--speculate)")
     shard_addresses: StrList = Field((), description="host:port of a shard rank on TCP (repeat the flag, in rank "
