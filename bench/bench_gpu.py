@@ -20,7 +20,7 @@ import torch
 
 from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
-from loom_shard.layers import gpu_elementwise
+from loom_shard.layers import elementwise
 from loom_shard.loading.hf_folder import config_from_hf
 from loom_shard.models import build_model
 from loom_shard.runtime.runner import ModelRunner
@@ -115,7 +115,7 @@ def prefill_rate(runner: ModelRunner, num_tokens: int, num_seqs: int = 1) -> flo
 
 def torch_elementwise_rates() -> dict[str, float]:
     """The same graphs with torch's elementwise ops instead of the Triton kernels (the A side)."""
-    gpu_elementwise.ENABLED = False
+    elementwise.TRITON = False
     try:
         runner = make_runner(True, 32)
         results = {}
@@ -125,7 +125,7 @@ def torch_elementwise_rates() -> dict[str, float]:
             results[f"loom_torch_elementwise_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
         return results
     finally:
-        gpu_elementwise.ENABLED = True
+        elementwise.TRITON = True
 
 
 def weight_bytes(runner: ModelRunner) -> int:

@@ -9,20 +9,17 @@ import os
 import pytest
 import torch
 
-from loom_shard.layers import gpu_elementwise
+from loom_shard.layers import elementwise
 from loom_shard.layers.mlp import gated
 from loom_shard.layers.norm import RMSNorm
 from loom_shard.layers.rotary import KernelRope, RotaryEmbedding, apply_rotary
 from loom_shard.model_config import Activation
 
+triton_elementwise = pytest.importorskip("loom_shard.layers.triton_elementwise", reason="needs triton")
 # TRITON_INTERPRET=1 runs these on the CPU too (float32/float16: the interpreter has no bfloat16).
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 LOW = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 DTYPES = [(torch.float32, 1e-5), (LOW, 1e-2)]
-
-
-def _ops():  # noqa: ANN202
-    return gpu_elementwise.ops()
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
@@ -36,12 +33,12 @@ def test_add_rms_norm_matches_float64(dtype: torch.dtype, tolerance: float, hidd
     gen = torch.Generator().manual_seed(hidden)
     x, residual = (torch.randn(7, hidden, generator=gen).to(DEVICE, dtype) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
-    total, normed = _ops().add_rms_norm(x, residual, weight, 1e-5)
+    total, normed = triton_elementwise.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, x + residual)  # the residual stream rounds as torch's add
     ref = total.double()
     expected = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
     _close(normed, expected, tolerance)
-    _close(_ops().rms_norm(total, weight, 1e-5), expected, tolerance)
+    _close(triton_elementwise.rms_norm(total, weight, 1e-5), expected, tolerance)
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
@@ -49,7 +46,7 @@ def test_add_rms_norm_matches_float64(dtype: torch.dtype, tolerance: float, hidd
 def test_silu_mul_matches_float64(dtype: torch.dtype, tolerance: float, intermediate: int) -> None:
     gate_up = torch.randn(2, 3, 2 * intermediate, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     gate, up = gate_up.double().split(intermediate, dim=-1)
-    out = _ops().silu_mul(gate_up, intermediate)
+    out = triton_elementwise.silu_mul(gate_up, intermediate)
     assert out.shape == (2, 3, intermediate)
     _close(out, torch.nn.functional.silu(gate) * up, tolerance)
 
@@ -65,7 +62,7 @@ def test_rotary_on_a_strided_qk_view_matches_float64(dtype: torch.dtype, toleran
     positions = torch.tensor([0, 1, 2, 5, 17, 100, 4095, 3, 3, 64, 9], device=DEVICE)
     rotary = RotaryEmbedding(head_dim, 10000.0, None, rotary_dim=rotary_dim)
     half_cos, half_sin = rotary._half_tables(4096)
-    out = _ops().rotary(qk, positions, half_cos.to(DEVICE), half_sin.to(DEVICE))
+    out = triton_elementwise.rotary(qk, positions, half_cos.to(DEVICE), half_sin.to(DEVICE))
     cos = torch.cat([half_cos, half_cos], -1).double()[positions.cpu()].unsqueeze(1)
     signed_sin = torch.cat([-half_sin, half_sin], -1).double()[positions.cpu()].unsqueeze(1)
     x = qk.double().cpu()
@@ -82,7 +79,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
     qk = torch.randn(64, 12, 64, generator=gen).to(DEVICE, LOW)
     positions = torch.randint(0, 4096, (64,), generator=gen).to(DEVICE)
     cos, sin = (t.to(DEVICE) for t in RotaryEmbedding(64, 10000.0, None)._half_tables(4096))
-    ops = _ops()
+    ops = triton_elementwise
     for rows in (1, 7):
         assert torch.equal(ops.add_rms_norm(x[:rows], residual[:rows], weight, 1e-5)[1],
                            ops.add_rms_norm(x, residual, weight, 1e-5)[1][:rows])
@@ -94,7 +91,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 def test_layers_choose_the_triton_kernels_on_cuda() -> None:
     x = torch.randn(3, 64, device=DEVICE, dtype=LOW)
     norm = RMSNorm(64).to(DEVICE, LOW)
-    assert gpu_elementwise.runs(x)
+    assert elementwise.kernels_for(x) is triton_elementwise
     total, normed = norm.add_forward(x, x)
     torch.testing.assert_close(normed, torch.rms_norm(x + x, (64,), norm.weight, norm.eps), atol=2e-2, rtol=2e-2)
     gate_up = torch.randn(3, 2 * 96, device=DEVICE, dtype=LOW)

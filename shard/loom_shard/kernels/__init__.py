@@ -221,19 +221,25 @@ def ops() -> torch._ops._OpNamespace:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation of each row of x [rows, hidden] (float32 accumulation, one pass per row)."""
-    return ops().rms_norm(x, weight, eps)
+    return ops().rms_norm(x.contiguous(), weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, rms_norm(x + residual)) in one pass; the sum rounds as torch's add does."""
-    return ops().add_rms_norm(x, residual, weight, eps)
+    return ops().add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """[..., 2 * intermediate] (gate, then up) -> silu(gate) * up [..., intermediate], rounded once."""
     out = ops().silu_mul(gate_up.reshape(-1, gate_up.shape[-1]), intermediate)
     return out.view(*gate_up.shape[:-1], intermediate)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated at each token's position (half-split layout); cos and
+    sin are float32 [table_len, rotary_dim // 2]."""
+    return ops().rotary(x, positions, cos, sin)
 
 
 def runs(x: torch.Tensor) -> bool:

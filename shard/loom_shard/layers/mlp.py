@@ -6,18 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom_shard import kernels
-from loom_shard.layers import gpu_elementwise
+from loom_shard.layers import elementwise
 from loom_shard.model_config import Activation
 
 
 def gated(gate_up: torch.Tensor, intermediate: int, activation: Activation) -> torch.Tensor:
     """[rows, 2 * intermediate] (gate, then up) -> act(gate) * up: SiLU's in one pass of Loom's
     CPU kernel or of a Triton kernel on CUDA, else torch's ops (in place on gate's result)."""
-    if activation is Activation.SILU and kernels.runs(gate_up):
-        return kernels.silu_mul(gate_up, intermediate)
-    if activation is Activation.SILU and gpu_elementwise.runs(gate_up):
-        return gpu_elementwise.ops().silu_mul(gate_up, intermediate)
+    ops = elementwise.kernels_for(gate_up) if activation is Activation.SILU else None
+    if ops is not None:
+        return ops.silu_mul(gate_up, intermediate)
     gate, up = gate_up.split(intermediate, dim=-1)
     if activation is Activation.SILU:
         return F.silu(gate).mul_(up)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom_shard import kernels
-from loom_shard.layers import gpu_elementwise
+from loom_shard.layers import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -23,18 +22,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.runs(x):
-            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
-        if gpu_elementwise.runs(x):
-            return gpu_elementwise.ops().rms_norm(x, self.weight, self.eps)
+        ops = elementwise.kernels_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, this norm of it): one pass over each row with the CPU kernel (the same values)
         or the Triton kernel."""
-        if kernels.runs(x) and residual.dtype == x.dtype:
-            return kernels.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
-        if gpu_elementwise.runs(x) and residual.dtype == x.dtype:
-            return gpu_elementwise.ops().add_rms_norm(x, residual, self.weight, self.eps)
+        ops = elementwise.kernels_for(x)
+        if ops is not None and residual.dtype == x.dtype:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return x, self(x)

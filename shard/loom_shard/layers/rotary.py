@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loom_shard import kernels
-from loom_shard.layers import gpu_elementwise
+from loom_shard.layers import elementwise
 from loom_shard.layers.rope_scaling import rope_frequencies
 from loom_shard.model_config import RopeScaling
 
@@ -46,9 +45,9 @@ class KernelRope:
     sin: torch.Tensor  # [table_len, rotary_dim // 2] float32
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.positions.is_cpu:
-            return kernels.ops().rotary(x, self.positions, self.cos, self.sin)
-        return gpu_elementwise.ops().rotary(x, self.positions, self.cos, self.sin)
+        ops = elementwise.kernels_for(x)
+        assert ops is not None, "KernelRope on a device and dtype no kernels run"
+        return ops.rotary(x, self.positions, self.cos, self.sin)
 
 
 Rope = GatheredRope | KernelRope
@@ -89,20 +88,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._half_tables(length)
         self._half_cos, self._half_sin = cos.to(device), sin.to(device)
 
-    def _kernel_runs(self, positions: torch.Tensor, dtype: torch.dtype) -> bool:
-        if not self.use_kernel:
-            return False
-        if positions.is_cpu:
-            return dtype in kernels.DTYPES and kernels.available()
-        return gpu_elementwise.runs(positions)
-
     def lookup(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> Rope:
         """One step's rotary inputs for `positions` [num_tokens], shared by every layer.
 
         max_position (known on the host) sizes the table without a device sync.
         """
         needed = max_position + 1
-        if self._kernel_runs(positions, dtype):
+        if self.use_kernel and elementwise.kernels_for(positions, dtype) is not None:
             if self._half_cos.shape[0] < needed or self._half_cos.device != positions.device:
                 self._build_half(max(needed, self._initial_len, 2 * self._half_cos.shape[0]), positions.device)
             return KernelRope(positions.long(), self._half_cos, self._half_sin)

@@ -7,7 +7,7 @@ At small batches a decode step is hundreds of launches of 1-4 µs, so launches a
 hidden vector, or all heads of one token) in one fixed order, so a row's result never depends on
 the batch it is in. Arithmetic in float32, rounded once to the tensor's dtype (the add before a
 norm rounds as torch's add does, since the sum is the residual stream).
-Importing this module needs triton; `loom_shard.layers.gpu_elementwise` decides whether to.
+Importing this module needs triton; `loom_shard.layers.elementwise` decides whether to.
 """
 
 from __future__ import annotations

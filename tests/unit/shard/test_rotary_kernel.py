@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 
-from loom_shard.layers import rotary
+from loom_shard import kernels
 from loom_shard.layers.rotary import GatheredRope, KernelRope, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
@@ -69,7 +69,7 @@ def test_without_kernels_the_torch_path_is_unchanged() -> None:
     rope = RotaryEmbedding(HEAD_DIM, 10000.0, None)
     qk = _qkv(3, torch.bfloat16)[:, :NUM_QK_HEADS]
     positions = torch.tensor([4, 5, 6])
-    with mock.patch.object(rotary.kernels, "available", return_value=False):
+    with mock.patch.object(kernels, "available", return_value=False):
         gathered = rope.lookup(positions, 6, torch.bfloat16)
     assert isinstance(gathered, GatheredRope)
     assert torch.equal(gathered.apply(qk), apply_rotary(qk, gathered.cos, gathered.signed_sin))
