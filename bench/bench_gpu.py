@@ -78,14 +78,20 @@ def make_runner(cuda_graphs: bool, max_batch: int, hf_config: dict | None = None
     return runner
 
 
+def new_request(request_id: int, tokens: list[int], blocks_per_seq: int) -> NewRequest:
+    """A greedy request prefilling all of `tokens`, in blocks of its own (request_id's range)."""
+    first = request_id * blocks_per_seq
+    return NewRequest(request_id, tokens, len(tokens), 0, len(tokens), list(range(first, first + blocks_per_seq)),
+                      sampling=GREEDY)
+
+
 def decode_rate(runner: ModelRunner, batch: int) -> float:
     """Tokens/s of DECODE_STEPS decode steps over `batch` sequences of PROMPT_LEN tokens."""
     runner.clear()
     per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 8) // BLOCK_SIZE)
     gen = torch.Generator().manual_seed(batch)
     for first in range(0, batch, 16):  # prefill 16 sequences a step
-        news = [NewRequest(i, torch.randint(0, 49152, (PROMPT_LEN,), generator=gen).tolist(), PROMPT_LEN, 0,
-                           PROMPT_LEN, list(range(i * per_seq, (i + 1) * per_seq)), sampling=GREEDY)
+        news = [new_request(i, torch.randint(0, 49152, (PROMPT_LEN,), generator=gen).tolist(), per_seq)
                 for i in range(first, min(first + 16, batch))]
         runner.step(StepPlan(new_requests=news))
     plan = StepPlan(running_requests=[RunningRequest(i, 1) for i in range(batch)])
@@ -104,8 +110,7 @@ def prefill_rate(runner: ModelRunner, num_tokens: int, num_seqs: int = 1) -> flo
     times = []
     for rep in range(6):
         runner.clear()
-        news = [NewRequest(i, torch.randint(0, 49152, (num_tokens,)).tolist(), num_tokens, 0, num_tokens,
-                           list(range(i * per_seq, (i + 1) * per_seq)), sampling=GREEDY) for i in range(num_seqs)]
+        news = [new_request(i, torch.randint(0, 49152, (num_tokens,)).tolist(), per_seq) for i in range(num_seqs)]
         torch.cuda.synchronize()
         start = time.perf_counter()
         runner.step(StepPlan(new_requests=news))
@@ -113,17 +118,21 @@ def prefill_rate(runner: ModelRunner, num_tokens: int, num_seqs: int = 1) -> flo
     return num_tokens * num_seqs / statistics.median(times[1:])
 
 
+def graph_rates(runner: ModelRunner, tag: str, batches: list[int]) -> dict[str, float]:
+    """Decode tokens/s at each batch and the GPU's own time per step (the captured graph's replay):
+    what the host adds shows beside it."""
+    results = {}
+    for batch in batches:
+        results[f"{tag}_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
+        results[f"{tag}_graph_replay_ms_b{batch}"] = cuda_time(runner.decode_graphs.steps[batch].graph.replay, 20) * 1e3
+    return results
+
+
 def torch_elementwise_rates() -> dict[str, float]:
     """The same graphs with torch's elementwise ops instead of the Triton kernels (the A side)."""
     elementwise.TRITON = False
     try:
-        runner = make_runner(True, 32)
-        results = {}
-        for batch in (1, 32):
-            results[f"loom_torch_elementwise_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
-            replay = runner.decode_graphs.steps[batch].graph.replay
-            results[f"loom_torch_elementwise_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
-        return results
+        return graph_rates(make_runner(True, 32), "loom_torch_elementwise", [1, 32])
     finally:
         elementwise.TRITON = True
 
@@ -139,9 +148,7 @@ def one_b_shape(copy_GBps: float, matmul_TFLOPs: float, profile_out: str | None 
     to `profile_out`)."""
     runner = make_runner(True, 32, LLAMA_1B)
     results: dict[str, float] = {"llama1b_weight_GB": weight_bytes(runner) / 1e9}
-    for batch in (1, 32):
-        results[f"llama1b_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
-        results[f"llama1b_graph_replay_ms_b{batch}"] = cuda_time(runner.decode_graphs.steps[batch].graph.replay, 20) * 1e3
+    results |= graph_rates(runner, "llama1b", [1, 32])
     floor_ms = weight_bytes(runner) / (copy_GBps * 1e9) * 1e3
     results["llama1b_weight_read_floor_ms"] = floor_ms
     results["llama1b_b1_replay_over_floor"] = results["llama1b_graph_replay_ms_b1"] / floor_ms
@@ -181,32 +188,30 @@ def host_profile(runner: ModelRunner, batch: int, steps: int = 20) -> str:
     return out.getvalue()
 
 
-def prefill_profile(runner: ModelRunner, num_tokens: int, rows: int = 25) -> str:
-    """The GPU time of one `num_tokens` prefill by kernel (GEMMs, attention, elementwise)."""
+def kernel_table(steps: Callable[[], object], rows: int = 25) -> str:
+    """The GPU time of what `steps` runs, by kernel, as torch.profiler sums it."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner.clear()
-    news = [NewRequest(0, list(range(1, num_tokens + 1)), num_tokens, 0, num_tokens,
-                       list(range(-(-num_tokens // BLOCK_SIZE))), sampling=GREEDY)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.step(StepPlan(new_requests=news))
+        steps()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
-def kernel_profile(runner: ModelRunner, rows: int = 25) -> str:
-    """The GPU time of one eager batch-1 decode step by kernel, as torch.profiler sums it."""
-    from torch.profiler import ProfilerActivity, profile
-
+def prefill_profile(runner: ModelRunner, num_tokens: int) -> str:
+    """One `num_tokens` prefill by kernel (GEMMs, attention, elementwise)."""
     runner.clear()
-    news = [NewRequest(0, list(range(1, PROMPT_LEN + 1)), PROMPT_LEN, 0, PROMPT_LEN,
-                       list(range(-(-(PROMPT_LEN + 16) // BLOCK_SIZE))), sampling=GREEDY)]
-    runner.step(StepPlan(new_requests=news))
+    plan = StepPlan(new_requests=[new_request(0, list(range(1, num_tokens + 1)), -(-num_tokens // BLOCK_SIZE))])
+    return kernel_table(lambda: runner.step(plan))
+
+
+def kernel_profile(runner: ModelRunner) -> str:
+    """Five eager batch-1 decode steps by kernel."""
+    runner.clear()
+    runner.step(StepPlan(new_requests=[new_request(0, list(range(1, PROMPT_LEN + 1)),
+                                                   -(-(PROMPT_LEN + 16) // BLOCK_SIZE))]))
     plan = StepPlan(running_requests=[RunningRequest(0, 1)])
     runner.step(plan)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            runner.step(plan)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return kernel_table(lambda: [runner.step(plan) for _ in range(5)])
 
 
 def transformers_rates(batches: list[int]) -> dict[str, float]:
@@ -280,13 +285,11 @@ def main() -> None:
     results |= ceilings()
     for graphs in (True, False):
         runner = make_runner(graphs, max(batches))
-        tag = "graphs" if graphs else "eager"
-        for batch in batches:
-            results[f"loom_{tag}_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
-            print(f"loom {tag} decode b{batch}: {results[f'loom_{tag}_decode_tok_s_b{batch}']:.0f} tok/s", flush=True)
-            if graphs:  # the GPU's own time per decode step: what the host adds shows beside it
-                replay = runner.decode_graphs.steps[batch].graph.replay
-                results[f"loom_graph_replay_ms_b{batch}"] = cuda_time(replay, repeat=20) * 1e3
+        if graphs:
+            results |= graph_rates(runner, "loom_graphs", batches)
+        else:
+            results |= {f"loom_eager_decode_tok_s_b{batch}": decode_rate(runner, batch) for batch in batches}
+        print({k: round(v, 2) for k, v in results.items() if isinstance(v, float)}, flush=True)
         if graphs and args.host_profile_out:
             with open(args.host_profile_out, "w") as f:
                 f.write(host_profile(runner, max(batches)))
