@@ -82,26 +82,29 @@ def _norm_warps(block: int) -> int:
     return min(max(block // 512, 1), 8)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each row of x [..., hidden]."""
+def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, or x itself, as rows; the RMSNorm of those rows)."""
     rows = _rows(x)
+    res = rows if residual is None else _rows(residual)
+    total = rows if residual is None else torch.empty_like(rows)  # never written without a residual
     out = torch.empty_like(rows)
     block = triton.next_power_of_2(rows.shape[1])
-    _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, rows, out, rows.shape[1], eps,
-                                       rows.stride(0), rows.stride(0), rows.stride(0), out.stride(0),
-                                       HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
-    return out.view(x.shape)
+    _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, total, out, rows.shape[1], eps,
+                                       rows.stride(0), res.stride(0), total.stride(0), out.stride(0),
+                                       HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block))
+    return total, out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [..., hidden]."""
+    return _norm_rows(x, None, weight, eps)[1].view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, its RMSNorm) in one pass over each row."""
-    rows, res = _rows(x), _rows(residual)
-    total, out = torch.empty_like(rows), torch.empty_like(rows)
-    block = triton.next_power_of_2(rows.shape[1])
-    _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, total, out, rows.shape[1], eps,
-                                       rows.stride(0), res.stride(0), total.stride(0), out.stride(0),
-                                       HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block))
+    total, out = _norm_rows(x, residual, weight, eps)
     return total.view(x.shape), out.view(x.shape)
 
 
