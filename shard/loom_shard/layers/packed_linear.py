@@ -51,9 +51,13 @@ class PackedLinear(nn.Module):
         packed = self._packed_weight(gemm)
         if gemm is Gemm.LOOM:
             return kernels.ops().linear(x, packed[0], self.out_features, self.bias)
-        if len(packed) == 1:
-            return torch.ops.mkldnn._linear_pointwise(x, packed[0], self.bias, "none", [], "")
-        return self._split_forward(x, packed)
+        if len(packed) > 1:
+            return self._split_forward(x, packed)
+        if gemm is Gemm.ONEDNN_PAIRED and x.numel() == self.in_features:  # one row: as the first of two
+            pair = x.reshape(1, self.in_features).expand(2, self.in_features)
+            out = torch.ops.mkldnn._linear_pointwise(pair, packed[0], self.bias, "none", [], "")
+            return out[:1].reshape(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, packed[0], self.bias, "none", [], "")
 
     def _split_forward(self, x: torch.Tensor, packed: list[torch.Tensor]) -> torch.Tensor:
         # Each chunk's GEMM is row-invariant; their sum in a fixed order keeps it so. Two bfloat16

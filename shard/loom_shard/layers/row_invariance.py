@@ -2,15 +2,18 @@
 computed with (batch invariance), chosen per shape and dtype on the machine that serves.
 
 oneDNN picks its GEMM kernel, and so its reduction order over K, from the whole problem's shape
-and from the CPU (AVX2, AVX-512, AMX). Measured: on an AVX-512-bf16 EPYC a bfloat16 GEMM is
-row-invariant for K <= 1024 but not for K = 1536 from 4 rows up; its float32 GEMM changes rows for
-K = 1536 and 2048; on an AMX Xeon bfloat16 rows change at K = 576 too. Nothing measured on one
-machine holds on another, so every shape is probed where it runs, once per process: a oneDNN
-GEMM of the shape (oneDNN picks its kernel from the shape, not the values) must give every row of
-every PROBE_ROWS batch bit-identical to that row computed alone, with random data and with rows
-built to reveal any change in the order of the sum (`order_revealing_rows`). In order:
+and from the CPU (AVX2, AVX-512, AMX). Measured on an AVX-512-bf16 EPYC: for K > 1024 (bfloat16
+and float32 alike) a single row is summed in another order than the rows of any batch of 2 or
+more, while every batch from 2 to 512 rows gives each row the same bits; on an AMX Xeon bfloat16
+rows change at K = 576 too. Nothing measured on one machine holds on another, so every shape is
+probed where it runs, once per process: a oneDNN GEMM of the shape (oneDNN picks its kernel from
+the shape, not the values) must give every row of every PROBE_ROWS batch bit-identical to that
+row computed alone, with random data and with rows built to reveal any change in the order of the
+sum (`order_revealing_rows`). In order:
 
     ONEDNN           one oneDNN GEMM (AMX, AVX-512-bf16 where the CPU has them)
+    ONEDNN_PAIRED    one oneDNN GEMM, a single row computed as two (the row twice), so that no
+                     call has the one-row shape
     ONEDNN_K_CHUNKS  fixed K chunks of at most K_CHUNK, each a oneDNN GEMM, summed in chunk order
     LOOM             Loom's own kernel (kernels/csrc/linear.cpp): one fixed FMA chain per output,
                      invariant by construction on every CPU
@@ -37,6 +40,7 @@ ALONE_ROWS = 64  # rows computed one at a time as the reference
 
 class Gemm(enum.Enum):
     ONEDNN = "oneDNN"
+    ONEDNN_PAIRED = "oneDNN, single rows as two"
     ONEDNN_K_CHUNKS = "oneDNN in K chunks"
     LOOM = "Loom kernel"
     TORCH = "F.linear"
@@ -104,8 +108,9 @@ def _probe(in_features: int, out_features: int, dtype: torch.dtype, gemm: Gemm) 
 
 @functools.cache
 def choose(in_features: int, out_features: int, dtype: torch.dtype) -> Gemm:
-    """The first of ONEDNN, ONEDNN_K_CHUNKS, LOOM that keeps rows invariant for this shape here."""
-    candidates = [Gemm.ONEDNN] if onednn_packs(dtype) else []
+    """The first of ONEDNN, ONEDNN_PAIRED, ONEDNN_K_CHUNKS, LOOM that keeps rows invariant for this
+    shape here."""
+    candidates = [Gemm.ONEDNN, Gemm.ONEDNN_PAIRED] if onednn_packs(dtype) else []
     if candidates and in_features > K_CHUNK:
         candidates.append(Gemm.ONEDNN_K_CHUNKS)
     for gemm in candidates:

@@ -1,6 +1,6 @@
 """A row's result is bit-identical whatever else is in its batch, for the CPU ops this file
-owns: the dense linears in every GEMM the probe may choose (oneDNN, oneDNN in K chunks, Loom's
-kernel), bfloat16 and float32, the LM head and its logits, log_softmax, and the sampler.
+owns: the dense linears in every GEMM the probe may choose (oneDNN, oneDNN with single rows run
+as two, oneDNN in K chunks, Loom's kernel), bfloat16 and float32, the LM head and its logits, log_softmax, and the sampler.
 (Attention and the quantized linears have their own tests.) The probe's decisions are also
 checked with oneDNN restricted to older ISAs (ONEDNN_MAX_CPU_ISA), so that this machine makes
 the decisions an AVX2 or an AVX-512-without-bf16 machine makes."""
@@ -98,11 +98,22 @@ def test_probe_never_keeps_a_onednn_gemm_that_varies(dtype: torch.dtype) -> None
         return
     for k, n in SHAPES:
         chosen = row_invariance.choose(k, n, dtype)
-        for gemm in (Gemm.ONEDNN, Gemm.ONEDNN_K_CHUNKS):
+        for gemm in (Gemm.ONEDNN, Gemm.ONEDNN_PAIRED, Gemm.ONEDNN_K_CHUNKS):
             if gemm is Gemm.ONEDNN_K_CHUNKS and k <= row_invariance.K_CHUNK:
                 continue
             if not _every_row_as_alone(_linear(k, n, dtype, gemm), _batch(k, dtype)):
                 assert chosen is not gemm, f"{k}x{n} {dtype}: {gemm.value} varies but the probe chose it"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_probe_prefers_one_gemm_to_k_chunks(dtype: torch.dtype) -> None:
+    """Where one oneDNN GEMM keeps rows invariant once a single row runs as two, the probe runs
+    each shape as one GEMM (1.1-2.8x faster than its K chunks, bench/BENCHMARKS.md), not in chunks."""
+    if not row_invariance.onednn_packs(dtype):
+        pytest.skip(f"oneDNN has no {dtype} path on this CPU")
+    for k, n in SHAPES:
+        if _every_row_as_alone(_linear(k, n, dtype, Gemm.ONEDNN_PAIRED), _batch(k, dtype)):
+            assert row_invariance.choose(k, n, dtype) in (Gemm.ONEDNN, Gemm.ONEDNN_PAIRED), (k, n)
 
 
 @pytest.mark.parametrize(("k", "n"), SHAPES)

@@ -11,7 +11,7 @@ from loom_shard.layers import row_invariance
 from loom_shard.layers.packed_linear import PackedLinear, pack_linears
 from loom_shard.layers.row_invariance import Gemm
 
-GEMMS = [Gemm.ONEDNN, Gemm.ONEDNN_K_CHUNKS, Gemm.LOOM]
+GEMMS = [Gemm.ONEDNN, Gemm.ONEDNN_PAIRED, Gemm.ONEDNN_K_CHUNKS, Gemm.LOOM]
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 33])
@@ -32,6 +32,29 @@ def test_every_gemm_matches_the_float64_reference(rows: int, bias: bool, gemm: G
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), reference, atol=tolerance, rtol=tolerance)
     assert packed._packed is not None  # the packed path ran
+
+
+@pytest.mark.parametrize("shape", [(1100,), (1, 1100), (1, 1, 1100)])
+def test_a_single_row_runs_as_the_first_row_of_a_pair(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONEDNN_PAIRED never calls oneDNN with one row, whatever the input's leading dimensions."""
+    if not row_invariance.onednn_packs(torch.float32):
+        pytest.skip("oneDNN has no float32 path on this CPU")
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(1100, 96), gemm=Gemm.ONEDNN_PAIRED)
+    x = torch.randn(shape)
+    rows_seen = []
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return linear_pointwise(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with torch.inference_mode():
+        out = packed(x)
+        pair = packed(torch.stack([x.reshape(1100)] * 2))
+    assert rows_seen == [2, 2] and out.shape == (*shape[:-1], 96)
+    assert torch.equal(out.reshape(96), pair[0])
 
 
 def test_repacks_after_weight_changes() -> None:
