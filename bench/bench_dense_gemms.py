@@ -23,12 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import BLOCK_SIZE, bench_decode, bench_prefill, load_model, make_runner  # noqa: E402
 
-from loom_shard.model_config import ModelConfig  # noqa: E402
-from loom_shard.models import build_model  # noqa: E402
-
 from loom_shard.layers import row_invariance  # noqa: E402
 from loom_shard.layers.packed_linear import PackedLinear  # noqa: E402
 from loom_shard.layers.row_invariance import Gemm  # noqa: E402
+from loom_shard.model_config import ModelConfig  # noqa: E402
+from loom_shard.models import build_model  # noqa: E402
 from loom_shard.runtime.model_setup import cpu_summary  # noqa: E402
 
 LLAMA_1B_SHAPE = ModelConfig(
