@@ -99,3 +99,15 @@ def test_layers_choose_the_triton_kernels_on_cuda() -> None:
                                torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:], atol=2e-2, rtol=2e-2)
     rope = RotaryEmbedding(64, 10000.0, None).lookup(torch.arange(3, device=DEVICE), 2, LOW)
     assert isinstance(rope, KernelRope) and rope.cos.is_cuda
+
+
+@pytest.mark.parametrize("dtype", [dtype for dtype, _ in DTYPES])
+def test_self_check_passes_here(dtype: torch.dtype) -> None:
+    triton_elementwise.self_check(torch.device(DEVICE), dtype)
+
+
+def test_self_check_names_a_kernel_that_computes_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    silu_mul = triton_elementwise.silu_mul
+    monkeypatch.setattr(triton_elementwise, "silu_mul", lambda gate_up, n: silu_mul(gate_up, n) * 1.1)
+    with pytest.raises(AssertionError, match="silu_mul"):
+        triton_elementwise.self_check(torch.device(DEVICE), torch.float32)

@@ -132,3 +132,38 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
         REST_PAD=triton.next_power_of_2(rest) if rest else 0, HEADS_PAD=triton.next_power_of_2(num_heads),
     )
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> None:
+    """Compile and run each kernel once on small inputs of `dtype` on `device` and compare it with
+    torch's float32 ops; raises (a compile error, or AssertionError naming the kernel) where they
+    disagree. Shapes that are no powers of two, partial rotary, a strided input."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    x, residual, weight = rand(3, 100), rand(3, 100), rand(100)
+    total, normed = add_rms_norm(x, residual, weight, 1e-5)
+    reference = torch.rms_norm(total.float(), (100,), weight.float(), 1e-5)
+    _agree("add_rms_norm (sum)", total, x + residual, dtype)
+    _agree("add_rms_norm (norm)", normed, reference, dtype)
+    _agree("rms_norm", rms_norm(total, weight, 1e-5), reference, dtype)
+    gate_up = rand(3, 2 * 50)
+    gate, up = gate_up.float().split(50, dim=-1)
+    _agree("silu_mul", silu_mul(gate_up, 50), torch.nn.functional.silu(gate) * up, dtype)
+    qk = rand(5, 3, 12)[:, :2]  # a token stride of 3 heads: q of a fused qkv
+    positions = torch.tensor([0, 7, 2, 9, 4], device=device)
+    angles = torch.rand(10, 4, generator=gen).to(device) * 6
+    cos, sin = angles.cos(), angles.sin()
+    first, second, rest = qk.float().split([4, 4, 4], dim=-1)
+    c, s_ = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected = torch.cat([first * c - second * s_, second * c + first * s_, rest], dim=-1)
+    _agree("rotary", rotary(qk, positions, cos, sin), expected, dtype)
+
+
+def _agree(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    error = (actual.float() - expected.float()).abs().max().item()
+    scale = max(expected.float().abs().max().item(), 1.0)
+    assert error <= tolerance * scale, f"{name}: off by {error:.3g} from torch's ops ({dtype})"
