@@ -11,7 +11,8 @@ are cached in a folder named by a digest of the sources, flags and torch version
 
 Every kernel reduces in an order that depends only on its own row (fixed-size blocks in a fixed
 order, no split chosen from the batch size), with the same lane-wise arithmetic on every ISA: a
-row's result is bit-identical whatever else is in the batch, and whichever build computes it.
+row's result is bit-identical whatever else is in the batch, and whichever build computes it
+(except the bfloat16 dense linear where AVX-512 BF16 runs it: `bf16_dot`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,21 @@ def ops() -> torch._ops._OpNamespace:
     if isa is None:
         raise RuntimeError("Loom's CPU kernels are not in use")
     return getattr(torch.ops, isa.namespace)
+
+
+def bf16_dot() -> bool:
+    """True when the build in use multiplies bfloat16 pairs in one instruction here (AVX-512 BF16's
+    `vdpbf16ps`): then a bfloat16 dense linear packs its weight in pairs (`linear_repack`)."""
+    isa = selection().isa
+    return isa is not None and isa.name == "avx512" and "avx512_bf16" in cpu_flags()
+
+
+def linear_repack(weight: torch.Tensor) -> torch.Tensor:
+    """Weight [out, in] packed for `ops().linear`: in pairs of k for the bfloat16 dot products where
+    they run, else in the FMA chain's tiles."""
+    if weight.dtype == torch.bfloat16 and bf16_dot():
+        return ops().linear_repack_pairs(weight)
+    return ops().linear_repack(weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

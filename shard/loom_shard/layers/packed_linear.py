@@ -84,7 +84,7 @@ class PackedLinear(nn.Module):
             with torch.no_grad():
                 w = weight.detach()
                 if gemm is Gemm.LOOM:
-                    self._packed = [kernels.ops().linear_repack(w)]
+                    self._packed = [kernels.linear_repack(w)]
                 else:
                     widths = row_invariance.k_chunks(self.in_features) if gemm is Gemm.ONEDNN_K_CHUNKS else [self.in_features]
                     self._packed = [torch.ops.mkldnn._reorder_linear_weight(c.contiguous(), None)

@@ -17,6 +17,11 @@ sum (`order_revealing_rows`). In order:
     ONEDNN_K_CHUNKS  fixed K chunks of at most K_CHUNK, each a oneDNN GEMM, summed in chunk order
     LOOM             Loom's own kernel (kernels/csrc/linear.cpp): one fixed FMA chain per output,
                      invariant by construction on every CPU
+
+bfloat16 on a CPU with AVX-512 BF16 and no AMX takes LOOM without a probe: there Loom's kernel
+runs one fixed chain of bfloat16 dot products per output, as fast as oneDNN from 32 rows and
+1.3-4x faster below (decode batches; bench/BENCHMARKS.md). On AMX, oneDNN's tiles are faster
+still, and the probe decides.
     TORCH            F.linear, only where neither oneDNN nor Loom's kernels can run (not invariant)
 """
 
@@ -108,8 +113,12 @@ def _probe(in_features: int, out_features: int, dtype: torch.dtype, gemm: Gemm) 
 
 @functools.cache
 def choose(in_features: int, out_features: int, dtype: torch.dtype) -> Gemm:
-    """The first of ONEDNN, ONEDNN_PAIRED, ONEDNN_K_CHUNKS, LOOM that keeps rows invariant for this
-    shape here."""
+    """LOOM for bfloat16 where its dot products run (no AMX); else the first of ONEDNN,
+    ONEDNN_PAIRED, ONEDNN_K_CHUNKS, LOOM that keeps rows invariant for this shape here."""
+    if dtype == torch.bfloat16 and kernels.bf16_dot() and "amx_bf16" not in kernels.cpu_flags():
+        log.info("linear %dx%d %s: %s (bfloat16 dot products, invariant by construction)", in_features,
+                 out_features, dtype, Gemm.LOOM.value)
+        return Gemm.LOOM
     candidates = [Gemm.ONEDNN, Gemm.ONEDNN_PAIRED] if onednn_packs(dtype) else []
     if candidates and in_features > K_CHUNK:
         candidates.append(Gemm.ONEDNN_K_CHUNKS)

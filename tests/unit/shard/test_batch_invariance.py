@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom_proto.step import SamplingParams
+from loom_shard import kernels
 from loom_shard.layers import row_invariance
 from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.row_invariance import Gemm
@@ -105,15 +107,40 @@ def test_probe_never_keeps_a_onednn_gemm_that_varies(dtype: torch.dtype) -> None
                 assert chosen is not gemm, f"{k}x{n} {dtype}: {gemm.value} varies but the probe chose it"
 
 
+@pytest.fixture
+def without_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The probe as a CPU without AVX-512 BF16 runs it (its choices are cached per shape)."""
+    monkeypatch.setattr(kernels, "bf16_dot", lambda: False)
+    row_invariance.choose.cache_clear()
+    yield
+    row_invariance.choose.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_probe_prefers_one_gemm_to_k_chunks(dtype: torch.dtype) -> None:
+def test_probe_prefers_one_gemm_to_k_chunks(dtype: torch.dtype, without_bf16_dot: None) -> None:
     """Where one oneDNN GEMM keeps rows invariant once a single row runs as two, the probe runs
-    each shape as one GEMM (1.1-2.8x faster than its K chunks, bench/BENCHMARKS.md), not in chunks."""
+    each shape as one GEMM (faster than its K chunks, bench/BENCHMARKS.md), not in chunks."""
     if not row_invariance.onednn_packs(dtype):
         pytest.skip(f"oneDNN has no {dtype} path on this CPU")
     for k, n in SHAPES:
         if _every_row_as_alone(_linear(k, n, dtype, Gemm.ONEDNN_PAIRED), _batch(k, dtype)):
             assert row_invariance.choose(k, n, dtype) in (Gemm.ONEDNN, Gemm.ONEDNN_PAIRED), (k, n)
+
+
+@pytest.mark.skipif(not kernels.bf16_dot() or "amx_bf16" in kernels.cpu_flags(),
+                    reason="Loom's kernels have no bfloat16 dot products here, or AMX makes oneDNN faster")
+@pytest.mark.parametrize(("k", "n"), [*SHAPES, (1101, 33)])
+def test_bf16_dot_products_take_every_bfloat16_shape(k: int, n: int) -> None:
+    """With AVX-512 BF16 (no AMX) every bfloat16 shape runs Loom's kernel on weights packed in pairs
+    of k (an odd K padded): rows as alone at every batch, close to float64."""
+    assert row_invariance.choose(k, n, torch.bfloat16) is Gemm.LOOM
+    layer = _linear(k, n, torch.bfloat16, gemm=None)
+    x = _batch(k, torch.bfloat16)
+    assert _every_row_as_alone(layer, x)
+    assert layer._packed is not None and layer._packed[0].shape == (-(-n // 16), -(-k // 2), 16, 2)
+    with torch.inference_mode():
+        reference = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        torch.testing.assert_close(layer(x).double(), reference, atol=0.05, rtol=0.01)
 
 
 @pytest.mark.parametrize(("k", "n"), SHAPES)
@@ -166,7 +193,9 @@ _RESTRICTED_PROBE = textwrap.dedent("""
     from loom_shard.layers import row_invariance
     from loom_shard.layers.packed_linear import PackedLinear
     from loom_shard.layers.row_invariance import Gemm
+    from loom_shard import kernels
     from loom_shard.runtime.model_setup import choose_dtype
+    kernels.bf16_dot = lambda: False  # the CPUs these stand for have no AVX-512 BF16
     expect_bf16 = {expect_bf16}
     assert row_invariance.onednn_packs(torch.bfloat16) is expect_bf16
     dtype, why = choose_dtype(None, torch.device("cpu"))

@@ -105,3 +105,25 @@ def test_selection_follows_the_cpu_and_refuses_a_build_it_cannot_run() -> None:
             kernels.select("sse2")
     finally:
         kernels.select(previous.isa.name if previous.isa else "off")
+
+
+def test_bfloat16_dot_products_only_where_the_build_and_the_cpu_have_them() -> None:
+    """`vdpbf16ps` is in the avx512 build only (its one function compiled for AVX-512 BF16) and runs
+    only where /proc/cpuinfo has avx512_bf16; the avx2 build refuses a weight in pairs in one line."""
+    avx512, avx2 = kernels.by_name("avx512"), kernels.by_name("avx2")
+    disassembly = {isa.name: subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(kernels.build(isa))],
+                                            capture_output=True, text=True, check=True).stdout for isa in (avx512, avx2)}
+    assert "vdpbf16ps" in disassembly["avx512"] and "vdpbf16ps" not in disassembly["avx2"]
+    previous = kernels.selection()
+    try:
+        if kernels.runnable(avx2):
+            kernels.select("avx2")
+            assert not kernels.bf16_dot()
+            assert kernels.linear_repack(torch.ones(3, 4, dtype=torch.bfloat16)).dim() == 3
+            with pytest.raises(RuntimeError, match="no bfloat16 dot products"):
+                kernels.ops_for(avx2).linear_repack_pairs(torch.ones(3, 4, dtype=torch.bfloat16))
+        if kernels.runnable(avx512):
+            kernels.select("avx512")
+            assert kernels.bf16_dot() == ("avx512_bf16" in kernels.cpu_flags())
+    finally:
+        kernels.select(previous.isa.name if previous.isa else "off")
