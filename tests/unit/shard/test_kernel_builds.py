@@ -117,13 +117,13 @@ def test_bfloat16_dot_products_only_where_the_build_and_the_cpu_have_them() -> N
     previous = kernels.selection()
     try:
         if kernels.runnable(avx2):
-            kernels.select("avx2")
+            assert "BF16" not in kernels.select("avx2").describe()
             assert not kernels.bf16_dot()
             assert kernels.linear_repack(torch.ones(3, 4, dtype=torch.bfloat16)).dim() == 3
             with pytest.raises(RuntimeError, match="no bfloat16 dot products"):
                 kernels.ops_for(avx2).linear_repack_pairs(torch.ones(3, 4, dtype=torch.bfloat16))
         if kernels.runnable(avx512):
-            kernels.select("avx512")
-            assert kernels.bf16_dot() == ("avx512_bf16" in kernels.cpu_flags())
+            said = kernels.select("avx512").describe()  # the shard's start line and /info
+            assert kernels.bf16_dot() == ("avx512_bf16" in kernels.cpu_flags()) == ("BF16 dot products" in said)
     finally:
         kernels.select(previous.isa.name if previous.isa else "off")
