@@ -17,12 +17,12 @@ sum (`order_revealing_rows`). In order:
     ONEDNN_K_CHUNKS  fixed K chunks of at most K_CHUNK, each a oneDNN GEMM, summed in chunk order
     LOOM             Loom's own kernel (kernels/csrc/linear.cpp): one fixed FMA chain per output,
                      invariant by construction on every CPU
+    TORCH            F.linear, only where neither oneDNN nor Loom's kernels can run (not invariant)
 
 bfloat16 on a CPU with AVX-512 BF16 and no AMX takes LOOM without a probe: there Loom's kernel
 runs one fixed chain of bfloat16 dot products per output, as fast as oneDNN from 32 rows and
 1.3-4x faster below (decode batches; bench/BENCHMARKS.md). On AMX, oneDNN's tiles are faster
 still, and the probe decides.
-    TORCH            F.linear, only where neither oneDNN nor Loom's kernels can run (not invariant)
 """
 
 from __future__ import annotations
