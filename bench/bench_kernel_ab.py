@@ -9,7 +9,8 @@ of the rounds. What a kernel change buys, on the CPU that runs it.
 Cases, on the embedded SmolLM2-135M's shapes: `attention-decode` (one step's paged attention at
 batch 32, 200-330 cached tokens each, over 30 layers' K/V so that they come from memory),
 `attention-prefill` (8 prompts of 150-200 tokens, 30 layers), `qlinear` (every linear of a step on
-the embedded GGUF's weights, at each of --rows). Each case prints the largest difference between
+the embedded GGUF's weights, at each of --rows), `linear` (the same shapes as dense bfloat16
+linears, random weights, at each of --rows). Each case prints the largest difference between
 the two versions' outputs (0: bit-identical). --load F runs a process that keeps F of one core
 busy in 2 ms slices, as the router's processes do beside a shard.
 """
@@ -131,6 +132,41 @@ def qlinear_cases(rows: list[int]) -> Iterator[Case]:
         yield f"qlinear, one step's linears at {count} rows", run, diff
 
 
+DENSE_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2's qkv, o, gate_up, down
+
+
+def linear_cases(rows: list[int]) -> Iterator[Case]:
+    """The dense bfloat16 linears of a step of SmolLM2's shape (30 layers, random weights), packed
+    as each version packs them for this CPU (pairs of k where AVX-512 BF16 runs)."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(30) for k, n in DENSE_SHAPES]
+    packed: dict[int, list[tuple[torch.Tensor, int]]] = {}
+
+    def weights(ops: object) -> list[tuple[torch.Tensor, int]]:
+        if id(ops) not in packed:
+            repack = ops.linear_repack_pairs if kernels.bf16_dot() else ops.linear_repack
+            packed[id(ops)] = [(repack(w), w.shape[0]) for w in layers]
+        return packed[id(ops)]
+
+    for count in rows:
+        xs = {k: torch.randn(count, k, generator=gen).to(torch.bfloat16) for k, _ in DENSE_SHAPES}
+
+        def run(ops: object, xs: dict[int, torch.Tensor] = xs) -> None:
+            for w, n in weights(ops):
+                ops.linear(xs[in_features_of(w)], w, n, None)
+
+        def diff(a: object, b: object, xs: dict[int, torch.Tensor] = xs) -> float:
+            return max(_max_diff(a.linear(xs[in_features_of(wa)], wa, n, None), b.linear(xs[in_features_of(wb)], wb, n, None))
+                       for (wa, n), (wb, _) in zip(weights(a), weights(b)))
+
+        yield f"linear (bfloat16, dense), one step's linears at {count} rows", run, diff
+
+
+def in_features_of(packed: torch.Tensor) -> int:
+    """in_features of a packed dense weight ([tiles, K, 16] or [tiles, K/2, 16, 2]; K even here)."""
+    return packed.shape[1] * (2 if packed.dim() == 4 else 1)
+
+
 def busy(fraction: float) -> subprocess.Popen:
     """A process that keeps `fraction` of one core busy, in 2 ms slices."""
     code = ("import time\nwhile True:\n    t = time.perf_counter()\n"
@@ -158,8 +194,8 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="a git revision, or a folder of kernel sources")
     parser.add_argument("--exp", default=str(REPO / CSRC_IN_REPO), help="the other version (default: this working tree's)")
     parser.add_argument("--cases", nargs="+", default=["attention-decode", "attention-prefill", "qlinear"],
-                        choices=["attention-decode", "attention-prefill", "qlinear"])
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 200], help="qlinear's row counts")
+                        choices=["attention-decode", "attention-prefill", "qlinear", "linear"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 200], help="qlinear's and linear's row counts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -177,7 +213,8 @@ def main() -> None:
     try:
         with torch.inference_mode():
             for name in args.cases:
-                for case in qlinear_cases(args.rows) if name == "qlinear" else [attention_case(name)]:
+                cases = {"qlinear": qlinear_cases, "linear": linear_cases}.get(name)
+                for case in cases(args.rows) if cases else [attention_case(name)]:
                     measure(case, base, exp, args.rounds, clock)
     finally:
         if hog is not None:

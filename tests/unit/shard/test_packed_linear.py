@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom_shard import kernels
 from loom_shard.layers import row_invariance
 from loom_shard.layers.packed_linear import PackedLinear, pack_linears
 from loom_shard.layers.row_invariance import Gemm
@@ -85,3 +86,23 @@ def test_pack_linears_swaps_plain_linears_and_keeps_tying() -> None:
     assert isinstance(model["head"], PackedLinear) and isinstance(model["inner"][0], PackedLinear)
     assert type(model["inner"][1]) is _Subclass  # e.g. a tensor-parallel linear with its own forward
     assert model["head"].weight is model["embed"].weight
+
+
+@pytest.mark.skipif(not kernels.available(), reason="Loom's CPU kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_loom_kernel_rows_are_bit_identical_at_any_thread_count(dtype: torch.dtype) -> None:
+    """Threads split the output columns only: in fixed ranges (9 rows, a decode) or in runs handed
+    out as threads ask (70 rows, a prefill); 1, 2 and 3 threads give the same bits."""
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(300, 1000).to(dtype), gemm=Gemm.LOOM)
+    x = torch.randn(70, 300, generator=torch.Generator().manual_seed(5)).to(dtype)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                results.append([packed(x[:9]), packed(x)])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))

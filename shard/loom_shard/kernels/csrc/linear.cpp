@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -147,7 +148,7 @@ void run_edge(const Problem& p, const typename Tiles::W* w, int64_t first_tile, 
 template <typename Tiles>
 void matmul(const Problem& p, const typename Tiles::W* w, int64_t tiles, at::BFloat16* ob, float* of) {
   const int64_t groups = (tiles + kTileCols - 1) / kTileCols;
-  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {  // a column is computed whole by one thread
+  loom::parallel_column_groups(groups, p.m >= kRowChunk, [&](int64_t first, int64_t last) {
     for (int64_t chunk = 0; chunk < p.m; chunk += kRowChunk)
       for (int64_t g = first; g < last; ++g) {
         const int cols = static_cast<int>(std::min<int64_t>(kTileCols, tiles - g * kTileCols));

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -18,6 +19,23 @@ void parallel_dynamic(int64_t count, const F& f) {
     for (int64_t worker = first; worker < last; ++worker)
       for (int64_t i = next++; i < count; i = next++) f(i);
   });
+}
+
+// Calls compute(first, last) over ranges of [0, groups) column groups. Few rows (a decode): one
+// contiguous range per thread, which streams (and prefetches) its weights end to end. Many rows (a
+// prefill): runs of about an eighth of a thread's share handed out as threads ask, so that a thread
+// the OS preempts does not hold the other at the barrier. Each column group is computed whole by
+// one thread either way: which thread never changes a result.
+template <typename F>
+void parallel_column_groups(int64_t groups, bool many_rows, const F& compute) {
+  const int64_t threads = at::get_num_threads();
+  if (!many_rows || threads == 1) {
+    at::parallel_for(0, groups, 1, compute);
+    return;
+  }
+  const int64_t run = std::max<int64_t>(1, (groups + 8 * threads - 1) / (8 * threads));
+  const int64_t runs = (groups + run - 1) / run;
+  parallel_dynamic(runs, [&](int64_t i) { compute(i * run, std::min(groups, (i + 1) * run)); });
 }
 
 }  // namespace loom

@@ -169,17 +169,7 @@ void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n
           }
         }
   };
-  const int64_t threads = at::get_num_threads();
-  if (m < kRowChunk || threads == 1) {  // decode: one contiguous range per thread, prefetched end to end
-    at::parallel_for(0, groups, 1, compute);
-    return;
-  }
-  // Prefill: runs of groups handed out as threads ask (about 8 per thread), so that a thread the
-  // OS preempts (the router shares these cores) does not hold the other at the barrier. Which
-  // thread computes a column never changes its result.
-  const int64_t run = std::max<int64_t>(1, (groups + 8 * threads - 1) / (8 * threads));
-  const int64_t runs = (groups + run - 1) / run;
-  loom::parallel_dynamic(runs, [&](int64_t i) { compute(i * run, std::min(groups, (i + 1) * run)); });
+  loom::parallel_column_groups(groups, m >= kRowChunk, compute);  // the router shares these cores
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
