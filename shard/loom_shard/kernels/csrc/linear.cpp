@@ -104,32 +104,27 @@ struct FmaTiles {
 #if defined(__AVX512F__)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
-template <int R, int C>
-void run_pair_tile(const Problem& p, const uint32_t* w, int64_t first_tile, int64_t r0, at::BFloat16* ob, float* of) {
-  const int64_t pairs = p.k / 2;
-  F16 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = loom::simd::zero();
-  const uint32_t* tile = w + first_tile * pairs * kCols;
-  for (int64_t i = 0; i < pairs; ++i) {
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(tile + (c * pairs + i) * kCols));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(p.pairs[(r0 + r) * pairs + i])));
-      for (int c = 0; c < C; ++c) acc[r][c].v = _mm512_dpbf16_ps(acc[r][c].v, xb, wv[c]);
-    }
-  }
-  store_tile<R, C>(p, acc, first_tile, r0, ob, of);
-}
-#pragma GCC pop_options
-
 struct PairTiles {
   using W = uint32_t;
   template <int R, int C>
   static void run(const Problem& p, const uint32_t* w, int64_t first_tile, int64_t r0, at::BFloat16* ob, float* of) {
-    run_pair_tile<R, C>(p, w, first_tile, r0, ob, of);
+    const int64_t pairs = p.k / 2;
+    F16 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = loom::simd::zero();
+    const uint32_t* tile = w + first_tile * pairs * kCols;
+    for (int64_t i = 0; i < pairs; ++i) {
+      __m512bh wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(tile + (c * pairs + i) * kCols));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(p.pairs[(r0 + r) * pairs + i])));
+        for (int c = 0; c < C; ++c) acc[r][c].v = _mm512_dpbf16_ps(acc[r][c].v, xb, wv[c]);
+      }
+    }
+    store_tile<R, C>(p, acc, first_tile, r0, ob, of);
   }
 };
+#pragma GCC pop_options
 #endif
 
 // Fewer rows or tiles at the edges: smaller register tiles, the same per-output arithmetic.
