@@ -126,6 +126,11 @@ async def test_errors_in_anthropics_shape(harness: Harness, client: anthropic.As
                                      messages=[{"role": "user", "content": "word " * MAX_TOTAL_TOKENS * 4}])
     response = await harness.client.post("/v1/messages", json={"model": "default", "messages": []})
     assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
+    hi = [{"role": "user", "content": "Hi"}]
+    for stream in (False, True):  # a count past what the shard protocol carries is the client's error
+        response = await harness.client.post("/v1/messages", json={"model": "default", "max_tokens": 5, "messages": hi,
+                                                                   "top_k": 10**19, "stream": stream})
+        assert response.status_code == 400 and "top_k" in response.json()["error"]["message"]
 
 
 async def test_a_reasoning_models_thinking_is_a_thinking_block(backend: FakeShardClient, tokenizer: Tokenizer) -> None:

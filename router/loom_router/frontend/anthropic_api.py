@@ -95,7 +95,7 @@ class MessagesRequest(_Model):
     stream: bool = False
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=1)] | None = None
+    top_k: Positive | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
 
@@ -140,7 +140,7 @@ async def count_tokens_route(body: CountTokensRequest, request: Request) -> dict
 
 
 def as_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
-    """Anthropic's fields in the chat request's terms. Raises pydantic's ValidationError (422)."""
+    """Anthropic's fields in the chat request's terms. Raises RequestValidationError (422)."""
     messages: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
@@ -154,7 +154,7 @@ def as_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                                                            "parameters": t.input_schema}} for t in body.tools]
     if body.tool_choice is not None:
         chat.update(_tool_choice(body.tool_choice))
-    return ChatCompletionRequest.model_validate(chat)
+    return ChatCompletionRequest.translated(chat)
 
 
 def _chat_messages(message: Message) -> list[dict[str, Any]]:

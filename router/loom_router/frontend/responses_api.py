@@ -132,7 +132,7 @@ def as_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) 
             "name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict}}
     elif fmt is not None:
         chat["response_format"] = {"type": fmt.type}
-    return ChatCompletionRequest.model_validate(chat)
+    return ChatCompletionRequest.translated(chat)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

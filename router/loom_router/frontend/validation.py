@@ -10,7 +10,9 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ValidationError as PydanticValidationError
 
 from loom_proto.step import SamplingParams
 from loom_router.frontend.tools import ToolFields
@@ -283,6 +285,16 @@ class ChatCompletionRequest(OpenAISampling, ToolFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("`top_logprobs` requires `logprobs` to be true")
         return self
+
+    @classmethod
+    def translated(cls, fields: dict[str, Any]) -> ChatCompletionRequest:
+        """The chat request another API's body (already validated in its own terms) runs as.
+        Raises RequestValidationError (422, in that API's error shape) where a value breaks a
+        bound of the chat request's."""
+        try:
+            return cls.model_validate(fields)
+        except PydanticValidationError as error:
+            raise RequestValidationError(error.errors()) from None
 
     @property
     def requested_max_tokens(self) -> int | None:

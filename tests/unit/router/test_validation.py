@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
+from fastapi.exceptions import RequestValidationError
 
 from loom_router.frontend.validation import (
     SEED_LIMIT,
@@ -199,6 +200,14 @@ def test_openai_server_limits(body: dict, message: str) -> None:
     req = CompletionRequest.model_validate({"prompt": "x", **body})
     with pytest.raises(ValidationError, match=message):
         check_openai(req, LIMITS)
+
+
+def test_a_translated_body_that_breaks_a_chat_bound_is_the_clients_error() -> None:
+    # another API's body as a chat request: a bound broken there is a 422 naming the field, not a 500
+    with pytest.raises(RequestValidationError) as err:
+        ChatCompletionRequest.translated({"messages": CHAT, "top_k": 2**31})
+    assert err.value.errors()[0]["loc"] == ("top_k",)
+    assert ChatCompletionRequest.translated({"messages": CHAT, "top_k": 5}).top_k == 5
 
 
 def test_chat_logprobs_map_to_top_n_tokens() -> None:
