@@ -8,6 +8,10 @@ prompts (distinct from every other run's, so no prompt cache serves them). Print
 table and whether its targets are met.
 
     .venv/bin/python bench/bench_vs_llamacpp.py ../shared/peers/llama-server --result-file vs.json
+
+`--as-avx2` measures both as an AVX2-only CPU (an AVX2 EPYC) runs them, on a CPU with more:
+Loom with its avx2 kernels build and oneDNN held to AVX2 (`ONEDNN_MAX_CPU_ISA`), llama-server
+from a temporary copy of its folder that holds only its `haswell` CPU variant (AVX2 + FMA + F16C).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -50,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-args", default="-t 2 -np 32 -c 16384", help="llama-server flags besides model/port")
     p.add_argument("--loom-args", default="", help="loom-launcher flags (default: none, its defaults)")
     p.add_argument("--result-file", type=Path, help="write every measure as JSON")
+    p.add_argument("--as-avx2", action="store_true",
+                   help="both servers as on an AVX2-only CPU (Loom's avx2 build, llama.cpp's haswell variant)")
     return p
 
 
@@ -60,6 +68,26 @@ def llama_server(binary: Path, args: list[str], timeout_s: float = 300.0) -> Ite
     cmd = [str(binary), "-m", str(embedded_model_path()), *args, "--host", "127.0.0.1", "--port", str(port)]
     with serving(cmd, port, "llama-server", timeout_s) as url:
         yield url
+
+
+@contextlib.contextmanager
+def only_variant(binary: Path, variant: str) -> Iterator[Path]:
+    """A temporary copy of llama-server's folder (found from `binary`, or the wrapper script
+    beside it) holding one CPU variant library, `libggml-cpu-<variant>.so`, so that the server
+    cannot load a better one; yields a script that runs the copy."""
+    found = next(binary.resolve().parent.rglob(f"libggml-cpu-{variant}.so"), None)
+    if found is None:
+        sys.exit(f"bench_vs_llamacpp: no libggml-cpu-{variant}.so under {binary.resolve().parent}")
+    with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
+        folder = Path(tmp)
+        for path in found.parent.iterdir():
+            if path.is_file() and (path == found or not path.name.startswith("libggml-cpu-")):
+                shutil.copy2(path, folder)
+        script = folder / "llama-server.sh"
+        script.write_text(f'#!/bin/sh\nLD_LIBRARY_PATH="{folder}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" '
+                          f'exec "{folder}/llama-server" "$@"\n')
+        script.chmod(0o755)
+        yield script
 
 
 def peer_version(binary: Path) -> str:
@@ -78,7 +106,7 @@ def loom_version(loom_url: str) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     info = httpx.get(f"{loom_url}/info", timeout=10).json()
     return f"commit {commit.stdout.strip()}, " + ", ".join(
-        f"{k} {info[k]}" for k in ("version", "model_dtype", "model_device_type") if k in info)
+        f"{k} {info[k]}" for k in ("version", "model_dtype", "model_device_type", "cpu_kernels") if k in info)
 
 
 def run_requests(args: argparse.Namespace, concurrency: int, seed: int) -> list[datasets.BenchRequest]:
@@ -121,14 +149,21 @@ async def compare(args: argparse.Namespace, urls: dict[str, ServerURL]) -> tuple
 def main() -> int:
     args = build_parser().parse_args()
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    server_versions = {PEER: peer_version(args.llama_server)}
-    with llama_server(args.llama_server, args.peer_args.split()) as peer_url, \
-            launcher(*args.loom_args.split()) as loom_url:
+    loom_flags, loom_env = args.loom_args.split(), {}
+    with contextlib.ExitStack() as stack:
+        peer = args.llama_server
+        if args.as_avx2:
+            peer = stack.enter_context(only_variant(args.llama_server, "haswell"))
+            loom_flags, loom_env = [*loom_flags, "--cpu-kernels", "avx2"], {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+        server_versions = {PEER: peer_version(peer)}
+        peer_url = stack.enter_context(llama_server(peer, args.peer_args.split()))
+        loom_url = stack.enter_context(launcher(*loom_flags, env=loom_env))
         urls = {LOOM: loom_url, PEER: peer_url}
         server_versions[LOOM] = loom_version(loom_url)
         pairs, log = asyncio.run(compare(args, urls))
     table, checks = render_table(pairs), verdicts(pairs)
-    print(f"\n{started}; {machine()}; load average after {os.getloadavg()}")
+    as_avx2 = " (as an AVX2-only CPU: Loom's avx2 build, llama.cpp's haswell variant)" if args.as_avx2 else ""
+    print(f"\n{started}; {machine()}{as_avx2}; load average after {os.getloadavg()}")
     print("\n".join(f"{name}: {version}" for name, version in server_versions.items()))
     print(f"\n{table}\n\n{render_verdicts(checks)}")
     if args.result_file:

@@ -81,23 +81,27 @@ def machine() -> str:
 
 
 @contextlib.contextmanager
-def launcher(*flags: str, timeout_s: float = 300.0) -> Iterator[ServerURL]:
-    """Start `loom-launcher` on a free port with `flags`; yield its base URL."""
+def launcher(*flags: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Iterator[ServerURL]:
+    """Start `loom-launcher` on a free port with `flags` (and `env` added to this process's
+    environment); yield its base URL."""
     port = free_port()
     uds = tempfile.mktemp(prefix="loom-bench-")
     cmd = [sys.executable, "-m", "loom_launcher.cli", "--port", str(port), "--hostname", "127.0.0.1",
            "--shard-uds-path", uds, *flags]
-    with serving(cmd, port, "launcher", timeout_s) as url:
+    with serving(cmd, port, "launcher", timeout_s, env) as url:
         yield url
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], port: int, name: str, timeout_s: float) -> Iterator[ServerURL]:
-    """Run a server process (output to a log file) until its /health answers 200; yield its base
-    URL, then stop it. Raises, with the log's tail, when it exits or times out first."""
+def serving(cmd: list[str], port: int, name: str, timeout_s: float,
+            env: dict[str, str] | None = None) -> Iterator[ServerURL]:
+    """Run a server process (output to a log file; `env` added to this process's environment)
+    until its /health answers 200; yield its base URL, then stop it. Raises, with the log's tail,
+    when it exits or times out first."""
     log_path = Path(tempfile.mktemp(prefix=f"loom-bench-{name}-", suffix=".log"))
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, **(env or {})})
         url = ServerURL(f"http://127.0.0.1:{port}", proc.pid)
         try:
             deadline = time.monotonic() + timeout_s
