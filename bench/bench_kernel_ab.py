@@ -5,6 +5,7 @@ of the rounds. What a kernel change buys, on the CPU that runs it.
     python bench/bench_kernel_ab.py --base d29a32c                      # every case, 2 threads
     python bench/bench_kernel_ab.py --base d29a32c --cases qlinear --rows 8 200 --load 0.3
     python bench/bench_kernel_ab.py --base /tmp/other/csrc --threads 1 --clock cpu
+    python bench/bench_kernel_ab.py --base d29a32c --isa avx2        # the avx2 build, on any CPU with AVX2
 
 Cases, on the embedded SmolLM2-135M's shapes: `attention-decode` (one step's paged attention at
 batch 32, 200-330 cached tokens each, over 30 layers' K/V so that they come from memory),
@@ -52,9 +53,10 @@ def sources(spec: str, into: Path) -> Path:
     return into / CSRC_IN_REPO
 
 
-def load(csrc: Path, name: str) -> object:
-    """Build (once) and load the sources in `csrc` as torch.ops.loom_<name>."""
-    isa = dataclasses.replace(kernels.runnable_isas()[0], name=name)
+def load(csrc: Path, name: str, isa_name: str | None) -> object:
+    """Build (once) and load the sources in `csrc` for one ISA (default: the best this CPU runs)
+    as torch.ops.loom_<name>."""
+    isa = dataclasses.replace(kernels.by_name(isa_name) if isa_name else kernels.runnable_isas()[0], name=name)
     torch.ops.load_library(str(kernels.build(isa, csrc)))
     return getattr(torch.ops, isa.namespace)
 
@@ -201,14 +203,17 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time (steadier on a shared machine, with --threads 1)")
     parser.add_argument("--load", type=float, default=0.0, help="keep this fraction of one core busy meanwhile")
+    parser.add_argument("--isa", choices=[isa.name for isa in kernels.runnable_isas()],
+                        help="the kernels build to compare (default: the best this CPU runs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    print(f"{kernels.cpu_model()}; {args.threads} threads, {args.clock} clock, load {args.load}; "
+    print(f"{kernels.cpu_model()}; {args.isa or kernels.runnable_isas()[0].name} build, {args.threads} threads, "
+          f"{args.clock} clock, load {args.load}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        base = load(sources(args.base, Path(tmp) / "base"), "ab_base")
-        exp = load(sources(args.exp, Path(tmp) / "exp"), "ab_exp")
+        base = load(sources(args.base, Path(tmp) / "base"), "ab_base", args.isa)
+        exp = load(sources(args.exp, Path(tmp) / "exp"), "ab_exp", args.isa)
     hog = busy(args.load) if args.load > 0 else None
     try:
         with torch.inference_mode():
