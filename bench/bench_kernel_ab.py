@@ -27,7 +27,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from io import BytesIO
 from pathlib import Path
 
@@ -53,12 +53,11 @@ def sources(spec: str, into: Path) -> Path:
     return into / CSRC_IN_REPO
 
 
-def load(csrc: Path, name: str, isa_name: str | None) -> object:
-    """Build (once) and load the sources in `csrc` for one ISA (default: the best this CPU runs)
-    as torch.ops.loom_<name>."""
-    isa = dataclasses.replace(kernels.by_name(isa_name) if isa_name else kernels.runnable_isas()[0], name=name)
-    torch.ops.load_library(str(kernels.build(isa, csrc)))
-    return getattr(torch.ops, isa.namespace)
+def load(csrc: Path, name: str, isa: kernels.Isa) -> object:
+    """Build (once) and load `isa`'s build of the sources in `csrc` as torch.ops.loom_<name>."""
+    renamed = dataclasses.replace(isa, name=name)
+    torch.ops.load_library(str(kernels.build(renamed, csrc)))
+    return getattr(torch.ops, renamed.namespace)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,16 +136,16 @@ def qlinear_cases(rows: list[int]) -> Iterator[Case]:
 DENSE_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2's qkv, o, gate_up, down
 
 
-def linear_cases(rows: list[int]) -> Iterator[Case]:
+def linear_cases(rows: list[int], isa: kernels.Isa) -> Iterator[Case]:
     """The dense bfloat16 linears of a step of SmolLM2's shape (30 layers, random weights), packed
-    as each version packs them for this CPU (pairs of k where AVX-512 BF16 runs)."""
+    as each version packs them for `isa` on this CPU (pairs of k where AVX-512 BF16 runs)."""
     gen = torch.Generator().manual_seed(0)
     layers = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(30) for k, n in DENSE_SHAPES]
     packed: dict[int, list[tuple[torch.Tensor, int]]] = {}
 
     def weights(ops: object) -> list[tuple[torch.Tensor, int]]:
         if id(ops) not in packed:
-            repack = ops.linear_repack_pairs if kernels.bf16_dot() else ops.linear_repack
+            repack = ops.linear_repack_pairs if kernels.runs_bf16_dot(isa) else ops.linear_repack
             packed[id(ops)] = [(repack(w), w.shape[0]) for w in layers]
         return packed[id(ops)]
 
@@ -208,18 +207,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    print(f"{kernels.cpu_model()}; {args.isa or kernels.runnable_isas()[0].name} build, {args.threads} threads, "
-          f"{args.clock} clock, load {args.load}; "
+    isa = kernels.by_name(args.isa) if args.isa else kernels.runnable_isas()[0]
+    print(f"{kernels.cpu_model()}; {isa.name} build, {args.threads} threads, {args.clock} clock, load {args.load}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        base = load(sources(args.base, Path(tmp) / "base"), "ab_base", args.isa)
-        exp = load(sources(args.exp, Path(tmp) / "exp"), "ab_exp", args.isa)
+        base = load(sources(args.base, Path(tmp) / "base"), "ab_base", isa)
+        exp = load(sources(args.exp, Path(tmp) / "exp"), "ab_exp", isa)
     hog = busy(args.load) if args.load > 0 else None
     try:
         with torch.inference_mode():
             for name in args.cases:
-                cases = {"qlinear": qlinear_cases, "linear": linear_cases}.get(name)
-                for case in cases(args.rows) if cases else [attention_case(name)]:
+                cases: Iterable[Case] = [attention_case(name)] if name.startswith("attention") else (
+                    qlinear_cases(args.rows) if name == "qlinear" else linear_cases(args.rows, isa))
+                for case in cases:
                     measure(case, base, exp, args.rounds, clock)
     finally:
         if hog is not None:

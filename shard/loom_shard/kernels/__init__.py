@@ -164,7 +164,7 @@ class Selection:
     def describe(self) -> str:
         if self.isa is None:
             return f"none ({self.reason})"
-        dot = "; bfloat16 dense linears on AVX-512 BF16 dot products" if _runs_bf16_dot(self.isa) else ""
+        dot = "; bfloat16 dense linears on AVX-512 BF16 dot products" if runs_bf16_dot(self.isa) else ""
         return f"{self.isa.name} ({self.isa.summary}{dot}; {self.reason})"
 
 
@@ -224,10 +224,11 @@ def ops() -> torch._ops._OpNamespace:
 def bf16_dot() -> bool:
     """True when the build in use multiplies bfloat16 pairs in one instruction here (AVX-512 BF16's
     `vdpbf16ps`): then a bfloat16 dense linear packs its weight in pairs (`linear_repack`)."""
-    return _runs_bf16_dot(selection().isa)
+    return runs_bf16_dot(selection().isa)
 
 
-def _runs_bf16_dot(isa: Isa | None) -> bool:
+def runs_bf16_dot(isa: Isa | None) -> bool:
+    """True when `isa`'s build multiplies bfloat16 pairs in one instruction on this CPU."""
     return isa is not None and isa.name == "avx512" and "avx512_bf16" in cpu_flags()
 
 

@@ -157,26 +157,24 @@ void matmul(Format format, const QTiles& w, const QRows& x, int64_t m, int64_t n
   // A thread computes column groups [first, last) whole. Rows go in chunks so that a chunk's
   // activations stay in L2 while the thread's tiles stream by; a group's first row tile
   // prefetches the thread's next group.
-  // Where the ISA splits Q4_1 nibbles in its own pass (kUnpacksQ4), a chunk of more than one
-  // register tile of rows splits each tile's once, for all of them.
+  // A chunk of more than one register tile of rows shares what its tiles would each derive
+  // from a Q4_1 tile's packed bytes (share_q4_1_nibbles: the split nibbles, on AVX2).
   auto compute = [&](int64_t first, int64_t last) {
-    std::vector<uint8_t> unpacked;
-    for (int64_t chunk = 0; chunk < m; chunk += kRowChunk)
+    std::vector<uint8_t> shared;
+    for (int64_t chunk = 0; chunk < m; chunk += kRowChunk) {
+      const int64_t end = std::min(m, chunk + kRowChunk);
       for (int64_t g = first; g < last; ++g)
         for (int tile = 0; tile < kTiles; tile += kTileCols) {
           QTiles wg = w;
           wg.group = g;
           wg.first_tile = tile;
-          if (kUnpacksQ4 && format == Format::kQ4_1 && std::min(m, chunk + kRowChunk) - chunk > kRows) {
-            unpacked.resize(w.nb * kQ4Unpacked);
-            unpack_q4_1(wg, unpacked.data());
-            wg.unpacked = unpacked.data();
-          }
-          for (int64_t r0 = chunk; r0 < std::min(m, chunk + kRowChunk); r0 += kRows) {
+          if (format == Format::kQ4_1 && end - chunk > kRows) share_q4_1_nibbles(wg, shared);
+          for (int64_t r0 = chunk; r0 < end; r0 += kRows) {
             wg.prefetch = tile == 0 && r0 == chunk && g + 1 < last;
             run_rows<T>(format, wg, x, r0, static_cast<int>(std::min<int64_t>(kRows, m - r0)), n, bias, out);
           }
         }
+    }
   };
   loom::parallel_column_groups(groups, m >= kRowChunk, compute);  // the router shares these cores
 }

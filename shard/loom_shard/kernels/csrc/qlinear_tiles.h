@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -49,7 +50,7 @@ struct QTiles {
   int64_t group;
   int first_tile;
   bool prefetch;  // start loading group + 1's weights while this tile computes
-  const uint8_t* unpacked = nullptr;  // AVX2, Q4_1: this tile's nibbles as bytes (unpack_q4_1)
+  const uint8_t* unpacked = nullptr;  // AVX2, Q4_1: this tile's nibbles as bytes (share_q4_1_nibbles)
 
   const uint8_t* block(int64_t b, int c, int64_t bytes) const {
     return q + ((group * nb + b) * kTiles + first_tile + c) * bytes;
@@ -95,9 +96,10 @@ inline void fold_block(const QTiles& w, const QRows& x, int64_t r0, int64_t b, c
 constexpr int kRows = 4;              // rows per register tile
 constexpr int kTileCols = 2;          // column tiles per register tile
 constexpr bool kQ8Unsigned = true;    // Q8_0 activations arrive as q + 128
-constexpr bool kUnpacksQ4 = false;    // the split nibbles go straight into vpdpbusd (no unpack_q4_1)
-constexpr int64_t kQ4Unpacked = 0;
-inline void unpack_q4_1(const QTiles&, uint8_t*) {}
+
+// A row chunk's register tiles split Q4_1 nibbles in registers, straight into vpdpbusd: nothing
+// to share between them (the AVX2 build shares them: see its share_q4_1_nibbles).
+inline void share_q4_1_nibbles(QTiles&, std::vector<uint8_t>&) {}
 
 inline __m512i bcast4(const uint8_t* p) {
   int32_t v;
@@ -181,7 +183,6 @@ inline int32_t sum_int(__m512i a, __m512i b) { return _mm512_reduce_add_epi32(_m
 constexpr int kRows = 2;
 constexpr int kTileCols = 1;
 constexpr bool kQ8Unsigned = false;   // Q8_0 activations arrive as q
-constexpr bool kUnpacksQ4 = true;     // a Q4_1 tile's nibbles are split once for all its row tiles
 constexpr int64_t kQ4Unpacked = 512;  // bytes per unpacked tile-block: per chunk j, low then high nibbles
 
 inline __m256i bcast4(const uint8_t* p) {
@@ -194,10 +195,14 @@ inline __m256i bcast4(const uint8_t* p) {
 // pair of products exceeds the int16 range (maddubs saturates).
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
 
-// One tile's Q4_1 nibbles as bytes (values 0..15), for every block: chunk j's 64 low nibbles,
-// then its 64 high ones. A row chunk's register tiles read them instead of each splitting the
-// packed bytes again (the split is about a fifth of the tile's integer work).
-inline void unpack_q4_1(const QTiles& w, uint8_t* out) {
+// One tile's Q4_1 nibbles as bytes (values 0..15) in `buffer`, for every block: chunk j's 64 low
+// nibbles, then its 64 high ones; w.unpacked points there. A row chunk's register tiles read them
+// instead of each splitting the packed bytes again (the split is about a fifth of a tile's
+// integer work).
+inline void share_q4_1_nibbles(QTiles& w, std::vector<uint8_t>& buffer) {
+  buffer.resize(w.nb * kQ4Unpacked);
+  uint8_t* out = buffer.data();
+  w.unpacked = out;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < w.nb; ++b)
     for (int j = 0; j < 4; ++j)
