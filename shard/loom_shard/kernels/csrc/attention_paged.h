@@ -242,6 +242,7 @@ inline void key_scores(const T* key, const float (&q)[R][16 * D], simd::F16 (&s)
 // P.V of a block: keys in ascending order, one FMA per (row, key, 16 dims). The accumulators run
 // in a local copy: acc itself is memory that the loads of p might alias (vector types may alias
 // any), and GCC would store every accumulator back after each key.
+#if defined(__AVX512F__)
 template <typename T, int D, int R>
 inline void accumulate_values(const T* const* key_at, int j0, int nk, int64_t v_offset, const float (&p)[R][kKeyBlock],
                               simd::F16 (&acc)[R][D]) {
@@ -261,6 +262,37 @@ inline void accumulate_values(const T* const* key_at, int j0, int nk, int64_t v_
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < D; ++d) acc[r][d] = a[r][d];
 }
+#else
+// AVX2 has 16 registers, too few for R x D accumulators of two ymm each: the keys are walked once
+// per half of each pair of vectors (2R accumulators, in registers). Each lane still gets one FMA
+// per key in ascending order: the same values as the AVX-512 build.
+template <typename T, int D, int R>
+inline void accumulate_values(const T* const* key_at, int j0, int nk, int64_t v_offset, const float (&p)[R][kKeyBlock],
+                              simd::F16 (&acc)[R][D]) {
+  for (int d = 0; d < D; d += 2)
+    for (int h = 0; h < 2; ++h) {
+      __m256 a[R][2];
+      for (int r = 0; r < R; ++r) {
+        a[r][0] = simd::half(acc[r][d], h);
+        a[r][1] = simd::half(acc[r][d + 1], h);
+      }
+      for (int j = j0; j < nk; ++j) {
+        __m256 first, second;
+        simd::load_pairs_half(key_at[j] + v_offset + 16 * d, h, first, second);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+          const __m256 pj = _mm256_set1_ps(p[r][j]);
+          a[r][0] = _mm256_fmadd_ps(pj, first, a[r][0]);
+          a[r][1] = _mm256_fmadd_ps(pj, second, a[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        simd::half(acc[r][d], h) = a[r][0];
+        simd::half(acc[r][d + 1], h) = a[r][1];
+      }
+    }
+}
+#endif
 
 template <typename T, int D, int R>
 void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {

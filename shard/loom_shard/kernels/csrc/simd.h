@@ -130,6 +130,18 @@ inline void load_pairs(const c10::BFloat16* p, F16& even, F16& odd) {  // as on 
   even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
   odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, high_half)), _mm256_castsi256_ps(_mm256_and_si256(hi, high_half))};
 }
+// Half `h` (0: lanes 0..7, 1: lanes 8..15) of what load_pairs gives for the same 32 elements:
+// one ymm of each of the two vectors.
+inline void load_pairs_half(const c10::BFloat16* p, int h, __m256& even, __m256& odd) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void load_pairs_half(const float* p, int h, __m256& first, __m256& second) {
+  first = _mm256_loadu_ps(p + 8 * h);
+  second = _mm256_loadu_ps(p + 16 + 8 * h);
+}
+inline __m256& half(F16& a, int h) { return h == 0 ? a.lo : a.hi; }
 inline void store(float* p, F16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
