@@ -10,7 +10,7 @@ table and whether its targets are met.
     .venv/bin/python bench/bench_vs_llamacpp.py ../shared/peers/llama-server --result-file vs.json
 
 `--as-avx2` measures both as an AVX2-only CPU (an AVX2 EPYC) runs them, on a CPU with more:
-Loom with its avx2 kernels build and oneDNN held to AVX2 (`ONEDNN_MAX_CPU_ISA`), llama-server
+Loom reading the CPU as AVX2-only, as oneDNN and ATen do (`loom_shard.cpu.as_cpu_env`), llama-server
 from a temporary copy of its folder that holds only its `haswell` CPU variant (AVX2 + FMA + F16C).
 """
 
@@ -39,6 +39,7 @@ from loom_bench.runner import Load, run_load
 from loom_bench.stats import summarize
 from loom_bench.versus import LOOM, PEER, Measure, Pair, render_table, render_verdicts, schedule, verdicts
 from loom_proto.embedded import embedded_model_path
+from loom_shard.cpu import as_cpu_env
 
 OUTPUT_LEN = 128
 WARMUP_SEED = 10**6  # a seed no measured run uses
@@ -154,7 +155,7 @@ def main() -> int:
         peer = args.llama_server
         if args.as_avx2:
             peer = stack.enter_context(only_variant(args.llama_server, "haswell"))
-            loom_flags, loom_env = [*loom_flags, "--cpu-kernels", "avx2"], {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+            loom_env = as_cpu_env("avx2")
         server_versions = {PEER: peer_version(peer)}
         peer_url = stack.enter_context(llama_server(peer, args.peer_args.split()))
         loom_url = stack.enter_context(launcher(*loom_flags, env=loom_env))

@@ -8,4 +8,5 @@ Imports loom_proto, never the router.
     layers/       the building blocks every family shares (attention, MLPs, experts, norms, rope)
     attention/    the step's attention metadata and the backends that read the paged KV cache
     kernels/      Loom's C++ CPU kernels, one build per instruction set
+    cpu.py        what CPU this is (flags, model name), or the lesser kind LOOM_MAX_CPU_ISA reads it as
 """

@@ -5,9 +5,9 @@ request's greedy tokens and logprobs do not depend on what else the server is do
   linears kept quantized, the default, and dequantized to dense linears); also with a
   KV budget so tight that requests are preempted (swapped and recomputed), and with prefill
   chunks of 16 tokens.
-- The same as an AVX2-only CPU runs it: the avx2 kernels build and oneDNN restricted to AVX2
-  (ONEDNN_MAX_CPU_ISA): oneDNN has no bfloat16 path there, so Loom's dense kernel runs the
-  bfloat16 linears, and float32 linears are probed as there.
+- The same as an AVX2-only CPU runs it (loom_shard.cpu.as_cpu_env: Loom, oneDNN and ATen read the CPU as
+  AVX2-only): the shard picks the avx2 kernels build, oneDNN has no bfloat16 path there, so
+  Loom's dense kernel runs the bfloat16 linears, and float32 linears are probed as there.
 - One prompt cold, then with its prefix cached, restored from a snapshot into a fresh server, and
   as choice 0 of an n=4 request whose choice_params make choice 0 greedy: identical tokens and
   identical logprobs.
@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loom_shard.cpu import as_cpu_env
 from tests.e2e.conftest import Launcher, StartLauncher
 
 pytestmark = pytest.mark.slow
@@ -65,14 +66,14 @@ def _first_difference(solo: list[list[int]], together: list[list[int]]) -> str:
     return f"{len(diffs)} of {len(solo)} differ (request, first differing token): {diffs}"
 
 
-AS_AVX2_CPU = {"flags": ("--cpu-kernels", "avx2"), "env": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+AS_AVX2_CPU = {"flags": (), "env": as_cpu_env("avx2")}
 THIS_CPU = {"flags": (), "env": {}}
 
 
 def _start(start_launcher: StartLauncher, cpu: dict, *flags: str) -> Launcher:
     server = start_launcher(*cpu["flags"], *flags, env=cpu["env"])
     if cpu is AS_AVX2_CPU:  # the shard said what it runs, and /info shows it
-        assert "kernels avx2" in server.log() and "dtype " in server.log(), server.log()
+        assert "read as avx2" in server.log() and "kernels avx2" in server.log(), server.log()
         assert httpx.get(f"{server.base_url}/info", timeout=10).json()["cpu_kernels"].startswith("avx2")
     return server
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from loom_shard.cpu import cpu_flags, cpu_model
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -62,28 +64,6 @@ ISAS = (  # best first
     Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), "AVX2 + FMA + F16C"),
 )
 CHOICES = ("auto", *(isa.name for isa in ISAS), "off")  # --cpu-kernels
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (what the OS enables, not only what cpuid has)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def runnable(isa: Isa) -> bool:

@@ -221,7 +221,7 @@ def test_probe_decides_right_under_an_older_onednn_isa(isa: str, expect_bf16: bo
     """oneDNN restricted to AVX2 (an AVX2-only EPYC: no bfloat16 path, so Loom's kernel runs its
     bfloat16 linears) or to AVX-512 without bf16 instructions: every chosen linear still keeps rows
     invariant, in bfloat16 and float32."""
-    if isa == "AVX512_CORE" and "avx512bw" not in open("/proc/cpuinfo").read():
+    if isa == "AVX512_CORE" and "avx512bw" not in kernels.cpu_flags():
         pytest.skip("this CPU has no AVX-512")
     script = _RESTRICTED_PROBE.format(expect_bf16=expect_bf16, shapes=SHAPES[:2])
     result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa},
