@@ -48,11 +48,11 @@ test-cluster: $(STAMP)
 	$(BIN)/python -m pytest -q -m cluster $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
 
 # The whole suite as an AVX2-only CPU (AMD Zen 3) runs it, on any CPU with AVX2 or more: Loom,
-# oneDNN and ATen each read the CPU as that kind (loom_shard.kernels.as_cpu_env). `make
+# oneDNN and ATen each read the CPU as that kind (loom_shard.cpu.as_cpu_env). `make
 # test-as-avx512`: as an AVX-512 VNNI CPU without BF16 or AMX (Intel Cascade Lake).
 test-as-avx2 test-as-avx512: $(STAMP)
-	env $$($(BIN)/python -c "from loom_shard.kernels import as_cpu_env; print(*(f'{k}={v}' for k, v in as_cpu_env('$(@:test-as-%=%)').items()))") \
-		$(MAKE) test
+	vars="$$($(BIN)/python -c "from loom_shard.cpu import as_cpu_env; print(*(f'{k}={v}' for k, v in as_cpu_env('$(@:test-as-%=%)').items()))")" \
+		&& env $$vars $(MAKE) test
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not cluster" $(PYTEST_ARGS) || { status=$$?; [ $$status -eq 5 ] || exit $$status; }
