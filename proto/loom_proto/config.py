@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "LOOM_"
-DEFAULT_MAX_BATCH_PREFILL_TOKENS = 2048
+# Prompt tokens one step computes by default: on a GPU 2048 take milliseconds; on a CPU (about a
+# millisecond per token on two cores) 512 keep every running stream's next token and a new
+# request's first one within one short step (bench/BENCHMARKS.md, CPUs).
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cuda": 2048, "cpu": 512}
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 Positive = Annotated[int, Field(gt=0)]
@@ -164,8 +167,9 @@ class RouterFlags(ModelFlags):
         None, description="longest input in characters, refused (422) before tokenizing; "
         "default: 32 x max-input-tokens")
     max_batch_prefill_tokens: Positive | None = Field(
-        None, description=f"prompt tokens computed in one step; default: {DEFAULT_MAX_BATCH_PREFILL_TOKENS}, "
-        "or max-batch-total-tokens when smaller")
+        None, description="prompt tokens computed in one step; default: "
+        f"{DEFAULT_MAX_BATCH_PREFILL_TOKENS['cuda']} on CUDA shards, {DEFAULT_MAX_BATCH_PREFILL_TOKENS['cpu']} on CPU "
+        "ones, or max-batch-total-tokens when smaller")
     max_stop_sequences: int = Field(4, ge=0, description="stop sequences per request")
     max_n: Positive = Field(16, description="completions per request (n / best_of)")
     max_top_n_tokens: int = Field(5, ge=0, description="alternatives per token (top_n_tokens / top_logprobs)")
@@ -247,14 +251,18 @@ class RouterFlags(ModelFlags):
                 raise ValueError("an API key must not begin or end with whitespace (a token never does)")
         return keys
 
+    def prefill_budget(self, device: str) -> int:
+        """--max-batch-prefill-tokens, or the default for shards on `device` ("cpu", "cuda:0"); a
+        prefill step's tokens must all fit in the KV cache at once (as in TGI)."""
+        if self.max_batch_prefill_tokens is not None:
+            return self.max_batch_prefill_tokens
+        default = DEFAULT_MAX_BATCH_PREFILL_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
+        return min(default, self.max_batch_total_tokens or default)
+
     @model_validator(mode="after")
     def _token_limits(self) -> RouterFlags:
-        total = self.max_batch_total_tokens
-        if self.max_batch_prefill_tokens is None:
-            # A prefill step's tokens must all fit in the KV cache at once (as in TGI).
-            value = min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, total or DEFAULT_MAX_BATCH_PREFILL_TOKENS)
-            object.__setattr__(self, "max_batch_prefill_tokens", value)
-        elif total is not None and self.max_batch_prefill_tokens > total:
+        total, prefill = self.max_batch_total_tokens, self.max_batch_prefill_tokens
+        if total is not None and prefill is not None and prefill > total:
             raise ValueError(f"max_batch_prefill_tokens ({self.max_batch_prefill_tokens}) must not exceed "
                              f"max_batch_total_tokens ({total})")
         if self.speculate_ngram_min > self.speculate_ngram_max:

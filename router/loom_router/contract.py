@@ -101,6 +101,7 @@ class Limits(msgspec.Struct, frozen=True, array_like=True):
     max_total_tokens: int
     max_input_tokens: int
     max_batch_total_tokens: int
+    max_batch_prefill_tokens: int
     block_size: int
     num_usable_blocks: int
     max_num_seqs: int

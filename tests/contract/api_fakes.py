@@ -38,6 +38,7 @@ class FakeShardClient:
         self.fail_steps = False
         self.healthy = True
         self.num_steps = 0
+        self.warmup_args: tuple[int, int | None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +61,7 @@ class FakeShardClient:
         return self.healthy
 
     async def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult:
+        self.warmup_args = (max_prefill_tokens, max_batch_total_tokens)
         return WarmupResult(num_blocks=self.num_blocks, num_host_blocks=0, block_size=self.block_size)
 
     async def release(self, request_ids: list[int]) -> None:

@@ -293,3 +293,21 @@ async def test_an_explicit_overlap_steps_wins_over_the_device(tokenizer: Tokeniz
         assert router.engine.overlap_steps is overlap
     finally:
         await router.stop()
+
+
+@pytest.mark.parametrize(("device", "flags", "expected"), [("cpu", {}, 512), ("cuda:0", {}, 2048),
+                                                          ("cuda", {"max_batch_prefill_tokens": 100}, 100),
+                                                          ("cpu", {"max_batch_total_tokens": 300}, 300)])
+async def test_the_prefill_budget_follows_the_shards_device(tokenizer: Tokenizer, device: str,
+                                                           flags: dict[str, int], expected: int) -> None:
+    # Unset, --max-batch-prefill-tokens is 2048 on CUDA and 512 on CPU (where a step of 2048 takes
+    # seconds), never more than the KV cache; the shards warm up for it, the scheduler plans with
+    # it and the frontends report it (/info).
+    router, backend, _ = await start(tokenizer, None, device=device, **flags)
+    try:
+        assert router.engine.max_batch_prefill_tokens == expected
+        assert backend.warmup_args is not None and backend.warmup_args[0] == expected
+        assert router.engine.scheduler is not None and router.engine.scheduler.config.max_batch_prefill_tokens == expected
+        assert router.engine.limits is not None and router.engine.limits.max_batch_prefill_tokens == expected
+    finally:
+        await router.stop()

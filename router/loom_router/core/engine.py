@@ -86,6 +86,7 @@ class Engine(RequestBook):
         self.max_total_tokens = 0
         self.max_input_tokens = 0
         self.max_batch_total_tokens = 0
+        self.max_batch_prefill_tokens = 0
         self.scheduler: Scheduler | None = None
         self._active: dict[int, _Active] = {}
         self._pending_adds: list[SequenceGroup] = []
@@ -124,22 +125,23 @@ class Engine(RequestBook):
         self.overlap_steps = overlaps(self.config, info.device)
         self.max_total_tokens = self.config.max_total_tokens or info.max_position_embeddings
         self.max_input_tokens = self.config.max_input_tokens or self.max_total_tokens - 1
-        warm = await self.client.warmup(self.config.max_batch_prefill_tokens, self.config.max_batch_total_tokens)
+        self.max_batch_prefill_tokens = self.config.prefill_budget(info.device)
+        warm = await self.client.warmup(self.max_batch_prefill_tokens, self.config.max_batch_total_tokens)
         # Tokens of every layer: a block of tokens takes one block per KV group.
         self.max_batch_total_tokens = warm.num_blocks // info.num_kv_groups * warm.block_size
         scheduler_config = SchedulerConfig(
             block_size=warm.block_size,
             num_blocks=warm.num_blocks,
             num_host_blocks=warm.num_host_blocks,
-            max_batch_prefill_tokens=self.config.max_batch_prefill_tokens,
+            max_batch_prefill_tokens=self.max_batch_prefill_tokens,
             max_batch_total_tokens=self.max_batch_total_tokens,
             kv_group_windows=info.kv_group_windows,
             max_loras_per_batch=self.config.max_loras_per_batch,
         )
         self.scheduler = Scheduler(scheduler_config)
         self.limits = Limits(self.max_total_tokens, self.max_input_tokens, self.max_batch_total_tokens,
-                             warm.block_size, scheduler_config.num_usable_blocks, scheduler_config.max_num_seqs,
-                             info.num_kv_groups)
+                             self.max_batch_prefill_tokens, warm.block_size, scheduler_config.num_usable_blocks,
+                             scheduler_config.max_num_seqs, info.num_kv_groups)
         self._start_speculation()
         await self.adapters.load_all(self.config.lora_adapter)  # BadRequestError: the server does not start
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens), %d host blocks",

@@ -379,7 +379,7 @@ def _info(state: AppState) -> dict[str, Any]:
         "max_input_length": engine.max_input_tokens,  # TGI 1.x name
         "max_total_tokens": engine.max_total_tokens,
         "max_batch_total_tokens": engine.max_batch_total_tokens,
-        "max_batch_prefill_tokens": config.max_batch_prefill_tokens,
+        "max_batch_prefill_tokens": engine.max_batch_prefill_tokens,
         "max_top_n_tokens": config.max_top_n_tokens,
         "max_n": config.max_n,
         "max_client_batch_size": config.max_client_batch_size,

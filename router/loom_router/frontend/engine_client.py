@@ -138,6 +138,10 @@ class EngineClient:
         return self.limits.max_batch_total_tokens if self.limits else 0
 
     @property
+    def max_batch_prefill_tokens(self) -> int:
+        return self.limits.max_batch_prefill_tokens if self.limits else 0
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams) + len(self._waiting)
 

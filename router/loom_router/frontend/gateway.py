@@ -58,7 +58,7 @@ def server_info(state: AppState, version: str) -> dict[str, Any]:
         "dp_size": 1,
         "tp_size": engine.model_info.world_size if engine.model_info else None,
         "max_total_tokens": engine.max_batch_total_tokens,
-        "max_prefill_tokens": config.max_batch_prefill_tokens,
+        "max_prefill_tokens": engine.max_batch_prefill_tokens,
         "max_running_requests": config.max_concurrent_requests,
         "context_length": engine.max_total_tokens,
         "version": version,

@@ -172,15 +172,16 @@ def test_config_gives_each_rank_its_socket_and_splits_threads() -> None:
     assert threads_per_shard(settings("--device", "cpu", "--num-threads", "3"), num_cpus=8) == 3
 
 
-def test_default_prefill_budget_shrinks_to_a_small_kv_cache() -> None:
-    def router_for(*argv: str) -> RouterConfig:
-        return settings(*argv, "--device", "cpu").router_config()
+def test_default_prefill_budget_follows_the_device_and_shrinks_to_a_small_kv_cache() -> None:
+    def budgets(*argv: str) -> tuple[int, int]:
+        config = settings(*argv, "--device", "cpu").router_config()
+        return config.prefill_budget("cpu"), config.prefill_budget("cuda:0")
 
-    assert router_for().max_batch_prefill_tokens == 2048
-    assert router_for("--max-batch-total-tokens", "320").max_batch_prefill_tokens == 320
-    assert router_for("--max-batch-total-tokens", "9000").max_batch_prefill_tokens == 2048
-    assert router_for("--max-batch-prefill-tokens", "100",
-                      "--max-batch-total-tokens", "320").max_batch_prefill_tokens == 100
+    assert settings("--device", "cpu").router_config().max_batch_prefill_tokens is None  # the core decides
+    assert budgets() == (512, 2048)
+    assert budgets("--max-batch-total-tokens", "320") == (320, 320)
+    assert budgets("--max-batch-total-tokens", "9000") == (512, 2048)
+    assert budgets("--max-batch-prefill-tokens", "100", "--max-batch-total-tokens", "320") == (100, 100)
 
 
 def test_device_auto_is_resolved_by_the_shard_not_the_launcher() -> None:
