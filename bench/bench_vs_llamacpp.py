@@ -150,15 +150,12 @@ async def compare(args: argparse.Namespace, urls: dict[str, ServerURL]) -> tuple
 def main() -> int:
     args = build_parser().parse_args()
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    loom_flags, loom_env = args.loom_args.split(), {}
+    loom_env = as_cpu_env("avx2") if args.as_avx2 else {}
     with contextlib.ExitStack() as stack:
-        peer = args.llama_server
-        if args.as_avx2:
-            peer = stack.enter_context(only_variant(args.llama_server, "haswell"))
-            loom_env = as_cpu_env("avx2")
+        peer = stack.enter_context(only_variant(args.llama_server, "haswell")) if args.as_avx2 else args.llama_server
         server_versions = {PEER: peer_version(peer)}
         peer_url = stack.enter_context(llama_server(peer, args.peer_args.split()))
-        loom_url = stack.enter_context(launcher(*loom_flags, env=loom_env))
+        loom_url = stack.enter_context(launcher(*args.loom_args.split(), env=loom_env))
         urls = {LOOM: loom_url, PEER: peer_url}
         server_versions[LOOM] = loom_version(loom_url)
         pairs, log = asyncio.run(compare(args, urls))

@@ -66,12 +66,12 @@ def _first_difference(solo: list[list[int]], together: list[list[int]]) -> str:
     return f"{len(diffs)} of {len(solo)} differ (request, first differing token): {diffs}"
 
 
-AS_AVX2_CPU = {"flags": (), "env": as_cpu_env("avx2")}
-THIS_CPU = {"flags": (), "env": {}}
+AS_AVX2_CPU = as_cpu_env("avx2")  # the launcher's added environment
+THIS_CPU: dict[str, str] = {}
 
 
-def _start(start_launcher: StartLauncher, cpu: dict, *flags: str) -> Launcher:
-    server = start_launcher(*cpu["flags"], *flags, env=cpu["env"])
+def _start(start_launcher: StartLauncher, cpu: dict[str, str], *flags: str) -> Launcher:
+    server = start_launcher(*flags, env=cpu)
     if cpu is AS_AVX2_CPU:  # the shard said what it runs, and /info shows it
         assert "read as avx2" in server.log() and "kernels avx2" in server.log(), server.log()
         assert httpx.get(f"{server.base_url}/info", timeout=10).json()["cpu_kernels"].startswith("avx2")
@@ -81,7 +81,7 @@ def _start(start_launcher: StartLauncher, cpu: dict, *flags: str) -> Launcher:
 @pytest.mark.parametrize("cpu", [THIS_CPU, AS_AVX2_CPU], ids=["this-cpu", "as-avx2-cpu"])
 @pytest.mark.parametrize("flags", [(), ("--quantize", "none")], ids=["default", "dense-linears"])
 def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLauncher, flags: tuple[str, ...],
-                                                       cpu: dict) -> None:
+                                                       cpu: dict[str, str]) -> None:
     """The default (quantized GGUF linears) and the dense linears' path (each shape's GEMM probed)."""
     server = _start(start_launcher, cpu, *flags)
     solo, together = _solo_then_together(server)
@@ -90,7 +90,7 @@ def test_16_greedy_requests_alone_and_concurrent_agree(start_launcher: StartLaun
 
 @pytest.mark.parametrize(("cpu", "flags"), [(THIS_CPU, ()), (AS_AVX2_CPU, ("--quantize", "none", "--dtype", "float32"))],
                          ids=["this-cpu", "as-avx2-cpu-float32-dense-linears"])
-def test_16_greedy_requests_agree_under_preemption(start_launcher: StartLauncher, cpu: dict,
+def test_16_greedy_requests_agree_under_preemption(start_launcher: StartLauncher, cpu: dict[str, str],
                                                    flags: tuple[str, ...]) -> None:
     # ~30 prompt + 32 new tokens -> 4-5 blocks a request; 24 blocks hold ~5 of 16, and a host
     # pool of 8 bfloat16 blocks (4 in float32) makes some preemptions recompute instead of swapping.
