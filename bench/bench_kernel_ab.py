@@ -6,9 +6,11 @@ of the rounds. What a kernel change buys, on the CPU that runs it.
     python bench/bench_kernel_ab.py --base d29a32c --cases qlinear --rows 8 200 --load 0.3
     python bench/bench_kernel_ab.py --base /tmp/other/csrc --threads 1 --clock cpu
     python bench/bench_kernel_ab.py --base d29a32c --isa avx2        # the avx2 build, on any CPU with AVX2
+    python bench/bench_kernel_ab.py --base d29a32c --cases attention-decode --decode-batch 8 --evict 16
 
 Cases, on the embedded SmolLM2-135M's shapes: `attention-decode` (one step's paged attention at
-batch 32, 200-330 cached tokens each, over 30 layers' K/V so that they come from memory),
+batch 32 or --decode-batch, 200-330 cached tokens each, over 30 layers' K/V so that they come from
+memory; --evict MB streams that much between layers, untimed, as a step's weights do),
 `attention-prefill` (8 prompts of 150-200 tokens, 30 layers), `qlinear` (every linear of a step on
 the embedded GGUF's weights, at each of --rows), `linear` (the same shapes as dense bfloat16
 linears, random weights, at each of --rows). Each case prints the largest difference between
@@ -39,7 +41,8 @@ from loom_shard import kernels
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC_IN_REPO = Path("shard/loom_shard/kernels/csrc")
-Case = tuple[str, Callable[[object], None], Callable[[object, object], float]]  # label, run(ops), diff(a, b)
+# label, run(ops) (returns the seconds to count, or None: all of its time), diff(a, b)
+Case = tuple[str, Callable[[object], float | None], Callable[[object, object], float]]
 
 
 def sources(spec: str, into: Path) -> Path:
@@ -64,9 +67,11 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def _paged_case(label: str, lengths: list[int], computes: list[int], layers: int) -> Case:
+def _paged_case(label: str, lengths: list[int], computes: list[int], layers: int, evict_mb: int) -> Case:
     """Paged attention over `layers` caches: sequence i computes computes[i] tokens after
-    lengths[i] - computes[i] cached ones; blocks scattered over the cache."""
+    lengths[i] - computes[i] cached ones; blocks scattered over the cache. evict_mb: that many
+    MB copied before each layer's call (untimed), as a step's weights stream between its
+    attention calls, so that K/V come from memory as in serving."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(0)
     need = [-(-n // block_size) for n in lengths]
@@ -85,20 +90,32 @@ def _paged_case(label: str, lengths: list[int], computes: list[int], layers: int
     def attend(ops: object, kv: torch.Tensor) -> torch.Tensor:
         return ops.paged_attention(q, kv, tables, query_starts, cached, head_dim**-0.5, 0, 0.0, None)
 
-    def run(ops: object) -> None:
+    src = torch.ones(evict_mb << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def run(ops: object) -> float | None:
+        if not evict_mb:
+            for kv in caches:
+                attend(ops, kv)
+            return None
+        spent = 0.0  # wall time of the calls alone
         for kv in caches:
+            dst.copy_(src)
+            start = time.perf_counter()
             attend(ops, kv)
+            spent += time.perf_counter() - start
+        return spent
 
     return label, run, lambda a, b: _max_diff(attend(a, caches[0]), attend(b, caches[0]))
 
 
-def attention_case(name: str) -> Case:
+def attention_case(name: str, batch: int, evict_mb: int) -> Case:
     gen = torch.Generator().manual_seed(1)
     if name == "attention-decode":
-        return _paged_case("attention, decode at batch 32 x 30 layers",
-                           torch.randint(200, 331, (32,), generator=gen).tolist(), [1] * 32, 30)
+        return _paged_case(f"attention, decode at batch {batch} x 30 layers",
+                           torch.randint(200, 331, (batch,), generator=gen).tolist(), [1] * batch, 30, evict_mb)
     prompts = torch.randint(150, 201, (8,), generator=gen).tolist()
-    return _paged_case("attention, prefill of 8 prompts x 30 layers", prompts, prompts, 30)
+    return _paged_case("attention, prefill of 8 prompts x 30 layers", prompts, prompts, 30, evict_mb)
 
 
 def qlinear_cases(rows: list[int]) -> Iterator[Case]:
@@ -181,8 +198,8 @@ def measure(case: Case, base: object, exp: object, rounds: int, clock: Callable[
     for _ in range(rounds):
         for name, ops in (("base", base), ("exp", exp)):  # taking turns
             start = clock()
-            run(ops)
-            times[name].append(clock() - start)
+            counted = run(ops)
+            times[name].append(clock() - start if counted is None else counted)
     b, e = times["base"], times["exp"]
     print(f"{label}: base {min(b) * 1e3:.2f} ms (median {statistics.median(b) * 1e3:.2f}), "
           f"this tree {min(e) * 1e3:.2f} ms (median {statistics.median(e) * 1e3:.2f}); "
@@ -197,6 +214,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["attention-decode", "attention-prefill", "qlinear"],
                         choices=["attention-decode", "attention-prefill", "qlinear", "linear"])
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 200], help="qlinear's and linear's row counts")
+    parser.add_argument("--decode-batch", type=int, default=32, help="attention-decode's sequences")
+    parser.add_argument("--evict", type=int, default=0, metavar="MB",
+                        help="attention: copy this many MB before each layer (untimed), so K/V come from memory")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -217,7 +237,7 @@ def main() -> None:
     try:
         with torch.inference_mode():
             for name in args.cases:
-                cases: Iterable[Case] = [attention_case(name)] if name.startswith("attention") else (
+                cases: Iterable[Case] = [attention_case(name, args.decode_batch, args.evict)] if name.startswith("attention") else (
                     qlinear_cases(args.rows) if name == "qlinear" else linear_cases(args.rows, isa))
                 for case in cases:
                     measure(case, base, exp, args.rounds, clock)

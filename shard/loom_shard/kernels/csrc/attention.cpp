@@ -13,7 +13,8 @@
 //
 // Work is split into tasks of up to kMaxRows query rows of one (sequence, kv head); the rows
 // of a task share every K/V load (register tiling). Tasks are handed out dynamically, largest
-// first: which thread runs a task never changes its result.
+// first, a unit of a (sequence, rows)'s kv heads at a time: which thread runs a task never changes
+// its result.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,24 +38,30 @@ struct Tables {
   const int32_t* num_cached;
 };
 
-// Tasks of one step, longest first (their key count times rows) so dynamic scheduling balances.
+// Tasks of one step: for each (sequence, up to kMaxRows rows), one per kv head, consecutive.
+// Those units go longest first (their key count times rows) so dynamic scheduling balances.
 std::vector<Task> make_tasks(const Tables& t, const Geometry& g, int64_t num_seqs, int64_t* work) {
-  std::vector<Task> tasks;
-  *work = 0;
+  std::vector<Task> units;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = static_cast<int64_t>(t.query_starts[s + 1] - t.query_starts[s]) * g.group;
     for (int64_t first = 0; first < rows; first += loom::attention::kMaxRows) {
       const int64_t n = std::min<int64_t>(loom::attention::kMaxRows, rows - first);
       const int64_t keys = t.num_cached[s] + (first + n - 1) / g.group + 1;
       const int64_t first_key = loom::attention::first_visible(g, t.num_cached[s] + first / g.group + 1);
-      for (int64_t h = 0; h < g.kv_heads; ++h) {
-        tasks.push_back(Task{s, h, first, n, keys, first_key});
-        *work += (keys - first_key) * n;
-      }
+      units.push_back(Task{s, 0, first, n, keys, first_key});
     }
   }
-  std::stable_sort(tasks.begin(), tasks.end(),
+  std::stable_sort(units.begin(), units.end(),
                    [](const Task& a, const Task& b) { return a.keys * a.rows > b.keys * b.rows; });
+  std::vector<Task> tasks;
+  tasks.reserve(units.size() * g.kv_heads);
+  *work = 0;
+  for (const Task& unit : units)
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      tasks.push_back(unit);
+      tasks.back().kv_head = h;
+      *work += (unit.keys - unit.first_key) * unit.rows;
+    }
   return tasks;
 }
 
@@ -71,11 +78,23 @@ void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry&
   // batch-8 decode of 150-300 keys each (~16k) ran on one thread under the old 32k threshold,
   // and its whole step took 1.2-1.35x longer (bench/BENCHMARKS.md).
   constexpr int64_t kInlineWork = 1 << 10;
+  constexpr int64_t kUnitsPerThread = 2;  // fewer: each kv head a task of its own, for balance
   if (work < kInlineWork || at::get_num_threads() == 1) {
     for (const Task& task : tasks) run(task);
     return;
   }
-  loom::parallel_dynamic(static_cast<int64_t>(tasks.size()), [&](int64_t i) { run(tasks[i]); });
+  // The kv heads of a cached token share its row of the cache. With enough units to go round, a
+  // thread runs a unit's kv heads in turn: the lines the hardware prefetchers bring in beside one
+  // head's serve the next from the thread's L2 (attention from memory 1.12-1.18x faster than
+  // with a unit's heads split over threads; bench/BENCHMARKS.md).
+  const int64_t units = static_cast<int64_t>(tasks.size()) / g.kv_heads;
+  if (units < kUnitsPerThread * at::get_num_threads()) {
+    loom::parallel_dynamic(static_cast<int64_t>(tasks.size()), [&](int64_t i) { run(tasks[i]); });
+    return;
+  }
+  loom::parallel_dynamic(units, [&](int64_t i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) run(tasks[i * g.kv_heads + h]);
+  });
 }
 
 // Every key a task reads must lie in the cache: a wrong table is an error, never a stray read.
