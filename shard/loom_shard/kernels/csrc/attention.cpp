@@ -38,10 +38,11 @@ struct Tables {
   const int32_t* num_cached;
 };
 
-// Tasks of one step: for each (sequence, up to kMaxRows rows), one per kv head, consecutive.
-// Those units go longest first (their key count times rows) so dynamic scheduling balances.
-std::vector<Task> make_tasks(const Tables& t, const Geometry& g, int64_t num_seqs, int64_t* work) {
+// Units of one step: (sequence, up to kMaxRows rows), each a task for every kv head (kv_head set
+// when it runs); longest first (their key count times rows) so dynamic scheduling balances.
+std::vector<Task> make_units(const Tables& t, const Geometry& g, int64_t num_seqs, int64_t* work) {
   std::vector<Task> units;
+  *work = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = static_cast<int64_t>(t.query_starts[s + 1] - t.query_starts[s]) * g.group;
     for (int64_t first = 0; first < rows; first += loom::attention::kMaxRows) {
@@ -49,30 +50,27 @@ std::vector<Task> make_tasks(const Tables& t, const Geometry& g, int64_t num_seq
       const int64_t keys = t.num_cached[s] + (first + n - 1) / g.group + 1;
       const int64_t first_key = loom::attention::first_visible(g, t.num_cached[s] + first / g.group + 1);
       units.push_back(Task{s, 0, first, n, keys, first_key});
+      *work += (keys - first_key) * n * g.kv_heads;
     }
   }
   std::stable_sort(units.begin(), units.end(),
                    [](const Task& a, const Task& b) { return a.keys * a.rows > b.keys * b.rows; });
-  std::vector<Task> tasks;
-  tasks.reserve(units.size() * g.kv_heads);
-  *work = 0;
-  for (const Task& unit : units)
-    for (int64_t h = 0; h < g.kv_heads; ++h) {
-      tasks.push_back(unit);
-      tasks.back().kv_head = h;
-      *work += (unit.keys - unit.first_key) * unit.rows;
-    }
-  return tasks;
+  return units;
 }
 
 template <typename T>
 void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry& g, int64_t num_seqs) {
   int64_t work = 0;
-  const std::vector<Task> tasks = make_tasks(t, g, num_seqs, &work);
-  auto run = [&](const Task& task) {
+  const std::vector<Task> units = make_units(t, g, num_seqs, &work);
+  const int64_t count = static_cast<int64_t>(units.size()), heads = g.kv_heads;
+  auto run = [&](Task task, int64_t kv_head) {
+    task.kv_head = kv_head;
     loom::attention::TaskView<T> view{q, kv, out, t.block_tables + task.seq * g.max_blocks,
                                      t.query_starts[task.seq], t.num_cached[task.seq]};
     loom::attention::attend(view, g, task);
+  };
+  auto run_unit = [&](int64_t i) {
+    for (int64_t h = 0; h < heads; ++h) run(units[i], h);
   };
   // Below ~1k (one sequence of ~100 keys) waking the thread pool costs more than it saves. A
   // batch-8 decode of 150-300 keys each (~16k) ran on one thread under the old 32k threshold,
@@ -80,21 +78,18 @@ void run_tasks(const T* q, const T* kv, T* out, const Tables& t, const Geometry&
   constexpr int64_t kInlineWork = 1 << 10;
   constexpr int64_t kUnitsPerThread = 2;  // fewer: each kv head a task of its own, for balance
   if (work < kInlineWork || at::get_num_threads() == 1) {
-    for (const Task& task : tasks) run(task);
+    for (int64_t i = 0; i < count; ++i) run_unit(i);
     return;
   }
   // The kv heads of a cached token share its row of the cache. With enough units to go round, a
   // thread runs a unit's kv heads in turn, so a row's reads come from one core close together in
   // time rather than from both (attention from memory 1.13-1.19x faster than with a unit's heads
   // split over threads; bench/BENCHMARKS.md).
-  const int64_t units = static_cast<int64_t>(tasks.size()) / g.kv_heads;
-  if (units < kUnitsPerThread * at::get_num_threads()) {
-    loom::parallel_dynamic(static_cast<int64_t>(tasks.size()), [&](int64_t i) { run(tasks[i]); });
+  if (count < kUnitsPerThread * at::get_num_threads()) {
+    loom::parallel_dynamic(count * heads, [&](int64_t i) { run(units[i / heads], i % heads); });
     return;
   }
-  loom::parallel_dynamic(units, [&](int64_t i) {
-    for (int64_t h = 0; h < g.kv_heads; ++h) run(tasks[i * g.kv_heads + h]);
-  });
+  loom::parallel_dynamic(count, run_unit);
 }
 
 // Every key a task reads must lie in the cache: a wrong table is an error, never a stray read.
