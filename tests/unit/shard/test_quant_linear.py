@@ -85,6 +85,27 @@ def test_a_row_is_bit_identical_at_any_batch_size(kind: QuantKind, dtype: torch.
 
 
 @needs_kernels
+def test_q8_0_extremes_stay_exact() -> None:
+    """Weights of -128 and 127 against activations that quantize to +-127 (q + 128 = 1 or 255):
+    the largest products and sums the int8 paths meet (int16 partial sums on AVX2). Every
+    scale is 1, so each output is the integer dot itself, exact in float32."""
+    out_features, in_features = 48, 96
+    rng = np.random.default_rng(4)
+    q = rng.choice(np.array([-128, 127, -127, 1], dtype=np.int8), size=(out_features, in_features))
+    q[:16] = -128  # whole columns at the extremes: every partial sum at its largest
+    q[16:32] = 127
+    blocks = np.zeros((out_features, in_features // BLOCK, 2 + BLOCK), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    blocks[..., 2:] = q.reshape(out_features, -1, BLOCK).view(np.uint8)
+    layer = QuantLinear(raw_source(QuantKind.Q8_0, blocks.reshape(out_features, -1), in_features), None, torch.float32)
+    signs = torch.from_numpy(rng.choice([-1.0, 1.0], size=(5, in_features)).astype(np.float32))
+    signs[0], signs[1] = 1.0, -1.0  # rows of one sign: q = 127 (255 after + 128) or -127 (1)
+    x = signs * 127.0  # d = 1: every activation quantizes to +-127 exactly
+    expected = (signs.double() * 127) @ torch.from_numpy(q.astype(np.float64)).T
+    assert torch.equal(layer(x).double(), expected)
+
+
+@needs_kernels
 def test_kernel_adds_the_bias_and_keeps_leading_dims() -> None:
     source, weight = make_source(QuantKind.Q4_1, 64, 64)
     bias = torch.randn(64)

@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(const at::Tensor& raw, int64_t in
 // ---------------------------------------------------------------------------- activations
 
 // One block of 32 activations -> int8 q as llama.cpp's Q8_0 (d = amax / 127, q = round(x / d), ties to
-// even), stored XOR `flip` (0x80: q + 128 as u8, for Q8_0 weights on VNNI). Sets d; returns sum(q).
+// even), stored XOR `flip` (0x80: q + 128 as u8, for Q8_0 weights). Sets d; returns sum(q).
 template <typename T>
 int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
   const simd::F16 v0 = simd::load(x), v1 = simd::load(x + 16);
@@ -112,7 +112,7 @@ int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, Format format, uint8_t* q, float* d, float* s) {
   const int64_t nb = k / kBlock;
-  const uint8_t flip = format == Format::kQ8_0 && kQ8Unsigned ? 0x80 : 0x00;
+  const uint8_t flip = format == Format::kQ8_0 ? 0x80 : 0x00;
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
     for (int64_t i = first * nb; i < last * nb; ++i) {  // block i of the flattened rows
       const int32_t sum = quantize_block(x + i * kBlock, q + i * kBlock, d[i], flip);
@@ -208,7 +208,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     bp = bias_f.data_ptr<float>();
   }
   const QTiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nb, 0, 0, false};
-  const QRows rows{q.data_ptr<uint8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), k, nb};
+  QRows rows{q.data_ptr<uint8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), k, nb};
+  std::vector<uint8_t> planes;
+  if (format == Format::kQ8_0) split_q8_0_rows(rows, m, planes);
   if (x.scalar_type() == at::kFloat) matmul<float>(format, w, rows, m, out_features, groups, bp, out.data_ptr<float>());
   else matmul<at::BFloat16>(format, w, rows, m, out_features, groups, bp, out.data_ptr<at::BFloat16>());
   return out;

@@ -9,9 +9,9 @@
 // s = d * sum(q)).
 //   Q4_1: weights are the unsigned operand (nibbles 0..15), x the signed one;
 //         y += (d_w d_x) * dot + m_w * s_x.
-//   Q8_0: weights are signed; x arrives as q + 128 (q XOR 0x80). VNNI multiplies it as the unsigned
-//         operand and starts the dot from -128 * sum(q_w), precomputed per column and block at
-//         load; AVX2 flips it back. y += (d_w d_x) * dot.
+//   Q8_0: weights are signed; x arrives as q + 128 (q XOR 0x80), the unsigned operand, and the dot
+//         starts from -128 * sum(q_w), precomputed per column and block at load (AVX2 multiplies
+//         the two nibbles of q + 128 apart: see its tile). y += (d_w d_x) * dot.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -38,6 +38,8 @@ struct QRows {
   const float* s;
   int64_t k;
   int64_t nb;
+  const uint8_t* high = nullptr;  // AVX2, Q8_0: q's high and low nibbles as bytes (split_q8_0_rows)
+  const uint8_t* low = nullptr;
 };
 
 // Column group `group` of kTiles tiles: tile-blocks [groups, nb, kTiles, bytes], scales [groups, nb,
@@ -95,11 +97,13 @@ inline void fold_block(const QTiles& w, const QRows& x, int64_t r0, int64_t b, c
 
 constexpr int kRows = 4;              // rows per register tile
 constexpr int kTileCols = 2;          // column tiles per register tile
-constexpr bool kQ8Unsigned = true;    // Q8_0 activations arrive as q + 128
 
 // A row chunk's register tiles split Q4_1 nibbles in registers, straight into vpdpbusd: nothing
 // to share between them (the AVX2 build shares them: see its share_q4_1_nibbles).
 inline void share_q4_1_nibbles(QTiles&, std::vector<uint8_t>&) {}
+
+// vpdpbusd takes Q8_0's activations whole (the AVX2 build splits them: see its split_q8_0_rows).
+inline void split_q8_0_rows(QRows&, int64_t, std::vector<uint8_t>&) {}
 
 inline __m512i bcast4(const uint8_t* p) {
   int32_t v;
@@ -182,7 +186,6 @@ inline int32_t sum_int(__m512i a, __m512i b) { return _mm512_reduce_add_epi32(_m
 
 constexpr int kRows = 2;
 constexpr int kTileCols = 1;
-constexpr bool kQ8Unsigned = false;   // Q8_0 activations arrive as q
 constexpr int64_t kQ4Unpacked = 512;  // bytes per unpacked tile-block: per chunk j, low then high nibbles
 
 inline __m256i bcast4(const uint8_t* p) {
@@ -190,10 +193,6 @@ inline __m256i bcast4(const uint8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
-
-// int32 lane m = bytes 4m..4m+3 of u (unsigned) times those of s (signed), summed; exact while no
-// pair of products exceeds the int16 range (maddubs saturates).
-inline __m256i dot4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
 
 // One tile's Q4_1 nibbles as bytes (values 0..15) in `buffer`, for every block: chunk j's 64 low
 // nibbles, then its 64 high ones; w.unpacked points there. A row chunk's register tiles read them
@@ -267,31 +266,64 @@ inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&a
   q4_1_tile_from<R, C, false>(w, x, r0, acc);
 }
 
-// Q8_0: |w| (0..128, unsigned) times x with w's sign (-127..127): a pair is at most 32,512, exact.
+// Q8_0 activations (q + 128, 0..255) as two byte planes, their high and low nibbles (0..15), for
+// the m rows of x: maddubs multiplies an unsigned nibble by a signed weight exactly, while q + 128
+// whole would overflow its int16 pairs. Split once per call; every column tile reads them.
+inline void split_q8_0_rows(QRows& x, int64_t m, std::vector<uint8_t>& planes) {
+  const int64_t bytes = m * x.k;  // a multiple of 32
+  planes.resize(2 * bytes);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t i = 0; i < bytes; i += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + i), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + bytes + i), _mm256_and_si256(v, low));
+  }
+  x.high = planes.data();
+  x.low = planes.data() + bytes;
+}
+
+// Q8_0: dot = -128 sum(w) + 16 dot(high, w) + dot(low, w), with q + 128 = 16 high + low. A maddubs
+// lane is at most 2 * 15 * 128 = 3840, so a block's 8 of them add up exactly in int16 (30,720)
+// for each nibble before one widening madd: the same int32 dot as vpdpbusd's.
 template <int R, int C>
 inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  const __m256i sixteen = _mm256_set1_epi16(16), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < x.nb; ++b) {
     prefetch_next(w, b, kQ8Bytes, kCols);
-    __m256i dot[R][C][2];
+    __m256i high[R][C][2], low[R][C][2];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dot[r][c][0] = dot[r][c][1] = _mm256_setzero_si256();
-    for (int g = 0; g < 8; ++g) {
-      __m256i wv[C][2], wabs[C][2];
       for (int c = 0; c < C; ++c)
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < 2; ++h) high[r][c][h] = low[r][c][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // the accumulators stay in registers only when the loop unrolls
+    for (int g = 0; g < 8; ++g) {
+      __m256i wv[C][2];
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h)
           wv[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, c, kQ8Bytes) + 64 * g + 32 * h));
-          wabs[c][h] = _mm256_abs_epi8(wv[c][h]);
-        }
       for (int r = 0; r < R; ++r) {
-        const __m256i xg = bcast4(x.q + (r0 + r) * x.k + b * kBlock + 4 * g);
+        const int64_t at = (r0 + r) * x.k + b * kBlock + 4 * g;
+        const __m256i xh = bcast4(x.high + at), xl = bcast4(x.low + at);
         for (int c = 0; c < C; ++c)
-          for (int h = 0; h < 2; ++h)
-            dot[r][c][h] = _mm256_add_epi32(dot[r][c][h], dot4(wabs[c][h], _mm256_sign_epi8(xg, wv[c][h])));
+          for (int h = 0; h < 2; ++h) {
+            high[r][c][h] = _mm256_add_epi16(high[r][c][h], _mm256_maddubs_epi16(xh, wv[c][h]));
+            low[r][c][h] = _mm256_add_epi16(low[r][c][h], _mm256_maddubs_epi16(xl, wv[c][h]));
+          }
       }
     }
+    __m256i start[C][2];  // -128 sum(w) per column: int16[16] after the tile-block's weights
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        start[c][h] = _mm256_slli_epi32(_mm256_cvtepi16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block(b, c, kQ8Bytes) + 512 + 16 * h))), 7);
     simd::F16 dots[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dots[r][c] = {_mm256_cvtepi32_ps(dot[r][c][0]), _mm256_cvtepi32_ps(dot[r][c][1])};
+      for (int c = 0; c < C; ++c) {
+        __m256i dot[2];
+        for (int h = 0; h < 2; ++h)
+          dot[h] = _mm256_add_epi32(start[c][h], _mm256_add_epi32(_mm256_madd_epi16(high[r][c][h], sixteen),
+                                                                  _mm256_madd_epi16(low[r][c][h], ones)));
+        dots[r][c] = {_mm256_cvtepi32_ps(dot[0]), _mm256_cvtepi32_ps(dot[1])};
+      }
     fold_block<R, C, false>(w, x, r0, b, dots, acc);
   }
 }
