@@ -98,8 +98,9 @@ inline void fold_block(const QTiles& w, const QRows& x, int64_t r0, int64_t b, c
 constexpr int kRows = 4;              // rows per register tile
 constexpr int kTileCols = 2;          // column tiles per register tile
 
-// A row chunk's register tiles split Q4_1 nibbles in registers, straight into vpdpbusd: nothing
-// to share between them (the AVX2 build shares them: see its share_q4_1_nibbles).
+// A row chunk's register tiles split Q4_1 nibbles in registers, straight into vpdpbusd: split once
+// per chunk and loaded by every tile, as the AVX2 build does (share_q4_1_nibbles), they measured
+// no faster here (bench/BENCHMARKS.md).
 inline void share_q4_1_nibbles(QTiles&, std::vector<uint8_t>&) {}
 
 // vpdpbusd takes Q8_0's activations whole (the AVX2 build splits them: see its split_q8_0_rows).
