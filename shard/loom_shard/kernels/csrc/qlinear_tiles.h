@@ -195,6 +195,10 @@ inline __m256i bcast4(const uint8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// The low and high nibbles of 32 bytes, as bytes 0..15 (Q4_1 weights, Q8_0 activations).
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
+
 // One tile's Q4_1 nibbles as bytes (values 0..15) in `buffer`, for every block: chunk j's 64 low
 // nibbles, then its 64 high ones; w.unpacked points there. A row chunk's register tiles read them
 // instead of each splitting the packed bytes again (the split is about a fifth of a tile's
@@ -203,14 +207,13 @@ inline void share_q4_1_nibbles(QTiles& w, std::vector<uint8_t>& buffer) {
   buffer.resize(w.nb * kQ4Unpacked);
   uint8_t* out = buffer.data();
   w.unpacked = out;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < w.nb; ++b)
     for (int j = 0; j < 4; ++j)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, 0, kQ4Bytes) + 64 * j + 32 * h));
         uint8_t* o = out + b * kQ4Unpacked + 128 * j + 32 * h;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_and_si256(v, low));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), low_nibbles(v));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 64), high_nibbles(v));
       }
 }
 
@@ -220,7 +223,7 @@ inline void share_q4_1_nibbles(QTiles& w, std::vector<uint8_t>& buffer) {
 template <int R, int C, bool kUnpacked>
 inline void q4_1_tile_from(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
   static_assert(!kUnpacked || C == 1, "unpacked nibbles cover one column tile");
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < x.nb; ++b) {
     prefetch_next(w, b, kQ4Bytes, 2 * kCols);
     __m256i sum16[R][C][2];
@@ -236,8 +239,8 @@ inline void q4_1_tile_from(const QTiles& w, const QRows& x, int64_t r0, simd::F1
             hi[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64));
           } else {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, c, kQ4Bytes) + 64 * j + 32 * h));
-            lo[c][h] = _mm256_and_si256(v, low);
-            hi[c][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            lo[c][h] = low_nibbles(v);
+            hi[c][h] = high_nibbles(v);
           }
         }
       for (int r = 0; r < R; ++r) {
@@ -273,11 +276,10 @@ inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&a
 inline void split_q8_0_rows(QRows& x, int64_t m, std::vector<uint8_t>& planes) {
   const int64_t bytes = m * x.k;  // a multiple of 32
   planes.resize(2 * bytes);
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t i = 0; i < bytes; i += 32) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + i), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + bytes + i), _mm256_and_si256(v, low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + i), high_nibbles(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes.data() + bytes + i), low_nibbles(v));
   }
   x.high = planes.data();
   x.low = planes.data() + bytes;
