@@ -4,6 +4,7 @@ exercised by the official `text_generation` and `openai` clients, and by clients
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -102,6 +103,8 @@ async def test_stream_disconnect_cancels_the_request(served: Served) -> None:
 
 async def test_non_streaming_disconnect_cancels_the_request(served: Served) -> None:
     served.backend.step_delay_s = 0.01
+    unhandled: list[dict] = []  # what asyncio reports, e.g. a future's exception never retrieved
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: unhandled.append(context))
     async with httpx.AsyncClient(base_url=served.url) as client:
         request = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 200}))
         while served.engine.stats().generated_tokens < 3:
@@ -111,6 +114,8 @@ async def test_non_streaming_disconnect_cancels_the_request(served: Served) -> N
             await request
     await wait_cancelled(served.engine, 1)
     assert served.engine.stats().generated_tokens < 100
+    gc.collect()  # an unretrieved exception is reported when its future is collected
+    assert [c["message"] for c in unhandled] == []
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -162,9 +162,10 @@ async def generate_all(state: AppState, request: Request,
     """Runs requests (prompt ids, params) concurrently to their end, as `generate`: the first
     error, or the client leaving, cancels every one of them."""
     consumers = [asyncio.create_task(_run(state, ids, params)) for ids, params in jobs]
+    gathered = asyncio.gather(*consumers)
+    gathered.add_done_callback(_retrieved)
     watcher = asyncio.create_task(wait_for_disconnect(request))
     try:
-        gathered = asyncio.gather(*consumers)
         await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not gathered.done():
             raise ClientDisconnected()
@@ -173,6 +174,13 @@ async def generate_all(state: AppState, request: Request,
         watcher.cancel()
         for consumer in consumers:
             consumer.cancel()
+
+
+def _retrieved(gathered: asyncio.Future) -> None:
+    """Reads the error a gather ends with once its consumers were cancelled (a CancelledError),
+    which asyncio would otherwise log as never retrieved."""
+    if not gathered.cancelled():
+        gathered.exception()
 
 
 async def _run(state: AppState, prompt_ids: list[int], params: GenerationParams) -> Generation:
