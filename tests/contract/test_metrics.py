@@ -142,3 +142,24 @@ async def test_prometheus_port_serves_the_same_exposition() -> None:
         server.close()
     assert response.status_code == 200 and samples(response.text)["tgi_request_count"] == 1
     assert response.headers["content-type"].startswith("text/plain") and missing.status_code == 404
+
+
+async def test_every_generating_route_is_counted_and_client_errors_are_not_failed_generations(
+        harness: Harness) -> None:  # noqa: F811
+    c = harness.client
+    before = samples((await c.get("/metrics")).text)
+    message = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert (await c.post("/v1/messages", json=message)).status_code == 200
+    assert (await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})).status_code == 200
+    assert (await c.post("/v1/completions", json={"model": "nope", "prompt": "x"})).status_code == 404
+    too_big = {"inputs": "x" * (harness.router.config.payload_limit + 1)}
+    assert (await c.post("/generate", json=too_big)).status_code == 413
+    after = samples((await c.get("/metrics")).text)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("tgi_request_count") == 4 and delta("tgi_request_success") == 2
+    assert delta("tgi_request_generated_tokens_sum") == 4
+    assert delta('tgi_request_failure{err="validation"}') == 2
+    assert delta('tgi_request_failure{err="generation"}') == 0

@@ -27,9 +27,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 LENGTH_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384 tokens
 # The routes that generate: TGI counts these in tgi_request_count.
-GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
+                              "/v1/responses", "/v1/messages"})
 SNAPSHOT_PREFIX = "/snapshots"
-FAILURE_BY_STATUS = {400: "validation", 422: "validation", 429: "overloaded", 499: "cancelled"}
+FAILURE_BY_STATUS = {429: "overloaded", 499: "cancelled"}  # other 4xx: the request's fault ("validation")
 SUCCESS_OUTCOMES = frozenset(reason.value for reason in FinishReason)
 
 log = logging.getLogger("loom.metrics")
@@ -118,7 +119,7 @@ class FrontendMetrics:
         timer = record.timer
         if timer is None:  # refused before it reached the engine
             if status >= 400:
-                self.tgi.on_failure(FAILURE_BY_STATUS.get(status, "generation"))
+                self.tgi.on_failure(_refusal(status))
             return
         timer.finish()  # idempotent; a stream the client left may not have closed yet
         if timer.succeeded:
@@ -136,6 +137,11 @@ def observe_many(histogram: Histogram, bucket_counts: list[int], total: float) -
         if count:
             bucket.inc(count)
     histogram._sum.inc(total)  # type: ignore[attr-defined]
+
+
+def _refusal(status: int) -> str:
+    """TGI's failure label for a generation refused before it reached the engine."""
+    return FAILURE_BY_STATUS.get(status, "validation" if 400 <= status < 500 else "generation")
 
 
 def _is_generation(scope: dict[str, Any]) -> bool:
