@@ -116,6 +116,30 @@ async def test_max_output_tokens_makes_an_incomplete_response(harness: Harness, 
     out = await client.responses.create(model="default", input="Count", max_output_tokens=3)
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.usage.output_tokens == 3
+    assert [(item.type, item.status) for item in out.output] == [("message", "incomplete")]
+    assert out.output_text == harness.tokenizer.decode(harness.tokenizer.encode(" one two three")[:3])
+    body = {"model": "default", "input": "Count", "max_output_tokens": 3, "stream": True}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=harness.router.app), base_url="http://loom") as http:
+        events = [json.loads(line[6:]) for line in (await http.post("/v1/responses", json=body)).text.splitlines()
+                  if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(item["type"], item["status"]) for item in done] == [("message", "incomplete")]
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["output"] == done
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(harness: Harness, stream: bool) -> None:
+    script(harness, "Fine.")
+    body = {"model": "default", "input": "Tell me about the weather in Paris today, please. " * 8, "stream": stream}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=harness.router.app), base_url="http://loom") as http:
+        usages = []
+        for _ in range(2):
+            response = await http.post("/v1/responses", json=body)
+            final = ([json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")][-1]
+                     ["response"] if stream else response.json())
+            usages.append(final["usage"])
+    cached = [usage["input_tokens_details"]["cached_tokens"] for usage in usages]
+    assert cached[0] == 0 and 0 < cached[1] <= usages[1]["input_tokens"]
 
 
 async def test_streaming_text_events(harness: Harness, client: openai.AsyncOpenAI) -> None:

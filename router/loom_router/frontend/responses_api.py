@@ -88,12 +88,13 @@ async def create_route(body: ResponsesRequest, request: Request) -> Any:
     head = _response_head(state, body)
     if body.stream:
         stream, timer = await submit(state, job.ids, job.params)
-        events = ResponseEvents(head, len(job.ids), lambda response: _store(state, body, conversation, response))
+        events = ResponseEvents(head, stream.prompt, lambda response: _store(state, body, conversation, response))
         return EventStreamResponse(events.write(chat_deltas(job.answer, 1, batches(stream, timer))), stream.cancel)
     generation = await generate(state, request, job.ids, job.params)
     (choice,) = generation.choices
     message, _ = chat_message(job.answer, choice.text, choice.finish_reason)
-    response = finished_response(head, output_items(message), choice.finish_reason, len(job.ids), len(choice.tokens))
+    response = finished_response(head, output_items(message), choice.finish_reason, generation.prompt,
+                                 len(choice.tokens))
     await _store(state, body, conversation, response)
     return response
 

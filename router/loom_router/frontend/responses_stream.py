@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from loom_router.frontend.tool_stream import Delta
-from loom_router.types import FinishReason, GenerationError
+from loom_router.types import FinishReason, GenerationError, PromptInfo
 
 
 def _item_id(prefix: str) -> str:
@@ -19,7 +19,7 @@ def _item_id(prefix: str) -> str:
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
     return {"id": item_id or _item_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
@@ -46,10 +46,14 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def finished_response(head: dict[str, Any], output: list[dict[str, Any]], reason: FinishReason | None,
-                      num_input: int, num_output: int) -> dict[str, Any]:
-    """The response once generated: `incomplete` when max_output_tokens cut it off."""
+                      prompt: PromptInfo, num_output: int) -> dict[str, Any]:
+    """The response once generated: `incomplete` when max_output_tokens cut it off, and so is the
+    message or call it cut."""
     cut = reason is FinishReason.LENGTH
-    usage = {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": 0},
+    if cut and output and "status" in output[-1]:
+        output = [*output[:-1], {**output[-1], "status": "incomplete"}]
+    num_input = prompt.num_prompt_tokens
+    usage = {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": prompt.num_cached_tokens},
              "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
              "total_tokens": num_input + num_output}
     return {**head, "status": "incomplete" if cut else "completed", "output": output, "usage": usage,
@@ -65,10 +69,10 @@ class ResponseEvents:
 
     `on_done(response)` runs with the finished response (to store it) before the last event."""
 
-    def __init__(self, head: dict[str, Any], num_input_tokens: int,
+    def __init__(self, head: dict[str, Any], prompt: PromptInfo,
                  on_done: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         self.head = head
-        self.num_input_tokens = num_input_tokens
+        self.prompt = prompt  # filled in once the prompt is prefilled
         self.on_done = on_done
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # finished
@@ -97,8 +101,8 @@ class ResponseEvents:
             failed = {**self.head, "status": "failed", "error": {"code": "server_error", "message": str(e)}}
             yield self.event("response.failed", response=failed)
             return
-        closing = self._close()
-        response = finished_response(self.head, self.items, reason, self.num_input_tokens, num_tokens)
+        closing = self._close("incomplete" if reason is FinishReason.LENGTH else "completed")
+        response = finished_response(self.head, self.items, reason, self.prompt, num_tokens)
         await self.on_done(response)
         final = "response.incomplete" if reason is FinishReason.LENGTH else "response.completed"
         yield b"".join(closing) + self.event(final, response=response)
@@ -144,15 +148,15 @@ class ResponseEvents:
                                   content_index=0, part=part))
         return out
 
-    def _close(self) -> list[bytes]:
-        """Finishes the open item: its done events, and it joins the response's output."""
+    def _close(self, status: str = "completed") -> list[bytes]:
+        """Finishes the open item (as `status`): its done events, and it joins the response's output."""
         item, text = self.open, self.text
         if item is None:
             return []
         where = {"item_id": item["id"], "output_index": len(self.items)}
         out: list[bytes] = []
         if item["type"] == "message":
-            item = message_item(text, item_id=item["id"])
+            item = message_item(text, status, item["id"])
             out.append(self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
             out.append(self.event("response.content_part.done", **where, content_index=0,
                                   part=item["content"][0]))
@@ -160,7 +164,7 @@ class ResponseEvents:
             item = reasoning_item(text, item["id"])
             out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
         else:
-            item = call_item(item["call_id"], item["name"], text, item_id=item["id"])
+            item = call_item(item["call_id"], item["name"], text, status, item["id"])
             out.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
                                   arguments=text))
         out.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
