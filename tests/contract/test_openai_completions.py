@@ -121,9 +121,13 @@ async def test_context_length_exceeded_and_suffix_are_400(client: openai.AsyncOp
     with pytest.raises(openai.BadRequestError) as error:
         await client.completions.create(model="default", prompt=long_prompt, max_tokens=1)
     assert error.value.code == "context_length_exceeded" and "maximum context length" in error.value.message
+    assert error.value.param == "prompt"
     with pytest.raises(openai.BadRequestError) as error:
         await client.chat.completions.create(model="default", messages=[{"role": "user", "content": long_prompt}])
-    assert error.value.code == "context_length_exceeded"
+    assert error.value.code == "context_length_exceeded" and error.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.responses.create(model="default", input=long_prompt)
+    assert error.value.code == "context_length_exceeded" and error.value.param == "input"
     with pytest.raises(openai.BadRequestError) as error:
         await client.completions.create(model="default", prompt="x", max_tokens=MAX_TOTAL_TOKENS)
     assert error.value.code == "context_length_exceeded"

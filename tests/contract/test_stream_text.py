@@ -115,10 +115,11 @@ async def test_inputs_over_the_character_cap_are_refused_before_tokenizing(token
         try:
             for path, body in [("/generate", {"inputs": "x" * 101}), ("/tokenize", {"inputs": "x" * 101}),
                                ("/v1/completions", {"prompt": "x" * 101}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 101}]})]:
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 101}]}),
+                               ("/v1/responses", {"input": "x" * 101})]:
                 response = await h.client.post(path, json=body)
                 assert response.status_code == 422, (path, response.text)
-                assert "100 characters" in response.text
+                assert "100 characters" in response.text and f"`{next(iter(body))}`" in response.text
             assert calls == []
             assert (await h.client.post("/tokenize", json={"inputs": "x" * 100})).status_code == 200
         finally:

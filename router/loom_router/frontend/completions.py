@@ -87,7 +87,7 @@ async def _prompt_ids(state: AppState, prompt: str | list[int]) -> list[int]:
     if not prompt:
         raise ValidationError("`prompt` cannot be empty")
     if isinstance(prompt, str):
-        return await encode(state, prompt)
+        return await encode(state, prompt, field="prompt")
     vocab_size = state.engine.model_info.vocab_size
     bad = [i for i in prompt if not 0 <= i < vocab_size]
     if bad:
@@ -98,7 +98,7 @@ async def _prompt_ids(state: AppState, prompt: str | list[int]) -> list[int]:
 def _params(state: AppState, body: CompletionRequest, ids: list[int]) -> GenerationParams:
     """One prompt's parameters; `max_tokens` 0 (score the prompt) computes one token, never returned."""
     max_tokens = body.max_tokens if body.max_tokens != 0 else 1
-    check_context(state, len(ids), max_tokens)
+    check_context(state, len(ids), max_tokens, "prompt")
     max_new_tokens = state.engine.validate_lengths(len(ids), max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, state.limits())
     params.constraint = body.constraint_spec()  # compiled by the engine core

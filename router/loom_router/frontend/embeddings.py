@@ -84,7 +84,7 @@ async def _prompts(state: AppState, inputs: Any) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise ValidationError("`input` cannot contain an empty string")
-            ids = await encode(state, item)
+            ids = await encode(state, item, field="input")
         else:
             ids = list(item)
             if any(i >= vocab_size for i in ids):

@@ -90,10 +90,10 @@ def check_input_chars(state: AppState, num_chars: int, what: str = "inputs") -> 
 
 
 async def encode(state: AppState, text: str, add_special_tokens: bool = True,
-                 truncate: int | None = None) -> list[int]:
-    """Tokenizes after the character cap, a long text off the event loop; `truncate` keeps the
-    last tokens and the model's BOS."""
-    check_input_chars(state, len(text))
+                 truncate: int | None = None, field: str = "inputs") -> list[int]:
+    """Tokenizes after the character cap (an error names the request's `field`), a long text off
+    the event loop; `truncate` keeps the last tokens and the model's BOS."""
+    check_input_chars(state, len(text), field)
     return await off_the_loop_if(len(text) > INLINE_CHARS, state.tokenizer.encode, text, add_special_tokens,
                                  truncate)
 

@@ -93,15 +93,16 @@ def check_model(state: AppState, model: str | None) -> str | None:
     raise APIError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
 
 
-def check_context(state: AppState, num_input_tokens: int, max_tokens: int | None) -> None:
-    """A prompt (with max_tokens) past the context is OpenAI's 400 context_length_exceeded."""
+def check_context(state: AppState, num_input_tokens: int, max_tokens: int | None, field: str = "messages") -> None:
+    """A prompt (with max_tokens) past the context is OpenAI's 400 context_length_exceeded, whose
+    `param` is the request's `field` that holds the prompt."""
     context = state.engine.max_total_tokens
     requested = num_input_tokens + (max_tokens or 0)
     if num_input_tokens > state.engine.max_input_tokens or requested > context:
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
                        f"{requested} tokens ({num_input_tokens} in the prompt, {max_tokens or 0} for the "
                        f"completion; at most {state.engine.max_input_tokens} prompt tokens). Please reduce the "
-                       "length of the prompt or of the completion.", "context_length_exceeded", "messages")
+                       "length of the prompt or of the completion.", "context_length_exceeded", field)
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,10 +203,11 @@ class ChatJob:
     answer: AnswerFormat
 
 
-async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: str | None = None) -> ChatJob:
+async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: str | None = None,
+                       field: str = "messages") -> ChatJob:
     """Validates a chat request (for the base model or a LoRA adapter), renders its template
     (tools, reasoning) and tokenizes it. Raises ValidationError (422) or APIError
-    (context_length_exceeded)."""
+    (context_length_exceeded); both name `field`, the request's own name for the messages."""
     limits = state.limits()
     check_openai(body, limits)
     template = state.tokenizer.chat_template
@@ -213,12 +215,12 @@ async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: st
     spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
     num_chars = sum(len(str(m.get("content") or "")) for m in messages)
-    check_input_chars(state, num_chars, "messages")
+    check_input_chars(state, num_chars, field)
     extra = {**(body.chat_template_kwargs or {}), **extra}  # vLLM's: e.g. Qwen3's enable_thinking
     long = num_chars > INLINE_CHARS or "tools" in extra  # tools: their JSON schemas are rendered too
     prompt = await off_the_loop_if(long, state.tokenizer.apply_chat_template, messages, True, **extra)
-    ids = await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
-    check_context(state, len(ids), body.requested_max_tokens)
+    ids = await encode(state, prompt, add_special_tokens=False, field=field)  # the template wrote the specials
+    check_context(state, len(ids), body.requested_max_tokens, field)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
     params = openai_generation_params(body, max_new_tokens, limits)
     params.constraint = spec

@@ -84,7 +84,7 @@ async def create_route(body: ResponsesRequest, request: Request) -> Any:
     adapter = check_model(state, body.model)
     history = await _history(state, body.previous_response_id)
     conversation = history + input_messages(body.input)
-    job = await prepare_chat(state, as_chat_request(body, conversation), adapter)
+    job = await prepare_chat(state, as_chat_request(body, conversation), adapter, field="input")
     head = _response_head(state, body)
     if body.stream:
         stream, timer = await submit(state, job.ids, job.params)
