@@ -92,6 +92,19 @@ async def test_a_forced_tool_is_one_tool_use(harness: Harness, client: anthropic
     assert set(out.content[0].input) == {"city"}
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3, 5, 9])
+async def test_a_forced_tool_cut_off_is_a_partial_tool_use_or_nothing(client: anthropic.AsyncAnthropic,
+                                                                      max_tokens: int) -> None:
+    body = dict(model="default", max_tokens=max_tokens, tools=[WEATHER], tool_choice={"type": "any"},
+                messages=[{"role": "user", "content": "Weather?"}])
+    out = await client.messages.create(**body)
+    assert out.stop_reason == "max_tokens"
+    assert [(b.type, b.name) for b in out.content] in ([], [("tool_use", "get_weather")])  # no text: no markup
+    async with client.messages.stream(**body) as stream:
+        final = await stream.get_final_message()
+    assert [(b.type, b.name) for b in final.content] == [(b.type, b.name) for b in out.content]
+
+
 async def test_streaming_text_with_anthropics_events(harness: Harness, client: anthropic.AsyncAnthropic) -> None:
     script(harness, "Hello there, friend.")
     async with client.messages.stream(model="default", max_tokens=20,

@@ -82,34 +82,50 @@ async def test_required_with_parallel_calls_may_end_after_any_call(client: opena
     assert 1 in counts  # it ended after its first call at least once (the grammar let it)
 
 
-async def test_a_forced_call_cut_off_by_max_tokens_is_a_partial_call(client: openai.AsyncOpenAI) -> None:
-    body = dict(model="default", messages=MESSAGES, tools=[WEATHER], seed=1, max_tokens=9,
+@pytest.mark.parametrize("max_tokens", [1, 3, 5, 9, 14])
+async def test_a_forced_call_cut_off_by_max_tokens_is_a_partial_call(client: openai.AsyncOpenAI,
+                                                                    max_tokens: int) -> None:
+    """Cut inside the call's marker, before its name is complete or after: no markup in the
+    content, and a call only once it names its function."""
+    body = dict(model="default", messages=MESSAGES, tools=[WEATHER], seed=1, max_tokens=max_tokens,
                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     out = await client.chat.completions.create(**body)
     choice = out.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.function.name in ("", "get_weather") and "<tool_call>" not in call.function.arguments
+    calls = choice.message.tool_calls or []
+    assert [call.function.name for call in calls] in ([], ["get_weather"])
+    assert all("<tool_call>" not in call.function.arguments for call in calls)
     stream = await client.chat.completions.create(**body, stream=True)
-    content, arguments, finish = "", "", None
+    content, names, arguments, finish = "", [], "", None
     async for chunk in stream:
         delta = chunk.choices[0].delta
         content += delta.content or ""
+        names += [c.function.name for c in delta.tool_calls or [] if c.function.name is not None]
         arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or [])
         finish = chunk.choices[0].finish_reason or finish
-    assert content == "" and arguments == call.function.arguments and finish == "length"
+    assert content == "" and names == [call.function.name for call in calls] and finish == "length"
+    assert arguments == "".join(call.function.arguments for call in calls)
 
 
+@pytest.mark.parametrize(("written", "content", "calls"), [
+    ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "Sure.",
+     [("get_weather", '{"city": "Par')]),
+    ('Sure. <tool_call>\n{"name": "get_wea', "Sure.", []),  # its name not complete: no call
+    ("Sure. <tool_", "Sure.", []),  # the marker itself cut: not content either
+])
 async def test_a_call_the_model_wrote_cut_off_is_a_partial_call_not_content(
-        harness: Harness, client: openai.AsyncOpenAI, tokenizer: Tokenizer) -> None:
-    written = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+        harness: Harness, client: openai.AsyncOpenAI, tokenizer: Tokenizer, written: str, content: str,
+        calls: list[tuple[str, str]]) -> None:
     harness.backend.script = tokenizer.encode(written, add_special_tokens=False)
-    out = await client.chat.completions.create(model="default", messages=MESSAGES, tools=[WEATHER],
-                                               max_tokens=len(harness.backend.script))
+    body = dict(model="default", messages=MESSAGES, tools=[WEATHER], max_tokens=len(harness.backend.script))
+    out = await client.chat.completions.create(**body)
     message = out.choices[0].message
-    assert out.choices[0].finish_reason == "length" and message.content == "Sure."
-    (call,) = message.tool_calls
-    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Par'
+    assert out.choices[0].finish_reason == "length" and message.content == content
+    assert [(call.function.name, call.function.arguments) for call in message.tool_calls or []] == calls
+    streamed = ""
+    async for chunk in await client.chat.completions.create(**body, stream=True):
+        streamed += chunk.choices[0].delta.content or ""
+    assert streamed.strip() == content
 
 
 async def test_tool_arguments_admit_only_their_listed_keys(client: openai.AsyncOpenAI) -> None:

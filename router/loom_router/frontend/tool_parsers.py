@@ -56,22 +56,27 @@ class ParsedOutput:
 
 def parse(fmt: ToolFormat, text: str, names: set[str], cut_off: bool = False) -> ParsedOutput:
     """Split an answer into content and calls to the tools named `names`. With `cut_off` (the
-    answer ended at max_tokens) a call left open is returned as it stands: a partial call whose
-    name and arguments are what was written of them, never markup in the content."""
+    answer ended at max_tokens) a call left open is returned as it stands, a partial call with its
+    arguments as far as written, once its name is complete (one cut off before is dropped), and
+    the start of a call's marker is dropped too: never markup in the content."""
     if fmt is ToolFormat.HERMES:
         calls = [c for body in _HERMES_RE.findall(text) if (c := _call(_json(body), "arguments", names))]
         start = text.find(HERMES_OPEN)
         last = text.rfind(HERMES_OPEN)
         if cut_off and last >= 0 and HERMES_CLOSE not in text[last:]:
-            calls.append(_partial_call(text[last + len(HERMES_OPEN):]))
+            calls += _partial_call(text[last + len(HERMES_OPEN):], names)
     elif fmt is ToolFormat.LLAMA3_JSON:
         calls, start = _llama3_calls(text, names), 0
     else:
         calls, start = _mistral_calls(text, names)
-    if not calls and cut_off and (begun := call_start(fmt, text)) is not None:
-        calls, start = [_partial_call(text[begun:])], begun
+    if not calls and cut_off:
+        begun = call_start(fmt, text)
+        if begun is None:
+            held = held_tail(fmt, text)
+            return ParsedOutput((text[: len(text) - held].rstrip() or None) if held else text, [])
+        calls, start = _partial_call(text[begun:], names), begun
     if not calls:
-        return ParsedOutput(text, [])
+        return ParsedOutput((text[:start].strip() or None) if cut_off else text, [])
     return ParsedOutput(text[:start].strip() or None, calls)
 
 
@@ -79,13 +84,15 @@ _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _PARTIAL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
-def _partial_call(body: str) -> dict[str, Any]:
-    """A call cut off while written: its name if complete, and its arguments' JSON so far."""
+def _partial_call(body: str, names: set[str]) -> list[dict[str, Any]]:
+    """A call cut off while written, with its arguments' JSON so far; none before its name is
+    complete (a name must be one of the tools')."""
     name = _PARTIAL_NAME.search(body)
+    if name is None or name.group(1) not in names:
+        return []
     arguments = _PARTIAL_ARGUMENTS.search(body)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name.group(1) if name else "",
-                         "arguments": body[arguments.end():] if arguments else ""}}
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name.group(1), "arguments": body[arguments.end():] if arguments else ""}}]
 
 
 def call_start(fmt: ToolFormat, text: str) -> int | None:

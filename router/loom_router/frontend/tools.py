@@ -6,7 +6,8 @@ apart as `reasoning_content` (`reasoning`).
 validated against the tool's parameters, admitting only their listed keys): a named function gets
 exactly one call; "required" one call, or with `parallel_tool_calls: true` one or more, the answer
 free to end after any of them. "auto" lets the model choose and parses what it wrote; "none"
-ignores the tools. A call cut off by max_tokens comes back as a partial call. Responses carry `message.tool_calls` with JSON `arguments` and
+ignores the tools. A call cut off by max_tokens comes back as a partial call once its name is
+complete (dropped before). Responses carry `message.tool_calls` with JSON `arguments` and
 `finish_reason: "tool_calls"`.
 """
 
