@@ -149,25 +149,27 @@ class Tokenizer:
         return self._backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> str:
-        """Renders messages with the model's template; `extra` (tools, documents...) is passed on.
+        """Renders messages with the model's template; `extra` variables (tools, documents...) are
+        passed on, under the ones the template gets from Loom (messages, add_generation_prompt, the
+        model's bos_token and eos_token). continue_final_message: the prompt ends inside the final
+        (assistant) message, for the answer to go on from its text, as transformers does.
 
         Raises ChatTemplateError when there is no template or it fails on these messages.
         """
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         template = self._template()
+        variables = {**(extra or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self._token_string(self.bos_token_id),
+                     "eos_token": self._token_string(self.eos_token_ids[0] if self.eos_token_ids else None)}
         try:
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_string(self.bos_token_id),
-                eos_token=self._token_string(self.eos_token_ids[0] if self.eos_token_ids else None),
-                **extra,
-            )
+            prompt = template.render(variables)
         except Exception as e:  # template code runs on user input: any failure is the request's fault
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
+        return _up_to_final_message(prompt, messages) if continue_final_message else prompt
 
     def token_bytes_hash(self) -> str:
         """sha256 of the vocabulary (every token's text, in id order): a stable fingerprint."""
@@ -447,6 +449,19 @@ class _GenerationTag(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body, lineno=lineno)
+
+
+def _up_to_final_message(prompt: str, messages: list[dict]) -> str:
+    """The rendered prompt cut after the final message's text (the template's end of turn gone)."""
+    final = messages[-1] if messages else {}
+    text = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(text, str) or not text.strip():
+        raise ChatTemplateError("continuing the final message needs it to be an assistant message with text")
+    for piece in (text, text.strip()):  # some templates strip the content they write
+        at = prompt.rfind(piece)
+        if at >= 0:
+            return prompt[: at + len(piece)]
+    raise ChatTemplateError("the chat template does not write the final message's text, so it cannot be continued")
 
 
 def _raise_exception(message: str) -> None:

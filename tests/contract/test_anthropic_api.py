@@ -66,6 +66,22 @@ async def test_stop_sequences_and_max_tokens(harness: Harness, client: anthropic
     assert out.stop_reason == "max_tokens" and out.usage.output_tokens == 2
 
 
+async def test_a_final_assistant_message_is_continued(harness: Harness, client: anthropic.AsyncAnthropic) -> None:
+    script(harness, 'red"}')
+    ask = {"role": "user", "content": "Name a primary color."}
+    out = await client.messages.create(model="default", max_tokens=10,
+                                       messages=[ask, {"role": "assistant", "content": '{"color": "'}])
+    assert out.content[0].text == 'red"}'  # the answer goes on from the prefill, without repeating it
+    opened = harness.tokenizer.apply_chat_template([{"role": "user", "content": "Name a primary color."}])
+    assert last_prompt(harness) == opened + '{"color": "'
+    counted = await client.messages.count_tokens(model="default",
+                                                 messages=[ask, {"role": "assistant", "content": '{"color": "'}])
+    assert counted.input_tokens == out.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        await client.messages.create(model="default", max_tokens=10,
+                                     messages=[ask, {"role": "assistant", "content": "The color is "}])
+
+
 async def test_tool_use_and_tool_result_round_trip(harness: Harness, client: anthropic.AsyncAnthropic) -> None:
     script(harness, CALL)
     ask = {"role": "user", "content": "Weather in Paris?"}

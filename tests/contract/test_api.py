@@ -394,6 +394,23 @@ async def test_chat_stop_sequence_maps_to_stop(harness: Harness) -> None:
     assert choice["message"]["content"] == text[:text.index(stop)] and choice["finish_reason"] == "stop"
 
 
+async def test_chat_template_flags_and_variables(harness: Harness) -> None:
+    async def prompt(**fields: object) -> str:
+        response = await harness.client.post("/v1/chat/completions", json={"max_tokens": 1, **fields})
+        assert response.status_code == 200, response.text
+        return last_prompt(harness)
+
+    prefill = [*CHAT, {"role": "assistant", "content": "Sure, the"}]
+    opened = harness.tokenizer.apply_chat_template(CHAT)
+    closed = harness.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False)
+    assert await prompt(messages=CHAT) == opened != closed
+    assert await prompt(messages=CHAT, add_generation_prompt=False) == closed
+    assert await prompt(messages=CHAT, chat_template_kwargs={"add_generation_prompt": False}) == closed
+    assert await prompt(messages=prefill, continue_final_message=True) == opened + "Sure, the"
+    assert await prompt(messages=prefill, chat_template_kwargs={"continue_final_message": True}) == opened + "Sure, the"
+    assert await prompt(messages=CHAT, chat_template_kwargs={"self": 1, "x": 2}) == opened  # unused: no effect
+
+
 async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(harness.tokenizer, "chat_template", None)
     response = await harness.client.post("/v1/chat/completions", json={"messages": CHAT})
@@ -409,6 +426,12 @@ async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatc
     ("/v1/completions", {"prompt": [10**9]}, None, "token ids must be in"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
     ("/v1/chat/completions", {"messages": CHAT, "choice_params": [{}, {}]}, None, "more than `n`"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, None,
+     "`chat_template_kwargs` cannot set messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
+     None, "cannot both be true"),
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, None,
+     "needs it to be an assistant message"),
 ])
 async def test_openai_bad_requests_get_422_in_openai_shape(harness: Harness, route: str, body: dict,
                                                            param: str | None, message: str) -> None:

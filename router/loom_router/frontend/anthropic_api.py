@@ -27,7 +27,7 @@ from loom_router.frontend.openai_api import ChatJob, check_model, prepare_chat
 from loom_router.frontend.tool_stream import Delta, chat_deltas
 from loom_router.frontend.tools import chat_message
 from loom_router.frontend.validation import ChatCompletionRequest, Positive
-from loom_router.types import FinishReason, GenerationError
+from loom_router.types import FinishReason, GenerationError, ValidationError
 
 router = APIRouter(prefix="/v1", tags=["Anthropic"], route_class=UnicodeJSONRoute)
 
@@ -154,7 +154,19 @@ def as_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                                                            "parameters": t.input_schema}} for t in body.tools]
     if body.tool_choice is not None:
         chat.update(_tool_choice(body.tool_choice))
+    chat["continue_final_message"] = _is_prefill(messages[-1])
     return ChatCompletionRequest.translated(chat)
+
+
+def _is_prefill(final: dict[str, Any]) -> bool:
+    """A final assistant message with text: the answer goes on from it (Anthropic's prefill),
+    which may not end in whitespace (as Anthropic refuses it)."""
+    text = final["content"]
+    if final["role"] != "assistant" or not text or final.get("tool_calls"):
+        return False
+    if text != text.rstrip():
+        raise ValidationError("messages: final assistant content cannot end with trailing whitespace")
+    return True
 
 
 def _chat_messages(message: Message) -> list[dict[str, Any]]:

@@ -216,9 +216,10 @@ async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: st
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
     num_chars = sum(len(str(m.get("content") or "")) for m in messages)
     check_input_chars(state, num_chars, field)
-    extra = {**(body.chat_template_kwargs or {}), **extra}  # vLLM's: e.g. Qwen3's enable_thinking
+    extra = {**body.template_variables, **extra}  # vLLM's: e.g. Qwen3's enable_thinking
     long = num_chars > INLINE_CHARS or "tools" in extra  # tools: their JSON schemas are rendered too
-    prompt = await off_the_loop_if(long, state.tokenizer.apply_chat_template, messages, True, **extra)
+    prompt = await off_the_loop_if(long, state.tokenizer.apply_chat_template, messages, body.adds_generation_prompt,
+                                   body.continues_final_message, extra)
     ids = await encode(state, prompt, add_special_tokens=False, field=field)  # the template wrote the specials
     check_context(state, len(ids), body.requested_max_tokens, field)
     max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)

@@ -272,11 +272,20 @@ class ChatMessage(_Strict):
         return message
 
 
+LOOM_TEMPLATE_VARIABLES = frozenset({"messages", "bos_token", "eos_token"})  # a template's, filled by Loom
+TEMPLATE_FLAGS = frozenset({"add_generation_prompt", "continue_final_message"})
+
+
 class ChatCompletionRequest(OpenAISampling, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
     # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3
+    # (and the two flags below, which it may set too)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt without the assistant turn's opening, or ending inside the final
+    # (assistant) message so that the answer goes on from its text (a prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
 
@@ -285,6 +294,35 @@ class ChatCompletionRequest(OpenAISampling, ToolFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("`top_logprobs` requires `logprobs` to be true")
         return self
+
+    @model_validator(mode="after")
+    def _template_variables(self) -> ChatCompletionRequest:
+        reserved = sorted(LOOM_TEMPLATE_VARIABLES & (self.chat_template_kwargs or {}).keys())
+        if reserved:
+            raise ValueError(f"`chat_template_kwargs` cannot set {', '.join(reserved)}: the request's own "
+                             "messages and the model's tokens fill them")
+        if self.continues_final_message and self.adds_generation_prompt:
+            raise ValueError("`continue_final_message` and `add_generation_prompt` cannot both be true")
+        return self
+
+    @property
+    def continues_final_message(self) -> bool:
+        return bool((self.chat_template_kwargs or {}).get("continue_final_message", self.continue_final_message))
+
+    @property
+    def adds_generation_prompt(self) -> bool:
+        """As asked (in the request or its chat_template_kwargs); unasked, unless continuing."""
+        kwargs = self.chat_template_kwargs or {}
+        if "add_generation_prompt" in kwargs:
+            return bool(kwargs["add_generation_prompt"])
+        if "add_generation_prompt" in self.model_fields_set:
+            return self.add_generation_prompt
+        return not self.continues_final_message
+
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """chat_template_kwargs without the two flags (the template gets them as asked above)."""
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
 
     @classmethod
     def translated(cls, fields: dict[str, Any]) -> ChatCompletionRequest:

@@ -108,7 +108,7 @@ def test_a_template_without_tools_gets_the_tool_prompt(tokenizer: Tokenizer) -> 
     assert extra == {"tools": plan.template_tools}
     assert rendered[0]["role"] == "system" and "<tools>" in rendered[0]["content"]
     assert '"city": "Oslo"' in rendered[2]["content"]
-    prompt = tokenizer.apply_chat_template(rendered, True, **extra)
+    prompt = tokenizer.apply_chat_template(rendered, True, extra=extra)
     assert "get_weather" in prompt and "12C" in prompt
 
 

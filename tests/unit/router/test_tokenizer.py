@@ -130,6 +130,35 @@ def test_hf_chat_template_renders_with_bos_and_eos(tiny_hf: Path):
     assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("hi</s>\n")
 
 
+def test_continuing_the_final_message_ends_the_prompt_inside_it(smollm: Tokenizer, tiny_hf: Path):
+    prefill = [*FRANCE, {"role": "assistant", "content": 'The capital is "'}]
+    prompt = smollm.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert prompt == smollm.apply_chat_template(FRANCE) + 'The capital is "'
+    tok = load_tokenizer(str(tiny_hf))  # a template that writes an end of turn after every message
+    assert tok.apply_chat_template(prefill, False, True).endswith('[assistant] The capital is "')
+    with pytest.raises(ChatTemplateError, match="assistant message"):
+        tok.apply_chat_template(FRANCE, False, True)
+
+
+def test_template_variables_never_replace_loom_s(tiny_hf: Path):
+    tok = load_tokenizer(str(tiny_hf))
+    messages = [{"role": "user", "content": "hi"}]
+    extra = {"messages": [], "bos_token": "X", "self": 1}  # "self": a name render() itself takes
+    assert tok.apply_chat_template(messages, extra=extra) == tok.apply_chat_template(messages)
+
+
+@pytest.mark.slow
+def test_continuing_the_final_message_matches_transformers(smollm: Tokenizer):
+    transformers = pytest.importorskip("transformers")
+    from loom_router.tokenizer import _embedded_gguf_path
+
+    path = _embedded_gguf_path()
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prefill = [*FRANCE, {"role": "assistant", "content": "Paris, of"}]
+    assert smollm.apply_chat_template(prefill, False, True) == ref.apply_chat_template(
+        prefill, tokenize=False, continue_final_message=True)
+
+
 def test_chat_template_jinja_file_wins(tiny_hf: Path):
     (tiny_hf / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     assert load_tokenizer(str(tiny_hf)).apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
