@@ -134,6 +134,11 @@ async def test_choice_and_lark_grammar(harness: Harness) -> None:
     out = await chat(harness, structured_outputs={"grammar": 'start: "a" ("b" | "c")+ "!"'}, max_tokens=40)
     text = out["choices"][0]["message"]["content"]
     assert re.fullmatch("a[bc]+!", text) or out["choices"][0]["finish_reason"] == "length", text
+    gbnf = 'root ::= "a" [bc]+ "!"'  # llama.cpp's grammar format, also taken
+    for fields in ({"structured_outputs": {"grammar": gbnf}}, {"guided_grammar": gbnf}):
+        out = await chat(harness, **fields, max_tokens=40)
+        text = out["choices"][0]["message"]["content"]
+        assert re.fullmatch("a[bc]+!", text) or out["choices"][0]["finish_reason"] == "length", text
 
 
 async def test_tgi_grammar_json_and_regex(harness: Harness) -> None:

@@ -155,8 +155,8 @@ class GrammarCompiler:
         try:
             if spec.kind is ConstraintKind.JSON_SCHEMA:
                 source = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
-            else:
-                source = llguidance.grammar_from(spec.kind.value, spec.source)
+            else:  # llguidance's "grammar" reads Lark, and GBNF (llama.cpp's) converted to Lark
+                source = llguidance.grammar_from("grammar" if spec.kind is ConstraintKind.LARK else kind, spec.source)
             tokenizer = self.ll_tokenizer
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer, limits=LIMITS)
             if is_error:
