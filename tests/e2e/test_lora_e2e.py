@@ -109,8 +109,12 @@ def test_bad_and_unknown_adapters(served: Launcher, lora_folder, tmp_path: Path)
     refused = load(served, "broken", tmp_path)
     assert refused.status_code == 400 and "cannot be read" in refused.text
     assert load(served, "a1", adapters["a2"]).status_code == 400  # the name is taken
+    (base_name,) = [name for name, parent in before.items() if parent is None]
+    assert load(served, base_name, adapters["a2"]).status_code == 400  # the served model's name
     assert model_ids(served) == before
-    assert complete(served, "nope", PROMPTS["a1"]).status_code == 404
+    missing = complete(served, "nope", PROMPTS["a1"])
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert missing.json()["error"]["param"] == "model"
     assert tokens_of(complete(served, "a1", PROMPTS["a1"])) == expected["a1"]  # still served
     unloaded = httpx.post(f"{served.base_url}/v1/unload_lora_adapter", json={"lora_name": "a3"}, timeout=60)
     assert unloaded.status_code == 200, unloaded.text

@@ -114,9 +114,10 @@ def create_app(engine: Any, config: RouterConfig, metrics: FrontendMetrics | Non
 # ---- errors -----------------------------------------------------------------------------
 
 
-def error_response(request: Request, status: int, message: str, error_type: str) -> JSONResponse:
+def error_response(request: Request, status: int, message: str, error_type: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
     """TGI's `{"error", "error_type"}`, or OpenAI's `{"error": {...}}` on the /v1 routes."""
-    response = api_error_response(request.url.path, status, message)
+    response = api_error_response(request.url.path, status, message, param, code)
     if response is not None:
         return response
     return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
@@ -156,6 +157,9 @@ ENGINE_ERRORS: dict[type[Exception], tuple[int, str]] = {
 def _engine_error_handler(status: int, kind: str) -> Any:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         message = _validation_message(str(exc)) if isinstance(exc, ValidationError) else str(exc)
+        if isinstance(exc, NotFoundError) and not request.url.path.endswith("_lora_adapter"):
+            # a request's `model` that names no adapter: OpenAI's model_not_found
+            return error_response(request, status, message, kind, "model", "model_not_found")
         return error_response(request, status, message, kind)
 
     return handle

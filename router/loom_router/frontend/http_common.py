@@ -55,6 +55,13 @@ class AppState:
         return self.engine.tokenizer
 
     @property
+    def model_names(self) -> set[str]:
+        """The names `model` may give the served model: its served name, and its id with its file name."""
+        model_id = self.config.model_id
+        names = {self.model_name, model_id, Path(model_id).name, Path(model_id).name.removesuffix(".gguf")}
+        return {name for name in names if name}
+
+    @property
     def max_input_chars(self) -> int:
         """--max-input-chars, by default CHARS_PER_INPUT_TOKEN per allowed input token."""
         return self.config.max_input_chars or CHARS_PER_INPUT_TOKEN * self.engine.max_input_tokens

@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from loom_router.frontend.http_common import AppState, get_state
+from loom_router.types import BadRequestError
 
 router = APIRouter(prefix="/v1", tags=["LoRA"])
 
@@ -32,7 +33,10 @@ class UnloadLoraRequest(BaseModel):
 @router.post("/load_lora_adapter", summary="Load a PEFT LoRA adapter while serving (400: a bad adapter)",
              response_class=PlainTextResponse)
 async def load_route(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
-    name = await get_state(request).engine.call("lora_load", body.lora_name, path=body.lora_path)
+    state = get_state(request)
+    if body.lora_name in state.model_names:  # `model` would then name two models
+        raise BadRequestError(f"'{body.lora_name}' is the served model's name; give the adapter another")
+    name = await state.engine.call("lora_load", body.lora_name, path=body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -75,18 +74,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse({"error": error}, status_code=status)
 
 
-def model_names(state: AppState) -> set[str]:
-    """The names `model` may give: the served name, and the model id with its file name."""
-    model_id = state.config.model_id
-    names = {state.model_name, model_id, Path(model_id).name, Path(model_id).name.removesuffix(".gguf")}
-    return {name for name in names if name}
-
-
 def check_model(state: AppState, model: str | None) -> str | None:
     """The LoRA adapter `model` names, or None for the served model (also when none is named).
     With adapters on, another name is an adapter's, which the engine core resolves (404 when no
     adapter has it); else an unknown `model` is OpenAI's 404 model_not_found."""
-    if model is None or model in model_names(state):
+    if model is None or model in state.model_names:
         return None
     if state.config.enable_lora:
         return model
