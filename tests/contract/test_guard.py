@@ -94,10 +94,12 @@ async def test_the_playground_page_loads_without_a_key_but_generation_does_not(s
 async def test_each_key_opens_the_routes_and_a_wrong_one_does_not(serve: Serve) -> None:
     client, _ = await serve(api_key=KEYS)
     for key in KEYS:
-        response = await client.post("/generate", json=GENERATE, headers=bearer(key))
-        assert response.status_code == 200, response.text
+        for headers in (bearer(key), {"x-api-key": key}):  # Anthropic's header too
+            response = await client.post("/generate", json=GENERATE, headers=headers)
+            assert response.status_code == 200, response.text
     for headers in (bearer("sk-first-key-012"), bearer(KEYS[0] + "x"), {"Authorization": KEYS[0]},
-                    {"Authorization": f"Basic {KEYS[0]}"}, bearer("")):
+                    {"Authorization": f"Basic {KEYS[0]}"}, bearer(""), {"x-api-key": ""}, {"x-api-key": "nope"},
+                    {"Authorization": "Basic x", "x-api-key": KEYS[0]}):
         assert (await client.post("/generate", json=GENERATE, headers=headers)).status_code == 401
 
 
@@ -207,8 +209,10 @@ async def test_the_limit_stops_reading_before_the_whole_body() -> None:
 
 async def test_cors_answers_preflight_for_allowed_origins_even_with_keys(serve: Serve) -> None:
     client, _ = await serve(api_key=KEYS, cors_allow_origin=("https://app.example",))
+    # the headers the official JS SDKs send (openai's and anthropic's)
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"}
+                 "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,x-stainless-retry-count,"
+                                                   "anthropic-version,x-api-key"}
     response = await client.options("/generate", headers=preflight)
     assert response.status_code == 200
     assert response.headers["access-control-allow-origin"] == "https://app.example"

@@ -23,7 +23,7 @@ from loom_router.frontend.playground import is_public
 HEALTH_PATHS = frozenset({"/health", "/ready", "/v2/health/ready"})  # always open: orchestrators probe them
 METRICS_PATH = "/metrics"
 CORS_METHODS = ("GET", "POST", "DELETE")
-CORS_HEADERS = ("Content-Type", "Authorization")
+CORS_HEADERS = ("*",)  # whatever a preflight lists: the SDKs' own (x-stainless-*, anthropic-version, x-api-key)
 
 
 class PayloadTooLarge(Exception):
@@ -97,13 +97,7 @@ class Guard:
         await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = _header(scope, b"authorization")
-        if header is None:
-            return False
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
+        token = _presented_key(scope)
         if not token:  # never authorized, whatever the keys
             return False
         # Every key is compared, each in constant time: how long it takes says nothing
@@ -112,6 +106,16 @@ class Guard:
         for key in self.policy.api_keys:
             matched |= hmac.compare_digest(token, key)
         return matched
+
+
+def _presented_key(scope: Scope) -> bytes | None:
+    """The key of `Authorization: Bearer <key>`, or of Anthropic's `x-api-key: <key>`."""
+    header = _header(scope, b"authorization")
+    if header is not None:
+        scheme, _, token = header.partition(b" ")
+        return token.strip() if scheme.lower() == b"bearer" else None
+    header = _header(scope, b"x-api-key")
+    return header.strip() if header is not None else None
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
