@@ -58,6 +58,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     constraint: Constraint | None = None
     adapter: str | None = None  # a LoRA adapter's name; None: the base model
     pooling: int = 0  # loom_proto.step.Pooling's value: an embedding request unless 0 (NONE)
+    stop_token_ids: list[int] = []  # they end a choice as EOS does, even with ignore_eos
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):

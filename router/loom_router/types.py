@@ -35,6 +35,7 @@ class GenerationParams:
     choices: list[SamplingParams]
     max_new_tokens: int
     stop_sequences: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end the choice as EOS does
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs
     constraint: ConstraintSpec | None = None  # constrained decoding: compiled by the engine core

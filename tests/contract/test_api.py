@@ -411,6 +411,24 @@ async def test_chat_template_flags_and_variables(harness: Harness) -> None:
     assert await prompt(messages=CHAT, chat_template_kwargs={"self": 1, "x": 2}) == opened  # unused: no effect
 
 
+async def test_stop_token_ids_end_a_choice_as_eos_does(harness: Harness) -> None:
+    script(harness, " one two three four five", then_eos=False)
+    ids = harness.backend.script
+    stop_id = ids[2]  # " three": not a special token, so its text stays (vLLM's rule)
+    for route, body in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": CHAT})]:
+        for ignore_eos in (False, True):  # they apply whatever ignore_eos says
+            response = await harness.client.post(route, json={**body, "max_tokens": 20, "stop_token_ids": [stop_id],
+                                                              "ignore_eos": ignore_eos})
+            (choice,) = response.json()["choices"]
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert text == harness.tokenizer.decode(ids[:3]) and choice["finish_reason"] == "stop", choice
+            assert response.json()["usage"]["completion_tokens"] == 3
+    sampled = [p.sampling for plan in harness.backend.shard.plans for p in plan.new_requests][-1]
+    assert stop_id in sampled.eos_token_ids  # min_tokens holds them back too
+    response = await harness.client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [10**6]})
+    assert response.status_code == 422 and "stop_token_ids" in response.text
+
+
 async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(harness.tokenizer, "chat_template", None)
     response = await harness.client.post("/v1/chat/completions", json={"messages": CHAT})

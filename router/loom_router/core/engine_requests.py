@@ -175,7 +175,7 @@ class RequestBook:
         self.scheduler.abort(group_id)
 
     def _finish_reason(self, num_generated: int, request: Submit, token_id: int) -> FinishReason | None:
-        if not request.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+        if (not request.ignore_eos and token_id in self.tokenizer.eos_token_ids) or token_id in request.stop_token_ids:
             return FinishReason.EOS
         if num_generated >= request.max_new_tokens:
             return FinishReason.LENGTH

@@ -167,7 +167,8 @@ class EngineClient:
         self._waiting[ticket] = (future, stream)
         constraint = params.constraint.to_contract() if params.constraint is not None else None
         self._send(Submit(self.frontend, ticket, prompt_ids, params.choices, params.max_new_tokens,
-                          params.ignore_eos, params.prompt_logprobs, constraint, params.adapter))
+                          params.ignore_eos, params.prompt_logprobs, constraint, params.adapter,
+                          stop_token_ids=params.stop_token_ids))
         try:
             stream.group_id = await future
         except asyncio.CancelledError:  # the handler went away first: cancel it once admitted

@@ -205,6 +205,7 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Count] | None = None  # vLLM's: tokens that end a choice as EOS does
     min_tokens: Count = 0
     choice_params: list[ChoiceOverride] | None = None
 
@@ -359,6 +360,9 @@ def check_openai(req: CompletionRequest | ChatCompletionRequest, limits: Limits)
     if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
         raise ValidationError(f"`min_tokens` ({req.min_tokens}) must be <= `max_tokens` ({max_tokens})")
     _logit_bias(req.logit_bias, limits.vocab_size)
+    outside = [t for t in req.stop_token_ids or [] if t >= limits.vocab_size]
+    if outside:
+        raise ValidationError(f"`stop_token_ids` must be in 0..{limits.vocab_size - 1}. Given: {outside[0]}")
 
 
 def openai_generation_params(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: int,
@@ -375,6 +379,7 @@ def openai_generation_params(req: CompletionRequest | ChatCompletionRequest, max
         choices=choices,
         max_new_tokens=max_new_tokens,
         stop_sequences=req.stop_sequences,
+        stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         prompt_logprobs=echo_logprobs,
     )
@@ -402,8 +407,8 @@ def _openai_sampling(req: OpenAISampling, override: ChoiceOverride | None, seed:
         presence_penalty=pick("presence_penalty") or 0.0,
         logit_bias=_logit_bias(req.logit_bias, limits.vocab_size),
         top_n_tokens=req.top_n_tokens or 0,  # type: ignore[attr-defined]
-        min_new_tokens=req.min_tokens,
-        eos_token_ids=limits.eos_token_ids,
+        min_new_tokens=req.min_tokens,  # masks the stop token ids too, as vLLM's min_tokens does
+        eos_token_ids=tuple(dict.fromkeys([*limits.eos_token_ids, *(req.stop_token_ids or [])])),
     )
 
 
