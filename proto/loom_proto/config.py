@@ -17,6 +17,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -36,6 +37,19 @@ StrList = Annotated[tuple[str, ...], NoDecode]
 SecretList = Annotated[tuple[SecretStr, ...], NoDecode]
 # Never on a command line (`ps` shows it to every user): the launcher hands these on stdin.
 SECRET_FIELDS = frozenset({"api_key", "shard_secret"})
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """The keys of an --api-key-file: one per line, blank lines and # comments skipped. Raises
+    ValueError for a file that cannot be read or holds no key (it would leave every route open)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"--api-key-file {path} cannot be read: {error.strerror}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no API key")
+    return keys
 DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, as TGI
 
 
@@ -231,6 +245,14 @@ class RouterFlags(ModelFlags):
         if isinstance(value, str):  # from an environment variable
             return tuple(item.strip() for item in value.split(",") if item.strip())
         return value
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file_holds_a_key(cls, path: str | None) -> str | None:
+        """Read at start, so that a missing or keyless file stops the launcher before any model loads."""
+        if path is not None:
+            read_api_key_file(path)
+        return path
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -16,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loom_proto.config import RouterConfig
+from loom_proto.config import RouterConfig, read_api_key_file
 from loom_router.frontend.api_errors import api_error_response
 from loom_router.frontend.playground import is_public
 
@@ -43,11 +42,7 @@ def load_api_keys(config: RouterConfig) -> tuple[bytes, ...]:
     skipped). A file without a key is refused (ValueError): it would leave every route open."""
     keys = [key.get_secret_value() for key in config.api_key]
     if config.api_key_file is not None:
-        from_file = [line.strip() for line in Path(config.api_key_file).read_text().splitlines()
-                     if line.strip() and not line.lstrip().startswith("#")]
-        if not from_file:
-            raise ValueError(f"--api-key-file {config.api_key_file} holds no API key")
-        keys += from_file
+        keys += read_api_key_file(config.api_key_file)
     return tuple(key.encode() for key in keys)
 
 

@@ -70,3 +70,14 @@ def test_a_blank_key_is_refused_at_start(argv: list[str], env: str | None, monke
     with pytest.raises(SystemExit):
         load_settings(argv)
     assert "--api-key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, "", "# keys go here\n\n   \n"])
+def test_a_key_file_without_a_key_stops_the_launcher_before_anything_loads(
+        content: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "keys"  # None: no such file
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit):
+        load_settings(["--api-key-file", str(path)])
+    assert "--api-key-file" in capsys.readouterr().err
