@@ -20,6 +20,7 @@ previous one's reply (the router's one step of lookahead). Little-endian lengths
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 from collections import deque
@@ -128,6 +129,15 @@ async def serve(path: str, handle: StepHandler) -> asyncio.AbstractServer:
     if os.path.exists(path):
         os.unlink(path)
     return await asyncio.get_running_loop().create_unix_server(lambda: ServerProtocol(handle), path)
+
+
+def close(server: asyncio.AbstractServer) -> None:
+    """Stop serving and remove the socket's file (asyncio leaves it behind before Python 3.13)."""
+    paths = [sock.getsockname() for sock in server.sockets]
+    server.close()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class ChannelClosed(ConnectionError):

@@ -85,7 +85,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
 
     def close(self) -> None:
         if self.step_server is not None:
-            self.step_server.close()
+            step_channel.close(self.step_server)
         # A forward already running finishes; queued ones are dropped.
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,9 @@ read, come out whole and in order."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from loom_proto import step_channel
 from loom_proto.step_channel import _Frames
 
@@ -30,3 +33,15 @@ def test_replies_carry_their_status_and_payload() -> None:
     assert frames.reply() is None  # the second one is not whole yet
     frames.feed(step_channel.encode_reply(3, b"refused")[4:])
     assert frames.reply() == (3, b"refused")
+
+
+async def test_a_closed_step_socket_leaves_no_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "shard.sock.step")
+
+    async def handle(plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
+        return step_channel.OK, plan
+
+    server = await step_channel.serve(path, handle)
+    assert os.path.exists(path)
+    step_channel.close(server)
+    assert not os.path.exists(path)
