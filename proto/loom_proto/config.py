@@ -37,6 +37,7 @@ StrList = Annotated[tuple[str, ...], NoDecode]
 SecretList = Annotated[tuple[SecretStr, ...], NoDecode]
 # Never on a command line (`ps` shows it to every user): the launcher hands these on stdin.
 SECRET_FIELDS = frozenset({"api_key", "shard_secret"})
+DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, as TGI
 
 
 def read_api_key_file(path: str) -> list[str]:
@@ -50,7 +51,6 @@ def read_api_key_file(path: str) -> list[str]:
     if not keys:
         raise ValueError(f"--api-key-file {path} holds no API key")
     return keys
-DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, as TGI
 
 
 class Frozen(BaseModel):
