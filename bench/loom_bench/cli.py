@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="URL2", help="a second server, sent the same requests alternately")
     p.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
     p.add_argument("--model", help="`model` of OpenAI requests (default: none sent)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as `Authorization: Bearer` (default: $OPENAI_API_KEY; none: no header)")
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--dataset-path", type=Path, help="the jsonl or sharegpt file")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per load level")
@@ -58,6 +61,8 @@ def load_requests(args: argparse.Namespace) -> list[datasets.BenchRequest]:
     name = args.dataset_name
     if name in ("jsonl", "sharegpt") and args.dataset_path is None:
         raise ValueError(f"--dataset-name {name} needs --dataset-path")
+    if args.dataset_path is not None and not args.dataset_path.is_file():
+        raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
     if name == "random":
         return datasets.random_requests(n, args.random_input_len, out_len, args.random_range_ratio, seed)
     if name == "shared-prefix":
@@ -122,9 +127,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for load in loads(args):
         run = await run_load(requests, servers, BACKENDS[args.backend], opts, load, args.seed,
-                             progress=not args.no_progress, timeout_s=args.timeout)
+                             progress=not args.no_progress, timeout_s=args.timeout, api_key=args.api_key)
         runs.append(report(run, servers, slo))
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}  # a secret
     return {"config": config, "runs": runs}
 
 

@@ -50,7 +50,8 @@ class RunResult:
 
 
 async def run_load(requests: list[BenchRequest], servers: list[str], backend: Backend, opts: BackendOptions,
-                   load: Load, seed: int, progress: bool = True, timeout_s: float = 600.0) -> RunResult:
+                   load: Load, seed: int, progress: bool = True, timeout_s: float = 600.0,
+                   api_key: str | None = None) -> RunResult:
     by_server: dict[str, list[RequestResult]] = {server: [] for server in servers}
     semaphore = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     bar = tqdm(total=len(requests) * len(servers), desc=load.label(), disable=not progress, unit="req")
@@ -60,7 +61,8 @@ async def run_load(requests: list[BenchRequest], servers: list[str], backend: Ba
     # written to a closed one. No pool limit: the load decides how many are open.
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)  # per read, as httpx's
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # a server started with --api-key
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as client:
 
         async def one(index: int, request: BenchRequest) -> None:
             order = servers if index % 2 == 0 else servers[::-1]  # alternate who goes first

@@ -93,3 +93,36 @@ def test_bad_flags_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["--goodput", "latency:5", "--num-prompts", "1"]) == 2
     assert "--goodput takes KEY:MS" in capsys.readouterr().err
     assert main(["--dataset-name", "jsonl"]) == 2
+
+
+def test_a_missing_dataset_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["--dataset-name", "jsonl", "--dataset-path", str(tmp_path / "none.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+async def test_the_api_key_goes_as_a_bearer_header_and_never_into_the_results(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"error": "no"}, status=401)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        args = build_parser().parse_args(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2",
+                                          "--api-key", "sk-test", "--no-progress"])
+        from loom_bench.cli import bench
+
+        result = await bench(args)
+    finally:
+        await runner.cleanup()
+    assert seen == ["Bearer sk-test"] * 2
+    assert "sk-test" not in json.dumps(result)
