@@ -31,7 +31,7 @@ DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cuda": 2048, "cpu": 512}
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 Positive = Annotated[int, Field(gt=0)]
-Seconds = Annotated[float, Field(gt=0)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # JSON, which hands configs on, has no inf
 # A list flag also read from one environment variable as comma-separated values.
 StrList = Annotated[tuple[str, ...], NoDecode]
 SecretList = Annotated[tuple[SecretStr, ...], NoDecode]
