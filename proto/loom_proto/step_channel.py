@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -124,8 +125,22 @@ class ServerProtocol(asyncio.Protocol):
                 self._transport.write(encode_reply(*reply.result()))
 
 
+def refuse_live_socket(path: str) -> None:
+    """Raises OSError when a process still accepts connections on the unix socket at `path`
+    (another server's, which binding there would take over); a stale file is left to replace."""
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # nobody listens: stale
+    raise OSError(f"another process serves on {path}: give this server another socket path")
+
+
 async def serve(path: str, handle: StepHandler) -> asyncio.AbstractServer:
     """Serve the step socket at `path` (a stale file there is replaced)."""
+    refuse_live_socket(path)
     if os.path.exists(path):
         os.unlink(path)
     return await asyncio.get_running_loop().create_unix_server(lambda: ServerProtocol(handle), path)

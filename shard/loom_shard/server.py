@@ -312,7 +312,8 @@ async def start_server(
     worker: ThreadPoolExecutor | None = None, tracer: ShardTracer | None = None, *,
     tcp_address: str | None = None, secret: str | None = None,
 ) -> tuple[grpc.aio.Server, ShardServicer]:
-    """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced),
+    """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced; a
+    live one, another server's, is an OSError),
     with Step also on its step socket (loom_proto.step_channel, closed with the servicer), or on
     TCP at `tcp_address` (host:port; steps over gRPC). With `secret`, every call must carry it
     (loom_shard.auth); TCP without one is refused: anyone on the network could drive the model."""
@@ -320,6 +321,9 @@ async def start_server(
         raise ValueError("serve on exactly one of a unix socket and a TCP address")
     if tcp_address is not None and secret is None:
         raise ValueError(f"refusing to serve on tcp {tcp_address} without the shard secret")
+    if uds_path is not None:
+        for path in (uds_path, step_channel.socket_path(uds_path)):
+            step_channel.refuse_live_socket(path)
     interceptors = [] if secret is None else [SecretInterceptor(secret, runner.info().rank)]
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     servicer = ShardServicer(runner, snapshot_dir, worker, tracer)

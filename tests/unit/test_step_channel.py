@@ -4,7 +4,10 @@ read, come out whole and in order."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
+
+import pytest
 
 from loom_proto import step_channel
 from loom_proto.step_channel import _Frames
@@ -45,3 +48,17 @@ async def test_a_closed_step_socket_leaves_no_file(tmp_path: Path) -> None:
     assert os.path.exists(path)
     step_channel.close(server)
     assert not os.path.exists(path)
+
+
+async def test_a_live_socket_is_never_taken_over(tmp_path: Path) -> None:
+    from loom_shard.server import start_server
+
+    path = str(tmp_path / "shard.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:  # another server's, still listening
+        other.bind(path)
+        other.listen()
+        with pytest.raises(OSError, match="another process serves"):
+            await start_server(None, uds_path=path)  # type: ignore[arg-type]
+        with pytest.raises(OSError, match="another process serves"):
+            await step_channel.serve(path, lambda plan, metadata: None)  # type: ignore[arg-type,return-value]
+    step_channel.refuse_live_socket(path)  # closed: a stale file, replaced as before
