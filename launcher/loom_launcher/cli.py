@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import SecretStr
 
-from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, serve
+from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, json_log_to_stderr, log_to_stderr, serve
 from loom_proto.config import (
     SECRET_FIELDS,
     LauncherSettings,
@@ -113,11 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"loom-launcher: error: {error}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    install_signal_handlers(stop)
+    log = json_log_to_stderr if settings.json_output else log_to_stderr
+    install_signal_handlers(stop, log)
     if settings.placement == "ray":
         from loom_launcher.ray_placement import serve_on_ray  # the ray extra: imported only here
 
-        return serve_on_ray(settings, stop)
+        return serve_on_ray(settings, stop, log)
     env = child_env(os.environ, threads_per_shard(settings, available_cpus()))
     shards = [] if settings.role == "router" else [shard_spec(settings.shard_config(rank), env)
                                                    for rank in settings.local_ranks()]
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(shards=shards, router=None if router is None else router_spec(router, env),
                  health_url=None if router is None else health_url(router),
                  startup_timeout=settings.startup_timeout,
-                 shutdown_timeout=settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S, stop=stop)
+                 shutdown_timeout=settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S, stop=stop, log=log)
 
 
 if __name__ == "__main__":

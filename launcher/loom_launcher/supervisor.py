@@ -7,6 +7,7 @@ and `serve` returns the launcher's exit status.
 from __future__ import annotations
 
 import enum
+import json
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import IO
 
 from loom_proto.process import parent_death_signal
@@ -79,6 +81,28 @@ class StopRequested(Exception):
 
 def log_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def json_log_to_stderr(message: str) -> None:
+    """`--json-output`: every line one JSON object, the process it came from in `process`. A
+    child's JSON line (the router's) keeps its fields; any other line becomes the message."""
+    print(json_line(message), file=sys.stderr, flush=True)
+
+
+def json_line(message: str) -> str:
+    """'[source] text' (the launcher's and its children's lines) as a JSON object."""
+    source, text = ("launcher", message)
+    if message.startswith("[") and "] " in message:
+        source, text = message[1:].split("] ", 1)
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        return json.dumps({**parsed, "process": source}, ensure_ascii=False)
+    now = datetime.now(tz=UTC).isoformat()
+    return json.dumps({"timestamp": now, "level": "INFO", "target": f"loom.{source.split()[0]}",
+                       "message": text, "process": source}, ensure_ascii=False)
 
 
 def install_signal_handlers(stop: threading.Event, log: Log = log_to_stderr) -> None:

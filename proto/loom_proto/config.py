@@ -196,7 +196,7 @@ class RouterFlags(ModelFlags):
         30.0, description="seconds in-flight requests may take to finish after SIGTERM; the rest then end "
         "with an error event")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="router log level")
-    json_output: bool = Field(False, description="router logs as one JSON object per line")
+    json_output: bool = Field(False, description="every log line (launcher, router, shards) one JSON object")
     prometheus_port: int | None = Field(None, ge=0, lt=65536, description="also serve /metrics on this port; "
                                         "unset: only on the HTTP port")
     api_key: SecretList = Field((), description="a client must send `Authorization: Bearer <key>` with one of "

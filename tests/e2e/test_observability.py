@@ -100,8 +100,9 @@ def test_compare_prints_ratios_and_second_server_logs_json(launcher: Launcher, s
     assert run["ratios"]["e2el_ms.mean"] > 0
     side = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     assert re.search(r"^tgi_request_success 2(\.0)?$", side, re.M), side[-2000:]
-    lines = [json.loads(line[line.index("{"):]) for line in other.log().splitlines()
-             if '"target": "loom.requests"' in line]
+    records = [json.loads(line) for line in other.log().splitlines() if line.strip()]  # every line is JSON
+    assert {"launcher", "router", "shard 0"} <= {record["process"] for record in records}
+    lines = [record for record in records if record["target"] == "loom.requests"]
     assert len(lines) == 2 and all(line["fields"]["num_generated_tokens"] > 0 for line in lines)
     assert other.stop() == 0  # the router flushes its spans on the way out
     assert posts and {path for path, _ in posts} == {"/v1/traces"}
