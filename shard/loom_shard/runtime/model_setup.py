@@ -36,15 +36,21 @@ def keep_freed_memory_mapped() -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20))
 
 
-def resolve_device(device: str, rank: int) -> torch.device:
-    """"auto" is cuda when a GPU is visible, else cpu; rank r uses GPU r of the visible ones."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
-
-
 class ShardSetupError(Exception):
     """The shard cannot run as configured on this machine; str() is one line saying why."""
+
+
+def resolve_device(device: str, rank: int) -> torch.device:
+    """"auto" is cuda when a GPU is visible, else cpu; rank r uses GPU r of the visible ones.
+    Raises ShardSetupError for cuda where torch sees no GPU (or not GPU r)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cuda":
+        return torch.device("cpu")
+    if rank >= torch.cuda.device_count():
+        raise ShardSetupError(f"--device cuda: rank {rank} needs GPU {rank}, and torch sees "
+                              f"{torch.cuda.device_count()} GPU(s) here (a CPU build of torch sees none)")
+    return torch.device(f"cuda:{rank}")
 
 
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
