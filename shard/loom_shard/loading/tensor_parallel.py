@@ -87,7 +87,7 @@ def apply_tensor_parallel(model: DecoderModel, rank: int, world_size: int) -> De
     """Keep this rank's share of every layer in place; needs an initialised process group to run."""
     if world_size == 1:
         return model
-    _check_divisible(model.config, world_size)
+    check_divisible(model.config, world_size)
     for layer in model.layers:
         _shard_attention(layer.self_attn, rank, world_size)
         if isinstance(layer.mlp, MoE):
@@ -99,7 +99,8 @@ def apply_tensor_parallel(model: DecoderModel, rank: int, world_size: int) -> De
     return model
 
 
-def _check_divisible(config: ModelConfig, world_size: int) -> None:
+def check_divisible(config: ModelConfig, world_size: int) -> None:
+    """Raises ValueError unless every dimension that is split over the ranks divides evenly."""
     counts = {"num_kv_heads": config.num_kv_heads}
     if config.moe is None or config.moe.dense_layers:
         counts["intermediate_size"] = config.intermediate_size

@@ -117,9 +117,14 @@ def load_model(config: ShardConfig, dtype: torch.dtype, device: torch.device) ->
     from loom_shard.loading.loader import load_model_config, load_model_weights, weights_hash  # file formats stay out
 
     if config.world_size > 1:  # only this rank's slices are kept in host memory and reach its GPU
-        from loom_shard.loading.tensor_parallel import build_rank_model, rank_part
+        from loom_shard.loading.tensor_parallel import build_rank_model, check_divisible, rank_part
 
-        moe = load_model_config(config.model_id).moe
+        model_config = load_model_config(config.model_id)
+        try:  # before any weight is read
+            check_divisible(model_config, config.world_size)
+        except ValueError as error:
+            raise ShardSetupError(f"--num-shard {config.world_size}: {error}") from None
+        moe = model_config.moe
         part = functools.partial(rank_part, rank=config.rank, world_size=config.world_size,
                                  num_experts=moe.num_experts if moe else 0)
         model_config, weights = load_model_weights(config.model_id, dtype, part=part)
