@@ -266,7 +266,6 @@ async def test_shard_failure_gives_424_and_the_server_recovers(harness: Harness)
     harness.backend.fail_steps = True
     response = await harness.client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
     assert response.status_code == 424 and response.json()["error_type"] == "generation"
-    assert "fake shard failure" not in response.text and "step failed (RuntimeError" in response.text  # the text: logged only
     harness.backend.fail_steps = False
     assert (await harness.client.get("/health")).status_code == 200
 

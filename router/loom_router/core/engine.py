@@ -253,7 +253,7 @@ class Engine(RequestBook):
         if self._draining:  # 503, as the frontends answer once they know: retry elsewhere, not later here
             raise shutting_down()
         if not self._loop_alive():
-            raise GenerationError(f"the engine loop is not running ({type(self._loop_error).__name__}; the server log has the details)")
+            raise GenerationError(f"the engine loop is not running: {self._loop_error!r}")
         if self._watch.down:
             raise UnavailableError("a shard is down; retry on another replica")
         if len(self._active) >= self.config.max_concurrent_requests:
@@ -316,7 +316,7 @@ class Engine(RequestBook):
         exception) comes back on the future. A future cancelled before then skips fn."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         if not self._loop_alive():
-            future.set_exception(GenerationError(f"the engine loop is not running ({type(self._loop_error).__name__}; the server log has the details)"))
+            future.set_exception(GenerationError(f"the engine loop is not running: {self._loop_error!r}"))
             return future
         self._between_steps.append((fn, future))  # type: ignore[arg-type]
         self._wakeup.set()
@@ -369,7 +369,7 @@ class Engine(RequestBook):
         except BaseException as err:  # a bug here must not leave clients hanging
             log.critical("engine loop crashed: %s", err, exc_info=not isinstance(err, ShardDivergence))
             self._loop_error = err
-            self._fail_all(GenerationError(_client_message("the engine loop crashed", err)))
+            self._fail_all(GenerationError(f"engine loop crashed: {err!r}"))
             self._status_changed()
             if self.on_fatal is not None:
                 self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
@@ -526,7 +526,7 @@ class Engine(RequestBook):
             log.warning("requests %s were being swapped out by the failed step: they resume by "
                         "recomputing their KV", requeued)
         for group_id in failed:
-            self._fail(group_id, GenerationError(_client_message("a shard's step failed", err)))
+            self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
         await self._check_shards_after(err)  # the streams got their error first
 
     async def _check_shards_after(self, err: Exception) -> None:
@@ -543,11 +543,3 @@ class Engine(RequestBook):
             self._watch.mark_down(f"a step failed: {err}")
             # Requests admitted meanwhile (and any still running) cannot run either: 503, not 424.
             self._abort_all(self.scheduler, UnavailableError(f"a shard is down ({err}); retry on another replica"))
-
-
-def _client_message(what: str, err: BaseException) -> str:
-    """What a client reads of an internal failure: what failed and the error's kind (a shard's:
-    its rank and gRPC status); its text (a shard's stack, file paths, peer addresses) goes only
-    to the server's log."""
-    kind = f"shard rank {err.rank}: {err.code}" if isinstance(err, ShardError) else type(err).__name__
-    return f"Request failed during generation: {what} ({kind}; the server log has the details)"
