@@ -321,9 +321,8 @@ async def start_server(
         raise ValueError("serve on exactly one of a unix socket and a TCP address")
     if tcp_address is not None and secret is None:
         raise ValueError(f"refusing to serve on tcp {tcp_address} without the shard secret")
-    if uds_path is not None:
-        for path in (uds_path, step_channel.socket_path(uds_path)):
-            step_channel.refuse_live_socket(path)
+    if uds_path is not None:  # gRPC would replace a live one (the step socket's serve() checks its own)
+        step_channel.refuse_live_socket(uds_path)
     interceptors = [] if secret is None else [SecretInterceptor(secret, runner.info().rank)]
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     servicer = ShardServicer(runner, snapshot_dir, worker, tracer)
