@@ -3,6 +3,7 @@ that computes nothing (bench/zero_cost_shard.py), so that what is measured is th
 
     python bench/bench_ceiling.py                                   # every endpoint, 1 to 512 streams
     python bench/bench_ceiling.py --streams 1 256 --endpoint chat --launcher-flag=--api-workers=2
+    python bench/bench_ceiling.py --real-shard --launcher-flag=--device=cuda   # the served model on a GPU
 
 Each (endpoint, streams) run opens `streams` concurrent streams, each sending `--requests` requests
 one after the other (greedy, ignore_eos, `--new-tokens` each), from `--client-procs` processes so
@@ -268,13 +269,14 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]
     port = free_port()
     flags = ["--port", str(port), "--hostname", "127.0.0.1", "--shard-uds-path", tempfile.mktemp(prefix="loom-ceil-"),
              "--max-concurrent-requests", str(max(args.streams) * 2), *args.launcher_flag, *variant.flags]
-    cmd = [sys.executable, "-c", LAUNCHER.format(module=SHARD_MODULE), *flags]
+    module = "loom_shard.server" if args.real_shard else SHARD_MODULE
+    cmd = [sys.executable, "-c", LAUNCHER.format(module=module), *flags]
     saved = dict(os.environ)
     os.environ.update(variant.env)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])
     results = []
     try:
-        with serving(cmd, port, "ceiling", 120.0) as url:
+        with serving(cmd, port, "ceiling", 600.0 if args.real_shard else 120.0) as url:
             os.environ.clear()
             os.environ.update(saved)
             pid = launcher_pid(port)
@@ -305,6 +307,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", type=Variant.parse, default=[],
                         help="'NAME[,ENV=V...][ flags]' (repeatable; variants take turns each round)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--real-shard", action="store_true", help="the real shard and model in place of the "
+                        "zero-cost one (with --launcher-flag=--device=cuda: what HTTP leaves of a GPU's rate)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     endpoints = args.endpoint or list(ENDPOINTS)

@@ -272,6 +272,24 @@ def _generate_batch_rates(hf_config, batches: list[int]) -> dict[str, float]:  #
     return rates
 
 
+def peer_rates(results: dict, batches: list[int], prefill_profile_out: str | None) -> dict[str, float | str]:
+    """torch's elementwise ops, the 1B shape against the GPU's ceilings, and transformers."""
+    results = dict(results)
+    results |= torch_elementwise_rates()
+    print({k: round(v, 3) for k, v in results.items() if "torch_elementwise" in k}, flush=True)
+    torch.cuda.empty_cache()
+    try:
+        results |= one_b_shape(results["d2d_copy_GBps"], results["bf16_matmul_TFLOPs"], prefill_profile_out)
+    except Exception as error:  # noqa: BLE001 - record why, keep the rest of the run
+        results["llama1b_error"] = repr(error)[:300]
+    torch.cuda.empty_cache()
+    try:
+        results |= transformers_rates(batches)
+    except Exception as error:  # noqa: BLE001 - the comparison is optional; say why it is missing
+        results["hf_error"] = repr(error)[:300]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -279,11 +297,13 @@ def main() -> None:
     parser.add_argument("--profile-out", default=None, help="write batch 1's per-kernel GPU time table here")
     parser.add_argument("--prefill-profile-out", default=None, help="write the 1B shape's prefill kernels here")
     parser.add_argument("--host-profile-out", default=None, help="write the widest batch's host cProfile here")
+    parser.add_argument("--runner-only", action="store_true", help="the runner with CUDA graphs alone: no eager "
+                        "runner, torch's elementwise ops, 1B shape or transformers (a short lease)")
     args = parser.parse_args()
     batches = [1, 32] if args.quick else [1, 32, 128, 256]
     results: dict[str, float | str] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     results |= ceilings()
-    for graphs in (True, False):
+    for graphs in (True,) if args.runner_only else (True, False):
         runner = make_runner(graphs, max(batches))
         if graphs:
             results |= graph_rates(runner, "loom_graphs", batches)
@@ -305,18 +325,8 @@ def main() -> None:
                 f.write(table)
         del runner
         torch.cuda.empty_cache()
-    results |= torch_elementwise_rates()
-    print({k: round(v, 3) for k, v in results.items() if "torch_elementwise" in k}, flush=True)
-    torch.cuda.empty_cache()
-    try:
-        results |= one_b_shape(results["d2d_copy_GBps"], results["bf16_matmul_TFLOPs"], args.prefill_profile_out)
-    except Exception as error:  # noqa: BLE001 - record why, keep the rest of the run
-        results["llama1b_error"] = repr(error)[:300]
-    torch.cuda.empty_cache()
-    try:
-        results |= transformers_rates(batches)
-    except Exception as error:  # noqa: BLE001 - the comparison is optional; say why it is missing
-        results["hf_error"] = repr(error)[:300]
+    if not args.runner_only:
+        results |= peer_rates(results, batches, args.prefill_profile_out)
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -9,7 +9,7 @@
 #   unit:    tests/unit/shard on CUDA (minutes; the CPU kernels built first)
 #   bench:   bench/bench_gpu.py (runner, 1B shape, transformers on the same GPU)
 #   model:   the CUDA tests that serve the embedded model, and e2e tests on CUDA ($E2E)
-#   serving: bench/bench_serving.py through the real launcher on CUDA
+#   serving: bench/bench_ceiling.py --real-shard: HTTP through the real launcher on CUDA, overlap off/on
 set -o pipefail
 MODE=,${1:-tests},
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -65,7 +65,7 @@ if [[ $MODE == *,unit,* ]]; then  # minutes: most of tests/unit/shard is CPU wor
   run_pytest unit "${TEST_SECONDS:-240}" -n 12 tests/unit/shard $ignores
 fi
 if [[ $MODE == *,bench,* ]]; then
-  timeout "${BENCH_SECONDS:-180}" python3 bench/bench_gpu.py --out "$OUT/bench.json" --profile-out "$OUT/profile_b1.txt" --host-profile-out "$OUT/host_b256.txt" --prefill-profile-out "$OUT/prefill_1b.txt" \
+  timeout "${BENCH_SECONDS:-180}" python3 bench/bench_gpu.py $BENCH_ARGS --out "$OUT/bench.json" --profile-out "$OUT/profile_b1.txt" --host-profile-out "$OUT/host_b256.txt" --prefill-profile-out "$OUT/prefill_1b.txt" \
     > "$OUT/bench.log" 2>&1 || status=1
   tail -60 "$OUT/bench.log"
 fi
@@ -74,12 +74,11 @@ if [[ $MODE == *,model,* ]]; then
   run_pytest model "${MODEL_SECONDS:-210}" -p tests.gpu.e2e_on_cuda -k "not avx2" $MODEL_TESTS $unit $E2E
 fi
 if [[ $MODE == *,serving,* ]]; then  # HTTP through the real launcher on CUDA: compare with bench.json's runner
-  for overlap in false true; do  # --overlap-steps: the engine core plans step n+1 while the GPU runs step n
-    echo "--overlap-steps $overlap" >> "$OUT/serving.log"
-    timeout "${SERVING_SECONDS:-80}" python3 bench/bench_serving.py --concurrency 1 32 128 256 --new-tokens 128 \
-      --launcher-flag=--device --launcher-flag=cuda --launcher-flag=--overlap-steps --launcher-flag=$overlap \
-      >> "$OUT/serving.log" 2>&1 || status=1
-  done
-  grep -v "^\[" "$OUT/serving.log" | tail -16
+  # --overlap-steps: the engine core plans step n+1 while the GPU runs step n; clients in 6 processes
+  timeout "${SERVING_SECONDS:-200}" python3 bench/bench_ceiling.py --real-shard --launcher-flag=--device=cuda \
+    --streams 1 32 128 256 --endpoint completions --new-tokens 128 --requests 4 --client-procs 6 \
+    --variant "overlap-off --overlap-steps false" --variant "overlap-on --overlap-steps true" \
+    --json "$OUT/serving.json" > "$OUT/serving.log" 2>&1 || status=1
+  tail -30 "$OUT/serving.log"
 fi
 exit $status
