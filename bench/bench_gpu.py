@@ -40,6 +40,9 @@ LLAMA_1B = dict(
 PROMPT_LEN = 128
 DECODE_STEPS = 64
 BLOCK_SIZE = 16
+PROFILE_STEPS = 20  # host_profile's steps after decode_rate's
+# Blocks per sequence: the prompt, decode_rate's steps, then host_profile's
+SEQ_BLOCKS = -(-(PROMPT_LEN + DECODE_STEPS + PROFILE_STEPS + 8) // BLOCK_SIZE)
 GREEDY = SamplingParams(seed=0)
 
 
@@ -73,8 +76,7 @@ def make_runner(cuda_graphs: bool, max_batch: int, hf_config: dict | None = None
     config = ShardConfig(model_id="bench", uds_path="", device="cuda", dtype="bfloat16", block_size=BLOCK_SIZE,
                          cuda_graphs=cuda_graphs, host_kv_cache_bytes=0)
     runner = ModelRunner(config, model=model)
-    blocks_per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 8) // BLOCK_SIZE)
-    runner.warmup(max_prefill_tokens=4096, max_batch_total_tokens=max(max_batch * blocks_per_seq, 512) * BLOCK_SIZE)
+    runner.warmup(max_prefill_tokens=4096, max_batch_total_tokens=max(max_batch * SEQ_BLOCKS, 512) * BLOCK_SIZE)
     return runner
 
 
@@ -88,10 +90,9 @@ def new_request(request_id: int, tokens: list[int], blocks_per_seq: int) -> NewR
 def decode_rate(runner: ModelRunner, batch: int) -> float:
     """Tokens/s of DECODE_STEPS decode steps over `batch` sequences of PROMPT_LEN tokens."""
     runner.clear()
-    per_seq = -(-(PROMPT_LEN + DECODE_STEPS + 8) // BLOCK_SIZE)
     gen = torch.Generator().manual_seed(batch)
     for first in range(0, batch, 16):  # prefill 16 sequences a step
-        news = [new_request(i, torch.randint(0, 49152, (PROMPT_LEN,), generator=gen).tolist(), per_seq)
+        news = [new_request(i, torch.randint(0, 49152, (PROMPT_LEN,), generator=gen).tolist(), SEQ_BLOCKS)
                 for i in range(first, min(first + 16, batch))]
         runner.step(StepPlan(new_requests=news))
     plan = StepPlan(running_requests=[RunningRequest(i, 1) for i in range(batch)])
@@ -168,7 +169,7 @@ def one_b_shape(copy_GBps: float, matmul_TFLOPs: float, profile_out: str | None 
     return results
 
 
-def host_profile(runner: ModelRunner, batch: int, steps: int = 20) -> str:
+def host_profile(runner: ModelRunner, batch: int, steps: int = PROFILE_STEPS) -> str:
     """Where a graph decode step's host time goes at `batch` sequences: cProfile over `steps`
     steps, the top functions by their own time and by cumulative time."""
     import cProfile

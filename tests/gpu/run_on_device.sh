@@ -17,9 +17,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 E2E=${E2E:-tests/e2e/test_determinism_e2e.py::test_16_greedy_requests_alone_and_concurrent_agree \
 tests/e2e/test_determinism_e2e.py::test_16_greedy_requests_agree_under_preemption \
 tests/e2e/test_kv_memory.py::test_16_requests_in_a_budget_for_4_all_succeed_with_their_solo_outputs}
-MODEL_TESTS="tests/gpu/test_batch_invariance_cuda.py tests/gpu/test_full_pool.py tests/gpu/test_serving_cuda.py"
+MODEL_TESTS=${MODEL_TESTS-"tests/gpu/test_batch_invariance_cuda.py tests/gpu/test_full_pool.py tests/gpu/test_serving_cuda.py"}
 # tests/unit/shard's files that read the embedded model run with "model"; its CPU-kernel files run in CI.
-MODEL_UNIT="test_embedded_parity test_loader test_loader_gguf test_quantized_model test_server_cli test_smollm2_greedy"
+MODEL_UNIT=${MODEL_UNIT-"test_embedded_parity test_loader test_loader_gguf test_quantized_model test_server_cli test_smollm2_greedy"}
 CPU_ONLY="test_cpu_kernels test_cpu_paged_attention test_cpu_paged_backend test_kernel_builds test_packed_linear"
 export PYTHONUNBUFFERED=1
 # .whl: what the image lacks; .whl4: the tests' transformers 4.x (the image has 5.x, which the benches use).
@@ -44,7 +44,8 @@ if [[ -f .gguf/part-b && -f /root/gguf/part-a && ! -f $GGUF ]]; then
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  grep -m1 "model name" /proc/cpuinfo; nproc; } | tee -a "$OUT/gpu.txt"
+  grep -m1 "model name" /proc/cpuinfo; nproc
+  grep -m1 "^flags" /proc/cpuinfo | grep -o -w -E "avx2|fma|f16c|avx512[a-z_0-9]*|avx_vnni|amx[a-z_0-9]*" | tr "\n" " "; echo; } | tee -a "$OUT/gpu.txt"
 status=0
 # -v: a run cut off by its timeout still names every test it finished.
 PYTEST=(python3 -m pytest -p no:cacheprovider -o addopts="" -v -rfEs --durations=25 $PYTEST_ARGS)

@@ -90,7 +90,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 @pytest.mark.skipif(DEVICE == "cpu", reason="the layers choose the Triton kernels for CUDA tensors only")
 def test_layers_choose_the_triton_kernels_on_cuda() -> None:
     x = torch.randn(3, 64, device=DEVICE, dtype=LOW)
-    norm = RMSNorm(64).to(DEVICE, LOW)
+    norm = RMSNorm(64, 1e-6).to(DEVICE, LOW)
     assert elementwise.kernels_for(x) is triton_elementwise
     total, normed = norm.add_forward(x, x)
     torch.testing.assert_close(normed, torch.rms_norm(x + x, (64,), norm.weight, norm.eps), atol=2e-2, rtol=2e-2)
