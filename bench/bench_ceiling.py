@@ -26,11 +26,12 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from statistics import median
 
 import aiohttp
-from common import cpu_s, descendants, free_port, machine, percentile, serving
+from common import cpu_s, descendants, free_port, machine, percentile, serving, sustained_rate
 
 BENCH = Path(__file__).resolve().parent
 SHARD_MODULE = "zero_cost_shard"
@@ -50,6 +51,7 @@ class RequestStats:
     events: int = 0
     ttft_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)
+    started: float = 0.0  # time.time() at the request (comparable across the client processes)
     error: str = ""
 
 
@@ -68,7 +70,7 @@ def request_body(endpoint: str, new_tokens: int, index: int) -> dict:
 async def one_request(session: aiohttp.ClientSession, url: str, endpoint: str, body: dict) -> RequestStats:
     """One stream, parsed as little as possible: JSON only for the usage and error events."""
     start = time.perf_counter()
-    stats, last = RequestStats(ok=True), None
+    stats, last = RequestStats(ok=True, started=time.time()), None
     async with session.post(url + ENDPOINTS[endpoint], json=body) as response:
         if response.status != 200:
             return RequestStats(False, error=f"HTTP {response.status}: {(await response.text())[:200]}")
@@ -161,6 +163,7 @@ class RunResult:
     tokens: int
     wall_s: float
     tokens_per_s: float
+    sustained_tokens_per_s: float  # between the 10th and 90th percentile of the events' arrivals
     router_cpu_us_per_token: float
     cpu_us_per_token: dict[str, float]  # by process label, plus "client"
     tokens_per_event: float
@@ -198,11 +201,19 @@ def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: 
     router = sum(v for label, v in per_token.items() if label.startswith("loom_router"))
     gaps = [g for s in ok for g in s.gaps_s]
     ttfts = [s.ttft_s for s in ok]
-    return RunResult(endpoint, streams, len(stats), len(stats) - len(ok), tokens, wall, tokens / wall, router,
+    return RunResult(endpoint, streams, len(stats), len(stats) - len(ok), tokens, wall, tokens / wall,
+                     sustained_rate([a for s in ok for a in event_arrivals(s)]), router,
                      per_token, tokens / max(1, sum(s.events for s in ok)),
                      percentile(ttfts, 0.5) * 1e3, percentile(ttfts, 0.99) * 1e3,
                      percentile(gaps, 0.5) * 1e3, percentile(gaps, 0.99) * 1e3,
                      sorted({s.error for s in stats if not s.ok})[:3])
+
+
+def event_arrivals(s: RequestStats) -> list[tuple[float, float]]:
+    """(time, tokens) of each of a request's events, its tokens spread evenly over its events."""
+    per_event = s.tokens / max(s.events, 1)
+    times = list(accumulate(s.gaps_s, initial=s.started + s.ttft_s))
+    return [(t, per_event) for t in times]
 
 
 def warm_up(url: str, endpoint: str) -> None:
@@ -231,13 +242,14 @@ def launcher_pid(port: int) -> int:
 def row(r: RunResult) -> str:
     others = ", ".join(f"{k.removeprefix('loom_router.')} {v:.1f}" for k, v in sorted(r.cpu_us_per_token.items()))
     failed = f" ({r.failed} failed)" if r.failed else ""
-    return (f"| {r.endpoint} | {r.streams} | {r.tokens_per_s:,.0f}{failed} | **{r.router_cpu_us_per_token:.1f}** | "
+    return (f"| {r.endpoint} | {r.streams} | {r.tokens_per_s:,.0f}{failed} | {r.sustained_tokens_per_s:,.0f} | "
+            f"**{r.router_cpu_us_per_token:.1f}** | "
             f"{r.ttft_p50_ms:.1f} / {r.ttft_p99_ms:.1f} | {r.itl_p50_ms:.2f} / {r.itl_p99_ms:.2f} | "
             f"{r.tokens_per_event:.2f} | {others} |")
 
 
-HEADER = ("| endpoint | streams | tokens/s | router CPU µs/token | TTFT p50 / p99 ms | event gap p50 / p99 ms | "
-          "tokens/event | CPU µs/token by process |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| endpoint | streams | tokens/s | sustained tokens/s (p10-p90) | router CPU µs/token | TTFT p50 / p99 ms | "
+          "event gap p50 / p99 ms | tokens/event | CPU µs/token by process |\n|---|---|---|---|---|---|---|---|---|")
 
 
 @dataclass(slots=True)
@@ -321,14 +333,15 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({name: [asdict(r) for r in rs] for name, rs in results.items()}, indent=1))
     if args.rounds > 1 or len(variants) > 1:
-        print("\nmedians over rounds:\n| variant | endpoint | streams | tokens/s | router CPU µs/token | event gap p50 ms |"
-              "\n|---|---|---|---|---|---|")
+        print("\nmedians over rounds:\n| variant | endpoint | streams | tokens/s | sustained | "
+              "router CPU µs/token | event gap p50 ms |\n|---|---|---|---|---|---|---|")
         for name, rs in results.items():
             by_run: dict[tuple[str, int], list[RunResult]] = defaultdict(list)
             for r in rs:
                 by_run[(r.endpoint, r.streams)].append(r)
             for (endpoint, streams), runs in by_run.items():
                 print(f"| {name} | {endpoint} | {streams} | {median(r.tokens_per_s for r in runs):,.0f} | "
+                      f"{median(r.sustained_tokens_per_s for r in runs):,.0f} | "
                       f"{median(r.router_cpu_us_per_token for r in runs):.1f} | "
                       f"{median(r.itl_p50_ms for r in runs):.2f} |")
 

@@ -15,7 +15,7 @@ import statistics
 import time
 
 import httpx
-from common import StreamTiming, launcher, machine, percentile, stream_completion
+from common import StreamTiming, launcher, machine, percentile, stream_completion, sustained_rate
 
 # A ~150-token prompt, varied per request so the prefix cache doesn't make prefill free.
 BASE_PROMPT = ("Write a detailed story about a lighthouse keeper who finds a message in a bottle. "
@@ -42,18 +42,13 @@ async def run_level(url: str, concurrency: int, num_requests: int, new_tokens: i
     return results
 
 
-def sustained_rate(results: list[StreamTiming]) -> float:
-    """Tokens/s between the 10th and 90th percentile of every event's arrival: the run without its
-    first prefill and its tail (an event's tokens spread evenly over the gap before it)."""
-    arrivals: list[tuple[float, float]] = []
+def arrivals(results: list[StreamTiming]) -> list[tuple[float, float]]:
+    """(time, tokens) of every event, an event's tokens spread evenly over the gap before it."""
+    out: list[tuple[float, float]] = []
     for r in results:
         per_event = r.num_tokens / max(len(r.token_times), 1)
-        arrivals += [(r.started + t, per_event) for t in r.token_times]
-    arrivals.sort()
-    if len(arrivals) < 10:
-        return float("nan")
-    low, high = arrivals[len(arrivals) // 10][0], arrivals[len(arrivals) * 9 // 10][0]
-    return sum(n for t, n in arrivals if low < t <= high) / (high - low) if high > low else float("nan")
+        out += [(r.started + t, per_event) for t in r.token_times]
+    return out
 
 
 def report(concurrency: int, results: list[StreamTiming], wall_s: float) -> str:
@@ -61,7 +56,7 @@ def report(concurrency: int, results: list[StreamTiming], wall_s: float) -> str:
     ttft = [r.ttft_s for r in results]
     itl = [t for r in results for t in r.inter_token_s]
     events = sum(len(r.token_times) for r in results)
-    return (f"| {concurrency} | {len(results)} | {tokens / wall_s:.1f} | {sustained_rate(results):.1f} | "
+    return (f"| {concurrency} | {len(results)} | {tokens / wall_s:.1f} | {sustained_rate(arrivals(results)):.1f} | "
             f"{tokens / max(events, 1):.2f} | {statistics.median(ttft) * 1000:.0f} | "
             f"{percentile(ttft, 0.99) * 1000:.0f} | {statistics.median(itl) * 1000:.1f} | "
             f"{percentile(itl, 0.99) * 1000:.1f} |")

@@ -177,3 +177,13 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def sustained_rate(arrivals: list[tuple[float, float]]) -> float:
+    """Tokens/s between the 10th and 90th percentile of the (time, tokens) arrivals: a run without
+    its ramp up (the first prefills) and its tail (the last streams alone)."""
+    arrivals = sorted(arrivals)
+    if len(arrivals) < 10:
+        return float("nan")
+    low, high = arrivals[len(arrivals) // 10][0], arrivals[len(arrivals) * 9 // 10][0]
+    return sum(n for t, n in arrivals if low < t <= high) / (high - low) if high > low else float("nan")
