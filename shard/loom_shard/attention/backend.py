@@ -16,9 +16,11 @@ so swaps and snapshots do not depend on the backend.
 
 from __future__ import annotations
 
+import array
 import enum
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -74,23 +76,34 @@ def pack_step_tables(spans: list[SeqSpan], block_size: int, max_blocks: int | No
     """One int32 host tensor: [query_starts (S + 1) | num_cached (S) | block_tables (S * max_blocks)].
 
     Block tables are cut to the blocks each span reaches and padded with block 0 (never read:
-    the kernel stops at the sequence's last key).
+    the kernel stops at the sequence's last key). Built in an `array` (its C conversion of Python
+    ints is ~3x torch.tensor's on a list: at 256 sequences this is on every step's host path).
     """
     num_blocks = [-(-(s.num_cached + s.num_compute) // block_size) for s in spans]
     width = max_blocks if max_blocks is not None else max(num_blocks, default=1)
-    query_starts = [0]
-    for s in spans:
-        query_starts.append(query_starts[-1] + s.num_compute)
-    tables = [t for s, n in zip(spans, num_blocks) for t in (s.block_table[:n] + [0] * (width - n))]
-    packed = torch.tensor(query_starts + [s.num_cached for s in spans] + tables, dtype=torch.int32)
+    packed = array.array("i", [0])
+    packed.extend(accumulate(s.num_compute for s in spans))
+    packed.extend([s.num_cached for s in spans])
+    padding = [0] * width
+    for s, n in zip(spans, num_blocks):
+        packed.extend(s.block_table[:n])
+        packed.extend(padding[n:])
     shape = StepShape(
         num_seqs=len(spans),
         max_blocks=width,
-        num_tokens=query_starts[-1],
+        num_tokens=packed[len(spans)],
         max_query_len=max((s.num_compute for s in spans), default=0),
         max_position=max((s.num_cached + s.num_compute - 1 for s in spans), default=0),
     )
-    return packed, shape
+    return host_ints(packed, torch.int32), shape
+
+
+def host_ints(values: list[int] | array.array, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host tensor of ints (int32 or int64), converted through `array` (faster than torch.tensor's)."""
+    code = "i" if dtype == torch.int32 else "q"
+    if not isinstance(values, array.array) or values.typecode != code:
+        values = array.array(code, values)
+    return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
 def paged_metadata(packed: torch.Tensor, shape: StepShape, block_size: int, kernel: PagedKernel) -> AttentionMetadata:

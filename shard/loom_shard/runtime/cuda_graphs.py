@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loom_shard.attention.backend import StepShape, pack_step_tables, paged_metadata
+from loom_shard.attention.backend import StepShape, host_ints, pack_step_tables, paged_metadata
 from loom_shard.attention.metadata import PagedKernel, SeqSpan
 from loom_shard.models.decoder import DecoderModel
 
@@ -114,7 +114,7 @@ class DecodeGraphs:
         # sends batch * width entries, and the kernel never reads past a sequence's last block.
         packed, shape = pack_step_tables(padded, self.spec.block_size)
         head = 2 * batch + 1  # query_starts and num_cached
-        ids = torch.tensor(input_ids + [0] * (batch - num), dtype=torch.long)
+        ids = host_ints(input_ids + [0] * (batch - num))
         # Three small host-to-device copies from pinned memory, then one launch for the whole step.
         step.packed[:head].copy_(packed[:head].pin_memory(), non_blocking=True)
         step.block_tables[:, : shape.max_blocks].copy_(packed[head:].view(batch, -1).pin_memory(), non_blocking=True)

@@ -67,16 +67,20 @@ class PlanCheck:
         self._blocks(rid, new.block_table, new.num_cached + new.num_compute)
 
     def _running(self, running: RunningRequest, state: RequestState) -> None:
-        rid = running.request_id
-        drafts = running.draft_token_ids
+        rid, drafts, num_compute = running.request_id, running.draft_token_ids, running.num_compute
         if drafts:
             self._drafts(running, state)
-        self._compute(rid, state.num_computed, running.num_compute, len(state.token_ids) + len(drafts))
-        # The blocks it holds were checked when they came: only the new ones' ids are (once a step,
-        # for every running request, this must not cost a pass over whole block tables).
-        self._table_size(rid, len(state.block_table) + len(running.new_block_ids),
-                         state.num_computed + running.num_compute)
-        self._block_ids(rid, running.new_block_ids)
+        num_computed, new_ids = state.num_computed, running.new_block_ids
+        # Every running request, every step: the usual case passes with a few comparisons. The
+        # blocks it holds were checked when they came: only the new ones' ids are.
+        num_blocks = len(state.block_table) + len(new_ids)
+        if (num_compute < 1 or num_computed + num_compute > len(state.token_ids) + len(drafts)
+                or num_blocks % self.num_groups
+                or num_blocks // self.num_groups * self.kv.block_size < num_computed + num_compute):
+            self._compute(rid, num_computed, num_compute, len(state.token_ids) + len(drafts))
+            self._table_size(rid, num_blocks, num_computed + num_compute)
+        if new_ids:
+            self._block_ids(rid, new_ids)
 
     def _drafts(self, running: RunningRequest, state: RequestState) -> None:
         """Drafts ride only on a plain decode: the last sampled token plus the guesses."""

@@ -81,8 +81,10 @@ def logit_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int | None],
     sample_rows: list[int | None] = []
     logprob_rows: list[list[int]] = []
     offset = 0
+    none = Pooling.NONE
     for s in scheduled:
-        state, first, num_compute = s.state, s.state.num_computed, s.num_compute
+        state, num_compute = s.state, s.num_compute
+        first = state.num_computed
         # Position q's logits score token q + 1: report it while q + 1 is a prompt token.
         num_scored = min(first + num_compute, state.num_prompt_tokens - 1) - first if state.prompt_logprobs else 0
         if num_scored > 0:
@@ -90,12 +92,15 @@ def logit_rows(scheduled: list[Scheduled]) -> tuple[list[int], list[int | None],
             rows.extend(range(offset, offset + num_scored))
         else:
             logprob_rows.append([])
-        if s.reaches_end and state.pooling is Pooling.NONE:
+        offset += num_compute
+        if first + num_compute == len(state.token_ids) and state.pooling is none:  # reaches its end
             sample_rows.append(len(rows))  # its last token's logits, after each of its drafts' before them
-            rows.extend(range(offset + num_compute - 1 - s.num_drafts, offset + num_compute))
+            if s.num_drafts:
+                rows.extend(range(offset - 1 - s.num_drafts, offset))
+            else:
+                rows.append(offset - 1)
         else:
             sample_rows.append(None)
-        offset += num_compute
     return rows, sample_rows, logprob_rows
 
 

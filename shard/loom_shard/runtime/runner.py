@@ -263,15 +263,23 @@ class ModelRunner:
         return self.kv_cache
 
     def _admit(self, plan: StepPlan) -> list[Scheduled]:
-        scheduled = [Scheduled(self._add(new), new.num_compute) for new in plan.new_requests]
+        # Prefill chunks first, decodes last (each in plan order): the attention batches all decodes in one call.
+        chunks: list[Scheduled] = []
+        decodes: list[Scheduled] = []
+        for new in plan.new_requests:
+            (decodes if new.num_compute == 1 else chunks).append(Scheduled(self._add(new), new.num_compute))
+        requests = self.requests
         for running in plan.running_requests:
-            state = self.requests[running.request_id]
-            state.block_table.extend(running.new_block_ids)
-            state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
-            state.token_ids.extend(running.draft_token_ids)  # replaced by the kept samples (commit)
-            scheduled.append(Scheduled(state, running.num_compute, len(running.draft_token_ids)))
-        # Prefill chunks first, decodes last: the attention batches all decodes in one call.
-        return sorted(scheduled, key=lambda s: s.num_compute == 1)
+            state = requests[running.request_id]
+            if running.new_block_ids:
+                state.block_table.extend(running.new_block_ids)
+            if running.forks:
+                state.pending_forks.extend(running.forks)  # n > 1 whose prompt completes in a later chunk
+            drafts = running.draft_token_ids
+            if drafts:
+                state.token_ids.extend(drafts)  # replaced by the kept samples (commit)
+            (decodes if running.num_compute == 1 else chunks).append(Scheduled(state, running.num_compute, len(drafts)))
+        return chunks + decodes
 
     def _add(self, new: NewRequest) -> RequestState:
         state = new_request_state(new)
@@ -280,7 +288,8 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[Scheduled], masks: dict[int, bytes],
                  phases: StepPhases | None = None) -> list[SeqOutput]:
-        input_ids = [t for s in scheduled for t in s.state.token_ids[s.state.num_computed :][: s.num_compute]]
+        input_ids = [t for s in scheduled
+                     for t in s.state.token_ids[s.state.num_computed : s.state.num_computed + s.num_compute]]
         hidden = self._forward(input_ids, scheduled)
         embeddings = pool(self.model.norm, hidden, scheduled)
         rows, sample_rows, logprob_rows = logit_rows(scheduled)
@@ -288,15 +297,16 @@ class ModelRunner:
         if phases is not None:
             self._mark_sampling(phases)
         logprobs, prompt_tops = prompt_logprobs(logits, scheduled, logprob_rows)
-        finishing = [(i, s) for i, s in enumerate(scheduled) if s.reaches_end and i not in embeddings
-                     and s.state.pooling is Pooling.NONE]
+        # A sample row: the chunk reaches its sequence's end and the request generates (no pooling)
+        finishing = [(i, s) for i, s in enumerate(scheduled) if sample_rows[i] is not None]
         samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
-        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=logprobs[i]) for i, s in enumerate(scheduled)]
-        for (i, s), smps in zip(finishing, samples):
-            outputs[i] = _output(s.state.request_id, smps[0], logprobs[i])
-            outputs[i].draft_samples = draft_samples(smps)
-        for output, tops in zip(outputs, prompt_tops):
-            output.prompt_top_tokens = tops
+        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=lp, prompt_top_tokens=tops)
+                   for s, lp, tops in zip(scheduled, logprobs, prompt_tops)]
+        for (i, _), smps in zip(finishing, samples):
+            output, first = outputs[i], smps[0]
+            output.token_id, output.logprob, output.top_tokens = first.token_id, first.logprob, list(first.top_tokens)
+            if len(smps) > 1:
+                output.draft_samples = draft_samples(smps)
         for i, vector in embeddings.items():
             outputs[i].embedding = vector
         for s in scheduled:
@@ -359,7 +369,7 @@ class ModelRunner:
         for row, state, num_drafts in picks:
             assert row is not None
             rows.extend(range(row, row + num_drafts + 1))
-            states.extend(sampling_states(state, num_drafts, masks.get(state.request_id)))
+            states.extend(sampling_states(state, num_drafts, masks.get(state.request_id) if masks else None))
         if not rows:
             return []
         return regroup(sample(_select_rows(logits, rows), states), [num_drafts + 1 for _, _, num_drafts in picks])

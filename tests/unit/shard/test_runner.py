@@ -113,6 +113,9 @@ def test_swap_out_and_in_preserves_logits(runner) -> None:
         (StepPlan(running_requests=[RunningRequest(1, 1, [1, 32])]), "outside"),  # a new block of a running one
         (StepPlan(running_requests=[RunningRequest(1, 1, [-1])]), "outside"),
         (StepPlan(running_requests=[RunningRequest(1, 2)]), "cannot compute"),
+        (StepPlan(running_requests=[RunningRequest(1, 0)]), "cannot compute"),
+        # drafts past its one block with no new block for them
+        (StepPlan(running_requests=[RunningRequest(1, 3, draft_token_ids=[5, 6])]), "cannot hold"),
         (StepPlan(new_requests=[_new(3, [1, 2], [4])], swap_out=[(0, 8)]), "swap_out"),
         (StepPlan(new_requests=[_new(3, [1, 10_000], [4])]), "vocabulary"),
     ],
