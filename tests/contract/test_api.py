@@ -136,7 +136,7 @@ async def test_eos_and_stop_sequences_finish(harness: Harness) -> None:
     body = {"inputs": "x", "parameters": {"details": True, "stop": [stop], "max_new_tokens": 10, "seed": 1}}
     out = (await harness.client.post("/generate", json=body)).json()
     assert out["details"]["finish_reason"] == "stop_sequence"
-    assert out["generated_text"] == text[:text.index(stop)]
+    assert out["generated_text"] == text[:text.index(stop) + len(stop)]  # TGI keeps the stop sequence
 
 
 async def test_return_full_text_and_truncate(harness: Harness) -> None:
@@ -392,6 +392,14 @@ async def test_chat_stop_sequence_maps_to_stop(harness: Harness) -> None:
     body = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "stop": stop, "seed": 9}
     (choice,) = (await harness.client.post("/v1/chat/completions", json=body)).json()["choices"]
     assert choice["message"]["content"] == text[:text.index(stop)] and choice["finish_reason"] == "stop"
+    # vLLM's include_stop_str_in_output keeps it, streamed too
+    body |= {"include_stop_str_in_output": True}
+    (choice,) = (await harness.client.post("/v1/chat/completions", json=body)).json()["choices"]
+    assert choice["message"]["content"] == text[:text.index(stop) + len(stop)] and choice["finish_reason"] == "stop"
+    response = await harness.client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [c for c in sse_payloads(response.text) if c != "[DONE]"]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == text[:text.index(stop) + len(stop)]
 
 
 async def test_chat_template_flags_and_variables(harness: Harness) -> None:

@@ -134,3 +134,19 @@ async def test_context_length_exceeded_and_suffix_are_400(client: openai.AsyncOp
     with pytest.raises(openai.BadRequestError) as error:
         await client.completions.create(model="default", prompt="def f(", suffix="return 1", max_tokens=2)
     assert error.value.body["param"] == "suffix"
+
+
+async def test_best_of_returns_the_n_choices_with_the_highest_logprob_per_token(
+        harness: Harness, client: openai.AsyncOpenAI) -> None:
+    every = await client.completions.create(model="default", prompt="one two", n=4, max_tokens=3, logprobs=0, seed=7)
+    mean = {c.text: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices}
+    best = await client.completions.create(model="default", prompt="one two", n=2, best_of=4, max_tokens=3,
+                                           logprobs=0, seed=7)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == sorted(mean, key=mean.__getitem__, reverse=True)[:2]
+    assert best.usage.completion_tokens == 4 * 3  # every candidate was generated
+    for fields, message in [({"n": 3, "best_of": 2}, "must be >= `n`"), ({"best_of": 2, "stream": True}, "cannot stream"),
+                            ({"best_of": 99}, "must be <="),
+                            ({"best_of": 2, "choice_params": [{"temperature": 0}]}, "cannot be combined")]:
+        with pytest.raises(openai.UnprocessableEntityError, match=message):
+            await client.completions.create(model="default", prompt="x", max_tokens=2, extra_body=fields)

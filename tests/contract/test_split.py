@@ -88,7 +88,7 @@ async def test_a_stop_string_found_in_the_frontend_stops_the_core_within_a_step(
     backend.step_delay_s = 0.02  # steps slower than a message between the processes
     body = {"inputs": "x", "parameters": {"max_new_tokens": 200, "stop": [" delta"], "details": True}}
     out = (await r.http.post("/generate", json=body)).json()
-    assert out["generated_text"] == " alpha beta gamma" and out["details"]["finish_reason"] == "stop_sequence"
+    assert out["generated_text"] == " alpha beta gamma delta" and out["details"]["finish_reason"] == "stop_sequence"
     stop_at = len(tokenizer.encode(" alpha beta gamma delta"))
     await wait_for(lambda: r.engine.stats().num_running == 0)
     # The core heard of the stop before its next step (the one in flight may add one token).

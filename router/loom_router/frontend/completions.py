@@ -56,9 +56,10 @@ async def completions_route(body: CompletionRequest, request: Request) -> Any:
         return await _stream(state, reply, prompts, params)
     generations = await generate_all(state, request, list(zip(prompts, params)))
     scores_only = body.max_tokens == 0
+    num_generated = 0 if scores_only else sum(g.num_generated for g in generations)  # every candidate's
+    generations = [_best(g, body.n) for g in generations]
     choices = [_text_choice(state, reply, _scored(c, scores_only, i * body.n), g.prompt)
                for i, g in enumerate(generations) for c in g.choices]
-    num_generated = 0 if scores_only else sum(g.num_generated for g in generations)
     return {**reply.envelope("text_completion", choices), "usage": _usage(generations, num_generated)}
 
 
@@ -99,10 +100,18 @@ def _params(state: AppState, body: CompletionRequest, ids: list[int]) -> Generat
     """One prompt's parameters; `max_tokens` 0 (score the prompt) computes one token, never returned."""
     max_tokens = body.max_tokens if body.max_tokens != 0 else 1
     check_context(state, len(ids), max_tokens, "prompt")
-    max_new_tokens = state.engine.validate_lengths(len(ids), max_tokens, body.n)
+    max_new_tokens = state.engine.validate_lengths(len(ids), max_tokens, body.num_candidates)
     params = openai_generation_params(body, max_new_tokens, state.limits())
     params.constraint = body.constraint_spec()  # compiled by the engine core
     return params
+
+
+def _best(generation: Generation, n: int) -> Generation:
+    """`best_of`: the n choices with the highest logprob per token (OpenAI's "best"), indexed 0..n-1."""
+    if len(generation.choices) == n:
+        return generation
+    ranked = sorted(generation.choices, key=lambda c: c.logprob_sum / max(len(c.tokens), 1), reverse=True)
+    return replace(generation, choices=[replace(c, index=i) for i, c in enumerate(ranked[:n])])
 
 
 def _scored(choice: ChoiceResult, scores_only: bool, first_index: int) -> ChoiceResult:

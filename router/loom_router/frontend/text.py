@@ -115,14 +115,17 @@ def _overlaps(span: tuple[int, int], stop: int) -> bool:
 
 
 class StopMatcher:
-    """Finds stop sequences in streamed text and cuts them (and all after) from the output.
+    """Finds stop sequences in streamed text and cuts them (and all after) from the output; with
+    `keep`, the text ends with the first stop sequence to complete (TGI's text, vLLM's
+    include_stop_str_in_output).
 
     A tail that could still grow into a stop sequence is held back until it either
     completes one (cut, stopped) or stops matching (released).
     """
 
-    def __init__(self, stop_sequences: list[str]) -> None:
+    def __init__(self, stop_sequences: list[str], keep: bool = False) -> None:
         self._stops = [s for s in dict.fromkeys(stop_sequences) if s]
+        self._keep = keep
         self._held = ""
         self.stopped = False
 
@@ -133,7 +136,7 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buffer = self._held + text
-        match = self._earliest_match(buffer)
+        match = self._match(buffer)
         if match is not None:
             self._held, self.stopped = "", True
             return buffer[:match], True
@@ -146,9 +149,12 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _earliest_match(self, buffer: str) -> int | None:
-        positions = [p for p in (buffer.find(s) for s in self._stops) if p >= 0]
-        return min(positions) if positions else None
+    def _match(self, buffer: str) -> int | None:
+        """Where the output ends: before the earliest stop sequence, or (keep) after the first to end."""
+        found = [(p, p + len(s)) for p, s in ((buffer.find(s), s) for s in self._stops) if p >= 0]
+        if not found:
+            return None
+        return min(end for _, end in found) if self._keep else min(start for start, _ in found)
 
     def _partial_suffix_length(self, buffer: str) -> int:
         """Length of the longest end of `buffer` that is a proper prefix of a stop sequence."""

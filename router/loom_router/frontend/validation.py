@@ -168,6 +168,7 @@ def tgi_generation_params(params: TGIParameters, max_new_tokens: int, limits: Li
         choices=[replace(base, seed=choice_seed(seed, i)) for i in range(n)],
         max_new_tokens=max_new_tokens,
         stop_sequences=[s for s in params.stop if s],
+        include_stop=True,  # TGI's generated_text ends with the stop sequence it matched
         prompt_logprobs=params.decoder_input_details,
         adapter=params.adapter_id or None,
     )
@@ -206,6 +207,7 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Count] | None = None  # vLLM's: tokens that end a choice as EOS does
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string it matched
     min_tokens: Count = 0
     choice_params: list[ChoiceOverride] | None = None
 
@@ -219,6 +221,11 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
         return self.max_tokens
 
     @property
+    def num_candidates(self) -> int:
+        """Choices generated: `n`, or legacy completions' `best_of` (the n best are returned)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -230,6 +237,11 @@ class CompletionRequest(OpenAISampling):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None  # refused (400): no fill-in-the-middle
+    best_of: Positive | None = None  # choices generated; the n with the highest logprob per token return
+
+    @property
+    def num_candidates(self) -> int:
+        return self.best_of or self.n
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -348,6 +360,8 @@ def check_openai(req: CompletionRequest | ChatCompletionRequest, limits: Limits)
     """The OpenAI checks that depend on the server or span fields. Raises ValidationError."""
     if req.n > limits.max_n:
         raise ValidationError(f"`n` must be <= {limits.max_n}. Given: {req.n}")
+    if req.num_candidates != req.n:
+        _check_best_of(req, limits)
     if req.choice_params is not None and len(req.choice_params) > req.n:
         raise ValidationError(f"`choice_params` has {len(req.choice_params)} entries, more than `n` ({req.n})")
     if len(req.stop_sequences) > limits.max_stop_sequences:
@@ -365,13 +379,25 @@ def check_openai(req: CompletionRequest | ChatCompletionRequest, limits: Limits)
         raise ValidationError(f"`stop_token_ids` must be in 0..{limits.vocab_size - 1}. Given: {outside[0]}")
 
 
+def _check_best_of(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> None:
+    best_of = req.num_candidates
+    if best_of < req.n:
+        raise ValidationError(f"`best_of` ({best_of}) must be >= `n` ({req.n})")
+    if best_of > limits.max_n:
+        raise ValidationError(f"`best_of` must be <= {limits.max_n}. Given: {best_of}")
+    if req.stream:
+        raise ValidationError("`best_of` cannot stream: the best choices are known at the end")
+    if req.choice_params is not None:
+        raise ValidationError("`best_of` and `choice_params` cannot be combined")
+
+
 def openai_generation_params(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: int,
                              limits: Limits) -> GenerationParams:
     """OpenAI request -> n SamplingParams: the request's defaults, then each choice's overrides."""
     seed = req.seed if req.seed is not None else random_seed()
     overrides = req.choice_params or []
     choices = []
-    for i in range(req.n):
+    for i in range(req.num_candidates):
         override = overrides[i] if i < len(overrides) else None
         choices.append(_openai_sampling(req, override, choice_seed(seed, i), limits))
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
@@ -379,6 +405,7 @@ def openai_generation_params(req: CompletionRequest | ChatCompletionRequest, max
         choices=choices,
         max_new_tokens=max_new_tokens,
         stop_sequences=req.stop_sequences,
+        include_stop=req.include_stop_str_in_output,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         prompt_logprobs=echo_logprobs,

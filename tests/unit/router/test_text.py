@@ -128,6 +128,15 @@ def test_stop_matcher_earliest_of_several_and_overlaps():
     assert StopMatcher(["aab"]).feed("aaab") == ("a", True)  # overlapping partial prefixes
 
 
+def test_stop_matcher_keeping_the_stop_ends_with_the_first_to_complete():
+    stop = StopMatcher(["world", "lo w", "xyz"], keep=True)
+    assert stop.feed("hello") == ("hel", False)
+    assert stop.feed(" world and more") == ("lo w", True)  # "lo w" ends first: the text ends with it
+    held = StopMatcher(["STOP"], keep=True)
+    assert held.feed("abc ST") == ("abc ", False)
+    assert held.feed("OP and after") == ("STOP", True)
+
+
 def test_stop_matcher_after_stop_and_without_stops():
     stop = StopMatcher(["x"])
     assert stop.feed("x tail") == ("", True)
