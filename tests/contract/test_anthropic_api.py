@@ -150,9 +150,11 @@ async def test_errors_in_anthropics_shape(harness: Harness, client: anthropic.As
     with pytest.raises(anthropic.BadRequestError) as error:
         await client.messages.create(model="default", max_tokens=5, messages=[])
     assert error.value.body["error"]["type"] == "invalid_request_error"
+    long = [{"role": "user", "content": "word " * MAX_TOTAL_TOKENS * 4}]
     with pytest.raises(anthropic.BadRequestError, match="context"):
-        await client.messages.create(model="default", max_tokens=5,
-                                     messages=[{"role": "user", "content": "word " * MAX_TOTAL_TOKENS * 4}])
+        await client.messages.create(model="default", max_tokens=5, messages=long)
+    counted = await client.messages.count_tokens(model="default", messages=long)  # counting has no limit
+    assert counted.input_tokens > MAX_TOTAL_TOKENS * 4
     response = await harness.client.post("/v1/messages", json={"model": "default", "messages": []})
     assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
     hi = [{"role": "user", "content": "Hi"}]

@@ -93,6 +93,10 @@ async def test_info_reports_model_and_limits(harness: Harness) -> None:
     assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
     assert info["max_batch_total_tokens"] == harness.backend.num_blocks * harness.backend.block_size
     assert isinstance(info["version"], str)
+    assert info["model_id"] == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the embedded default, named
+    for name in ("default", "SmolLM2-135M-Instruct.Q4_1", info["model_id"]):  # /info's name is a `model` too
+        body = {"model": name, "prompt": "x", "max_tokens": 1}
+        assert (await harness.client.post("/v1/completions", json=body)).status_code == 200, name
 
 
 async def test_health_follows_the_shards(harness: Harness) -> None:

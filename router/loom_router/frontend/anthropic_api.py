@@ -23,7 +23,7 @@ from loom_router.frontend.http_common import (
     submit,
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
-from loom_router.frontend.openai_api import ChatJob, check_model, prepare_chat
+from loom_router.frontend.openai_api import ChatJob, check_model, prepare_chat, render_chat
 from loom_router.frontend.tool_stream import Delta, chat_deltas
 from loom_router.frontend.tools import chat_message
 from loom_router.frontend.validation import ChatCompletionRequest, Positive
@@ -132,8 +132,8 @@ async def count_tokens_route(body: CountTokensRequest, request: Request) -> dict
     state = get_state(request)
     check_model(state, body.model)
     full = MessagesRequest.model_validate({**body.model_dump(exclude_none=True), "max_tokens": 1})
-    job = await prepare_chat(state, as_chat_request(full))
-    return {"input_tokens": len(job.ids)}
+    ids, _, _ = await render_chat(state, as_chat_request(full))  # counted whatever its length
+    return {"input_tokens": len(ids)}
 
 
 # ---- the request as a chat request --------------------------------------------------------

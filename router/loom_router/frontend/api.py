@@ -41,6 +41,7 @@ from loom_router.frontend.http_common import (
     generate,
     get_state,
     served_model_name,
+    shown_model_id,
     sse,
     submit,
 )
@@ -369,7 +370,7 @@ def _info(state: AppState) -> dict[str, Any]:
     engine, config = state.engine, state.config
     model = engine.model_info
     return {
-        "model_id": config.model_id,
+        "model_id": shown_model_id(config),
         "model_sha": model.weights_hash if model else None,
         "model_dtype": model.dtype if model else None,
         "model_device_type": model.device if model else None,

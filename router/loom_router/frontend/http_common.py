@@ -14,6 +14,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from loom_proto.config import RouterConfig
+from loom_proto.embedded import EMBEDDED_FILE_NAME, is_default_model_id
 from loom_router.frontend.validation import Limits
 from loom_router.observability.metrics import FrontendMetrics, RequestTimer
 from loom_router.types import (
@@ -57,8 +58,9 @@ class AppState:
     @property
     def model_names(self) -> set[str]:
         """The names `model` may give the served model: its served name, and its id with its file name."""
-        model_id = self.config.model_id
-        names = {self.model_name, model_id, Path(model_id).name, Path(model_id).name.removesuffix(".gguf")}
+        model_id = shown_model_id(self.config)
+        names = {self.model_name, self.config.model_id, model_id, Path(model_id).name,
+                 Path(model_id).name.removesuffix(".gguf")}
         return {name for name in names if name}
 
     @property
@@ -82,6 +84,11 @@ def served_model_name(config: RouterConfig) -> str:
         return config.served_model_name
     name = Path(config.model_id).name or "default"
     return name.removesuffix(".gguf")
+
+
+def shown_model_id(config: RouterConfig) -> str:
+    """The model as /info names it: --model-id, or the embedded GGUF's file name for the default."""
+    return EMBEDDED_FILE_NAME if is_default_model_id(config.model_id) else config.model_id
 
 
 def get_state(request: Request) -> AppState:

@@ -35,6 +35,7 @@ from loom_router.frontend.tool_stream import tool_chunks
 from loom_router.frontend.tools import (
     AnswerFormat,
     ToolMode,
+    ToolPlan,
     answer_format,
     chat_constraint_spec,
     chat_message,
@@ -202,9 +203,22 @@ async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: st
     (context_length_exceeded); both name `field`, the request's own name for the messages."""
     limits = state.limits()
     check_openai(body, limits)
-    template = state.tokenizer.chat_template
-    tool_plan = plan_tools(body, tool_format_of(template))
-    spec = chat_constraint_spec(body.constraint_spec(), tool_plan)
+    ids, prompt, tool_plan = await render_chat(state, body, field)
+    check_context(state, len(ids), body.requested_max_tokens, field)
+    max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
+    params = openai_generation_params(body, max_new_tokens, limits)
+    params.constraint = chat_constraint_spec(body.constraint_spec(), tool_plan)
+    answer = answer_format(tool_plan, state.tokenizer.chat_template, prompt)
+    params.skip_special_tokens = not answer.keeps_special_tokens
+    params.adapter = adapter
+    return ChatJob(ids, params, answer)
+
+
+async def render_chat(state: AppState, body: ChatCompletionRequest,
+                      field: str = "messages") -> tuple[list[int], str, ToolPlan]:
+    """The chat request's prompt through the model's template (tools, reasoning), its token ids
+    and the tool plan; whatever its length (the context is the caller's to check)."""
+    tool_plan = plan_tools(body, tool_format_of(state.tokenizer.chat_template))
     messages, extra = template_inputs(state.tokenizer, [m.as_template_message() for m in body.messages], tool_plan)
     num_chars = sum(len(str(m.get("content") or "")) for m in messages)
     check_input_chars(state, num_chars, field)
@@ -213,14 +227,7 @@ async def prepare_chat(state: AppState, body: ChatCompletionRequest, adapter: st
     prompt = await off_the_loop_if(long, state.tokenizer.apply_chat_template, messages, body.adds_generation_prompt,
                                    body.continues_final_message, extra)
     ids = await encode(state, prompt, add_special_tokens=False, field=field)  # the template wrote the specials
-    check_context(state, len(ids), body.requested_max_tokens, field)
-    max_new_tokens = state.engine.validate_lengths(len(ids), body.requested_max_tokens, body.n)
-    params = openai_generation_params(body, max_new_tokens, limits)
-    params.constraint = spec
-    answer = answer_format(tool_plan, template, prompt)
-    params.skip_special_tokens = not answer.keeps_special_tokens
-    params.adapter = adapter
-    return ChatJob(ids, params, answer)
+    return ids, prompt, tool_plan
 
 
 # ---- streaming --------------------------------------------------------------------------
