@@ -91,6 +91,24 @@ async def test_a_list_of_prompts_streams_each_choice_under_its_index(
         assert text == prompt + expected_text(harness, prompt, 5 + index % 2, 3)
 
 
+async def test_a_streamed_echo_with_logprobs_carries_the_prompts_logprobs_as_the_whole_response_does(
+        client: openai.AsyncOpenAI) -> None:
+    prompts = ["one two three", "four five"]
+    whole = await client.completions.create(model="default", prompt=prompts, max_tokens=2, seed=3, echo=True,
+                                            logprobs=1)
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    streamed: dict[int, dict[str, list]] = {i: {f: [] for f in fields} for i in range(2)}
+    stream = await client.completions.create(model="default", prompt=prompts, max_tokens=2, seed=3, echo=True,
+                                             logprobs=1, stream=True)
+    async for chunk in stream:
+        for c in chunk.choices:
+            for f in fields:
+                streamed[c.index][f] += getattr(c.logprobs, f)
+    for c in whole.choices:
+        assert streamed[c.index] == {f: getattr(c.logprobs, f) for f in fields}
+        assert streamed[c.index]["token_logprobs"][1] is not None  # the prompt's, from its second token
+
+
 async def test_prompts_past_the_client_batch_limit_are_refused(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError, match="--max-client-batch-size"):
         await client.completions.create(model="default", prompt=["a"] * 5, max_tokens=1)

@@ -189,7 +189,11 @@ async def _stream(state: AppState, reply: Reply, prompts: list[list[int]], param
 
     def opening(index: int) -> dict[str, Any] | None:  # echo opens each choice with its prompt
         echo = reply.echo(index)
-        return {"index": index, "text": echo.text, "logprobs": None, "finish_reason": None} if echo else None
+        if echo is None:
+            return None
+        prompt = streams.streams[index // reply.n].prompt  # its logprobs came with the first tokens
+        logprobs = _completion_logprobs(state, [], echo, prompt, 0) if reply.logprobs else None
+        return {"index": index, "text": echo.text, "logprobs": logprobs, "finish_reason": None}
 
     def choice(one: ChoiceResult) -> dict[str, Any]:
         offset = offsets[one.index]
@@ -201,7 +205,9 @@ async def _stream(state: AppState, reply: Reply, prompts: list[list[int]], param
         events = batches(stream, timer)
     else:
         events = streams.events([timer for _, timer in submitted])
-    return EventStreamResponse(stream_chunks(reply, num_choices, streams, events, opening, choice), streams.cancel)
+    chunks = stream_chunks(reply, num_choices, streams, events, opening, choice,
+                           open_with_first=bool(reply.echoes) and reply.logprobs)
+    return EventStreamResponse(chunks, streams.cancel)
 
 
 # ---- response pieces ---------------------------------------------------------------------

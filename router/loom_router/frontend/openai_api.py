@@ -251,23 +251,34 @@ async def _stream(state: AppState, reply: Reply, ids: list[int], params: Generat
 
 async def stream_chunks(reply: Reply, n: int, stream: Any, events: AsyncIterator[list[ChoiceEvent]],
                         opening: Callable[[int], dict[str, Any] | None],
-                        choice: Callable[[ChoiceResult], dict[str, Any]]) -> AsyncIterator[bytes]:
+                        choice: Callable[[ChoiceResult], dict[str, Any]],
+                        open_with_first: bool = False) -> AsyncIterator[bytes]:
     """OpenAI's chunks: `opening(index)` first for each choice (None: none), then the tokens of
     one choice that wait together in one chunk (`choice` of them joined), every waiting chunk in
-    one write; `stream.prompt` counts the usage."""
+    one write; `stream.prompt` counts the usage. `open_with_first`: each choice's opening goes
+    just before its first tokens (what it says, the prompt's logprobs, comes with them)."""
     obj = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
     extra = {"usage": None} if reply.include_usage else {}
-    for index in range(n):
-        first = opening(index)
-        if first is not None:
-            yield sse({**reply.envelope(obj, [first]), **extra})
-    num_generated = 0
     prefix, suffix = reply.chunk_framing(obj, extra)
+    unopened = set(range(n))
+
+    def openings(indexes: list[int]) -> list[bytes]:
+        chunks = []
+        for index in indexes:
+            if index in unopened and (first := opening(index)) is not None:
+                chunks += (prefix, orjson.dumps(first), suffix)
+            unopened.discard(index)
+        return chunks
+
+    if not open_with_first and (first_chunks := openings(list(range(n)))):
+        yield b"".join(first_chunks)
+    num_generated = 0
     try:
         async for batch in events:
             num_generated += len(batch)
             chunks = []
             for one in _by_choice(batch):
+                chunks += openings([one.index])
                 chunks += (prefix, orjson.dumps(choice(one)), suffix)
             yield b"".join(chunks)
     except GenerationError as e:
