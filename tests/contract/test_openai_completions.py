@@ -46,6 +46,17 @@ async def test_echo_scores_every_prompt_token_from_the_second_with_its_alternati
         assert max(top.values()) == 0.05  # and the most likely alternative (the fake shard's next id)
 
 
+async def test_tokens_holding_part_of_a_character_are_keyed_by_their_bytes_as_openai_writes_them(
+        harness: Harness, client: openai.AsyncOpenAI) -> None:
+    ids = harness.tokenizer.encode("emoji \U0001F600 here", add_special_tokens=False)  # ' \xf0\x9f\x98', '\x80'
+    out = await client.completions.create(model="default", prompt=[ids], echo=True, logprobs=1, max_tokens=0)
+    logprobs = out.choices[0].logprobs
+    keys = [key for top in logprobs.top_logprobs[1:] for key in top]
+    assert "bytes: \\xf0\\x9f\\x98" in keys and "bytes:\\x80" in keys and "\ufffd" not in "".join(keys)
+    for i in range(1, len(ids)):  # each token's own logprob under its own key
+        assert logprobs.token_logprobs[i] in logprobs.top_logprobs[i].values()
+
+
 async def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(
         harness: Harness, client: openai.AsyncOpenAI) -> None:
     out = await client.completions.create(model="default", prompt="one two three", echo=True, logprobs=0,

@@ -232,7 +232,7 @@ def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: Ec
     """The legacy completions logprobs: parallel lists, echoed prompt tokens first. Each token's
     text is what it adds to the output, so text_offset follows the text; each top_logprobs entry
     holds the token's own logprob and its alternatives' (None for the prompt's first token)."""
-    decode = state.tokenizer.decode
+    tokenizer = state.tokenizer
     texts: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -246,11 +246,11 @@ def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: Ec
         token_logprobs += prompt_logprobs
         for token_id, logprob, alternatives in zip(echo.ids, prompt_logprobs, prompt_tops):
             top.append(None if logprob is None else
-                       _top_dict(decode, token_id, logprob, alternatives or []))
+                       _top_dict(tokenizer, token_id, logprob, alternatives or []))
     for token in tokens:
         texts.append(token.text)
         token_logprobs.append(token.logprob)
-        top.append(_top_dict(decode, token.token_id, token.logprob, token.top_tokens))
+        top.append(_top_dict(tokenizer, token.token_id, token.logprob, token.top_tokens))
     offsets, position = [], first_offset
     for text in texts:
         offsets.append(position)
@@ -258,8 +258,22 @@ def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: Ec
     return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _top_dict(decode: Any, token_id: int, logprob: float, alternatives: list[Any]) -> dict[str, float]:
+def _top_dict(tokenizer: Any, token_id: int, logprob: float, alternatives: list[Any]) -> dict[str, float]:
     """Alternatives by text, with the token itself (as vLLM writes them)."""
-    top = {decode([alt.token_id]): alt.logprob for alt in alternatives}
-    top.setdefault(decode([token_id]), logprob)
+    top = {_top_key(tokenizer, alt.token_id): alt.logprob for alt in alternatives}
+    top.setdefault(_top_key(tokenizer, token_id), logprob)
     return top
+
+
+def _top_key(tokenizer: Any, token_id: int) -> str:
+    """A token's text; a token holding part of a UTF-8 character (its text alone would be U+FFFD,
+    the same for many such tokens) as OpenAI writes it: `bytes:` and its bytes as Python's repr, `\\xe2\\x80`."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
+    return text  # the character U+FFFD itself
