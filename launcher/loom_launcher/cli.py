@@ -24,6 +24,7 @@ from loom_proto.config import (
     public_json,
     secrets_json,
 )
+from loom_proto.http_socket import check_http_port
 
 SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom_shard.server"
@@ -112,6 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # an unreadable --shard-secret-file
         print(f"loom-launcher: error: {error}", file=sys.stderr)
         return 2
+    router = None if settings.role == "shards" else settings.router_config()
+    if router is not None:
+        try:
+            check_http_port(router.hostname, router.port)  # before minutes of loading a model
+        except OSError as error:
+            print(f"loom-launcher: error: {error}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     log = json_log_to_stderr if settings.json_output else log_to_stderr
     install_signal_handlers(stop, log)
@@ -122,7 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = child_env(os.environ, threads_per_shard(settings, available_cpus()))
     shards = [] if settings.role == "router" else [shard_spec(settings.shard_config(rank), env)
                                                    for rank in settings.local_ranks()]
-    router = None if settings.role == "shards" else settings.router_config()
     # The router drains within its own timeout; the margin lets it exit before a SIGKILL.
     return serve(shards=shards, router=None if router is None else router_spec(router, env),
                  health_url=None if router is None else health_url(router),

@@ -476,11 +476,18 @@ def _choices(annotation: Any) -> tuple[str, ...] | None:
     return None
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line (argparse prints the whole usage first: dozens of flags here)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser(model: type[BaseModel], prog: str, description: str) -> argparse.ArgumentParser:
     """One `--kebab-case` flag per field (a tuple field repeats a singular flag), plus
     `--config-json` for a whole config handed over by the launcher. Values stay strings:
     the model converts and validates them."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = OneLineErrors(prog=prog, description=description)
     parser.add_argument("--config-json", help="the whole configuration as JSON (how the launcher hands it over)")
     settings = issubclass(model, BaseSettings)
     for name, field in model.model_fields.items():

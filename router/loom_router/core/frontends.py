@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom_proto.config import FrontendConfig, RouterConfig, child_environment, public_json, secrets_json
+from loom_proto.http_socket import bind_http
 from loom_proto.process import parent_pid_env
 
 log = logging.getLogger("loom.frontends")
@@ -42,15 +43,7 @@ def available_cpus() -> int:
 
 def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """The HTTP socket every frontend accepts on (bound once, before any frontend starts)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as error:
-        sock.close()
-        raise OSError(f"cannot serve HTTP on {host}:{port}: {error.strerror}") from None
+    sock = bind_http(host, port)
     sock.listen(backlog)
     sock.setblocking(False)
     return sock

@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from typing import get_origin
 
 import pytest
 
-from loom_launcher.cli import child_env, health_url, load_settings, router_spec, shard_spec, threads_per_shard
+from loom_launcher.cli import child_env, health_url, load_settings, main, router_spec, shard_spec, threads_per_shard
 from loom_launcher.supervisor import ExitStatus, ProcessSpec, serve
 from loom_proto.config import (
     LauncherSettings,
@@ -201,6 +202,26 @@ def test_invalid_combinations_are_rejected(argv: list[str], capsys: pytest.Captu
         settings(*argv, "--device", "cpu")
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_bad_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--no-such-flag"], ["--port", "http"]):
+        with pytest.raises(SystemExit) as exit_info:
+            settings(*argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("loom-launcher: error: ") and "usage" not in err, err
+
+
+def test_a_port_in_use_stops_the_launcher_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert main(["--hostname", "127.0.0.1", "--port", str(port), "--model-id", "/no/such/model"]) == 2
+    assert time.monotonic() - start < 5  # no shard started, no model read
+    assert capsys.readouterr().err == f"loom-launcher: error: cannot serve HTTP on 127.0.0.1:{port}: Address already in use\n"
 
 
 def test_children_get_their_config_as_json() -> None:
