@@ -122,6 +122,33 @@ def test_a_shard_killed_mid_stream_ends_it_with_an_error_and_stops_the_launcher(
     assert launcher.log().count("loom.engine: step failed") <= 2  # no stepping into the dead shard again and again
 
 
+def test_an_engine_core_killed_mid_stream_ends_it_with_an_error_and_frees_the_port_at_once(
+        start_launcher: StartLauncher) -> None:
+    launcher = start_launcher("--api-workers", "2")
+    events: list[dict[str, Any]] = []
+    started = threading.Event()
+    body = {"prompt": COUNTING_PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        thread = threading.Thread(target=stream_until_end,
+                                  args=(client, f"{launcher.base_url}/v1/completions", body, started, events))
+        thread.start()
+        assert started.wait(timeout=120)
+        os.kill(launcher.child_pids()["router"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the stream hung after the engine core died"
+        assert events[-1]["error"]["message"] == "the engine core stopped before this request finished", events[-1]
+        assert launcher.wait(timeout=60) != 0
+        while time.monotonic() - killed_at < 10:  # the frontends exit at once: nothing holds the port
+            try:
+                client.get(f"{launcher.base_url}/health", timeout=1)
+            except httpx.TransportError:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("a frontend still serves the port 10 s after the engine core died")
+
+
 def test_a_frozen_shard_turns_new_requests_away_at_once_and_work_resumes_when_it_thaws(
         start_launcher: StartLauncher) -> None:
     launcher = start_launcher()

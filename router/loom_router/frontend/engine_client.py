@@ -86,6 +86,7 @@ class EngineClient:
         self.core_status = Status(accepting=False, reason="not connected")
         self.draining = False  # this frontend refuses new requests (it is stopping)
         self._streams: dict[int, GenerationStream] = {}
+        self._closed = False
         self._waiting: dict[int, tuple[asyncio.Future[int], GenerationStream | None]] = {}  # by ticket
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._numbers = itertools.count()
@@ -112,6 +113,7 @@ class EngineClient:
             raise GenerationError(f"the engine core did not answer within {timeout_s:g} s") from None
 
     async def close(self) -> None:
+        self._closed = True
         for future in self._calls.values():
             future.cancel()
         if self._inbox is not None:
@@ -243,20 +245,31 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        streams = list(self._streams.values())
-        if not streams:
+        if not self._streams:
             return
-        log.warning("%d request(s) still running after %g s of draining: ending them", len(streams), timeout_s)
+        log.warning("%d request(s) still running after %g s of draining: ending them", len(self._streams), timeout_s)
+        self._send(Cancel(list(self._streams), "error"))
+        self.end_all(424, f"the server shut down before this request finished (--graceful-termination-timeout "
+                          f"{timeout_s:g} s)")
+
+    def end_all(self, status: int, message: str) -> None:
+        """End every stream of this frontend with an error event, and refuse the requests still
+        waiting to be admitted (nothing is sent to the core)."""
+        streams, waiting = list(self._streams.values()), list(self._waiting.values())
         self._streams.clear()
-        self._send(Cancel([s.group_id for s in streams], "error"))
+        self._waiting.clear()
         for stream in streams:
-            stream.fail(424, f"the server shut down before this request finished "
-                             f"(--graceful-termination-timeout {timeout_s:g} s)")
+            stream.fail(status, message)
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error_for_status(status, message))
 
     # ---- the core's messages ---------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
         assert self._sender is not None, "start() first"
+        if self._closed:  # stopping: a handler that ends late (a cancel) has nothing left to tell
+            return
         self._sender.send(encoder.encode(message))
 
     def _handle(self, message: Any) -> None:

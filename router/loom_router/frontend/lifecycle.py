@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import time
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -52,6 +55,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
         self._drain_requested = False
+        self._core_pid = os.getppid()  # the engine core: a signal after it died leaves nothing to drain
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -64,15 +68,46 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self._drain_requested = True
-        log.info("received %s: draining (up to %g s)", signal.Signals(sig).name, self.drain_timeout_s)
         self.engine.begin_drain()  # readiness fails from this instant
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
 
-    def _start_drain(self) -> None:
-        self._drain = asyncio.ensure_future(self._drain_then_exit())
+    def _start_drain(self, sig: str) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit(sig))
 
-    async def _drain_then_exit(self) -> None:
+    async def _drain_then_exit(self, sig: str) -> None:
         try:
-            await self.engine.drain(self.drain_timeout_s)
+            # With requests in flight, tell the engine core's death (this signal is its death
+            # signal: nothing will finish them) from a stop that lets them finish.
+            if self.engine.num_in_flight and await self._core_gone():
+                log.error("received %s: the engine core is gone; ending every request now", sig)
+                self.engine.end_all(503, "the engine core stopped before this request finished")
+            else:
+                log.info("received %s: draining (up to %g s)", sig, self.drain_timeout_s)
+                await self.engine.drain(self.drain_timeout_s)
         finally:
             self.should_exit = True
+
+    async def _core_gone(self, wait_s: float = 1.0) -> bool:
+        """Whether the engine core died: a dying process's children are handed to another parent
+        (or it is a zombie) within moments of the death signal; a live core stays as it is."""
+        deadline = time.monotonic() + wait_s
+        while os.getppid() == self._core_pid and _alive(self._core_pid):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (not a zombie, not gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
