@@ -6,8 +6,10 @@ and `serve` returns the launcher's exit status.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -105,11 +107,19 @@ def json_line(message: str) -> str:
                        "message": text, "process": source}, ensure_ascii=False)
 
 
+class ForceStop(Exception):
+    """A second SIGINT/SIGTERM while stopping: every child is killed now, drained or not."""
+
+
 def install_signal_handlers(stop: threading.Event, log: Log = log_to_stderr) -> None:
-    """SIGINT/SIGTERM only set `stop`: the supervisor then drains the router before the shards."""
+    """SIGINT/SIGTERM set `stop`: the supervisor then drains the router before the shards. A second
+    one raises ForceStop in the main thread (as Ctrl-C raises KeyboardInterrupt): stop waiting."""
 
     def on_signal(signum: int, _frame: object) -> None:
-        log(f"[launcher] received {signal.Signals(signum).name}, shutting down")
+        if stop.is_set():
+            log(f"[launcher] received {signal.Signals(signum).name} again: killing every process now")
+            raise ForceStop
+        log(f"[launcher] received {signal.Signals(signum).name}, shutting down (again to stop at once)")
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -123,6 +133,7 @@ class Supervisor:
         self.stop = stop
         self.log = log
         self.children: list[Child] = []
+        self.forced = False  # a second signal: children are killed, not waited for
         self._before_exec = parent_death_signal()
 
     def spawn(self, spec: ProcessSpec) -> Child:
@@ -192,23 +203,40 @@ class Supervisor:
             self.stop.wait(POLL_INTERVAL_S)
 
     def terminate(self, children: Sequence[Child], timeout: float) -> None:
-        """SIGTERM, wait up to `timeout` seconds, then SIGKILL whatever is left."""
+        """SIGTERM, wait up to `timeout` seconds, then SIGKILL whatever is left (at once after a
+        ForceStop)."""
         running = [child for child in children if child.process.poll() is None]
-        for child in running:
-            self.log(f"[launcher] stopping {child.name}")
-            child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for child in running:
-            try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log(f"[launcher] {child.name} did not stop in {timeout:.0f}s, killing it")
-                child.process.kill()
-                child.process.wait()
-            self.log(f"[launcher] {child.name} exited with code {child.process.returncode}")
+        try:
+            if not self.forced:
+                for child in running:
+                    self.log(f"[launcher] stopping {child.name}")
+                    child.process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + timeout
+                for child in running:
+                    try:
+                        child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        self.log(f"[launcher] {child.name} did not stop in {timeout:.0f}s, killing it")
+                        _kill_session(child)
+                    self.log(f"[launcher] {child.name} exited with code {child.process.returncode}")
+        except ForceStop:
+            self.forced = True
+        if self.forced:
+            for child in running:
+                if child.process.poll() is None:
+                    _kill_session(child)
+                    self.log(f"[launcher] {child.name} killed")
         for child in children:
             if child.pump is not None:
                 child.pump.join(timeout=2.0)
+
+
+def _kill_session(child: Child) -> None:
+    """SIGKILL a child and whatever it started in its session (a router's frontends)."""
+    if child.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)  # spawned with a session of its own
+    child.process.wait()
 
 
 def http_ok(url: str) -> bool:
@@ -247,6 +275,8 @@ def serve(shards: Sequence[ProcessSpec], router: ProcessSpec | None, health_url:
         supervisor.wait_until_stop_or_exit()
     except StopRequested:
         pass
+    except ForceStop:
+        supervisor.forced = True
     except ChildExited as died:
         log(f"[launcher] error: {died}; its last lines:\n{died.child.last_output()}")
         status = ExitStatus.CHILD_FAILED

@@ -46,6 +46,8 @@ def on_term(*_):
     note("got SIGTERM")
     if mode == "router":
         time.sleep(0.3)  # a graceful drain takes a while
+    if mode == "stubborn":
+        time.sleep(60)  # a drain that would take a minute
     note("stopped")
     sys.exit(0)
 
@@ -58,7 +60,7 @@ elif mode == "fail":
         print(f"progress line {i}", flush=True)
     print("error: model file not found", file=sys.stderr, flush=True)
     sys.exit(2)
-elif mode == "router":
+elif mode in ("router", "stubborn"):
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404)
@@ -75,7 +77,7 @@ while True:  # "silent": never says it is ready
 
 
 def fake(name: str, notes: Path, mode: str, *extra: str) -> ProcessSpec:
-    marker = "loom-shard ready" if mode != "router" else None
+    marker = "loom-shard ready" if mode not in ("router", "stubborn") else None
     return ProcessSpec(name, (sys.executable, "-c", FAKE_CHILD, name, str(notes), mode, *extra),
                        env=dict(os.environ), ready_marker=marker)
 
@@ -355,10 +357,10 @@ sys.exit(serve([ProcessSpec(**spec) for spec in shards], ProcessSpec(**router), 
 """
 
 
-def start_driver(tmp_path: Path, notes: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_driver(tmp_path: Path, notes: Path, router_mode: str = "router") -> tuple[subprocess.Popen[bytes], Path]:
     """A launcher process supervising fake children; returns once it serves."""
     port = free_port()
-    specs = [fake("shard 0", notes, "shard"), fake("router", notes, "router", str(port))]
+    specs = [fake("shard 0", notes, "shard"), fake("router", notes, router_mode, str(port))]
     as_json = [{"name": s.name, "argv": s.argv, "env": dict(s.env), "ready_marker": s.ready_marker}
                for s in specs]
     log_path = tmp_path / "launcher.log"
@@ -393,6 +395,21 @@ def test_sigterm_drains_the_router_before_stopping_the_shards(tmp_path: Path) ->
     assert "received SIGTERM" in log_path.read_text()
     assert events.index("router got SIGTERM") < events.index("router stopped") \
         < events.index("shard 0 got SIGTERM")
+
+
+def test_a_second_signal_kills_every_child_at_once(tmp_path: Path) -> None:
+    notes = tmp_path / "notes"
+    launcher, log_path = start_driver(tmp_path, notes, router_mode="stubborn")  # its drain would take 60 s
+    launcher.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while "router got SIGTERM" not in notes_of(notes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    again = time.monotonic()
+    assert launcher.wait(timeout=10) == 0
+    assert time.monotonic() - again < 3, log_path.read_text()  # not the 5 s drain timeout, not 60 s
+    log = log_path.read_text()
+    assert "again: killing every process now" in log and "router killed" in log and "shard 0 killed" in log
 
 
 def test_shard_server_parses_back_the_exact_config() -> None:
