@@ -9,6 +9,7 @@ the returned stream; the engine core never sees HTTP and the API never sees bloc
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -192,6 +193,19 @@ def status_of(error: Exception) -> int:
         if kind in ERROR_STATUS:
             return ERROR_STATUS[kind]
     return 500
+
+
+# What a client should not read of a server-side failure: source locations and files ("[/pytorch/
+# .../pair.cc:534]", "/tmp/loom-shard-0.sock") and peer addresses ("[10.0.0.5]:29500").
+_INTERNALS = re.compile(r"(?:\b(?:unix|ipv4|ipv6):)?(?:\[?(?<![\w/])(?:/[\w.\-]+){2,}(?::\d+)?\]?"
+                        r"|\[?\b\d{1,3}(?:\.\d{1,3}){3}\b\]?(?::\d+)?|\[[0-9a-fA-F:]*:[0-9a-fA-F:]*\](?::\d+)?)")
+
+
+def client_text(error: object) -> str:
+    """A failure's text for a client: its first line without file paths or peer addresses (the
+    server log keeps the whole text)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return re.sub(r" {2,}", " ", re.sub(r":\s*:", ":", _INTERNALS.sub("", first))).strip()
 
 
 def error_for_status(status: int, message: str) -> Exception:

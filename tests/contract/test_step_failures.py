@@ -145,3 +145,27 @@ async def test_router_exits_non_zero_when_ranks_diverge(tokenizer: Tokenizer, mo
     assert response.status_code == 424 and "diverged" in response.json()["error"]
     assert await asyncio.wait_for(serving, 30) == main.EXIT_ENGINE_FAILED
     assert "ranks diverged" in caplog.text
+
+
+async def test_a_failed_steps_cause_reaches_the_client_without_paths_or_addresses(
+        tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=2)
+    router = await start_router(router_config(), backend, tokenizer)
+    step = backend.step
+    text = "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer " \
+           "[10.0.0.5]:29500"
+
+    async def failing_step(plan):  # noqa: ANN001, ANN202
+        if backend.num_steps == 2:
+            raise ShardError(1, "INTERNAL", text)
+        return await step(plan)
+
+    backend.step = failing_step
+    try:
+        with pytest.raises(GenerationError) as error:
+            await collect(await router.client.submit(tokenizer.encode("Hello there"), params(1)))
+        assert str(error.value) == "Request failed during generation: shard rank 1: INTERNAL: RuntimeError: " \
+                                   "Connection closed by peer"
+        assert text in caplog.text  # the operator reads all of it
+    finally:
+        await router.stop()

@@ -43,6 +43,7 @@ from loom_router.types import (
     StepRecord,
     UnavailableError,
     ValidationError,
+    client_text,
     shutting_down,
 )
 
@@ -253,7 +254,7 @@ class Engine(RequestBook):
         if self._draining:  # 503, as the frontends answer once they know: retry elsewhere, not later here
             raise shutting_down()
         if not self._loop_alive():
-            raise GenerationError(f"the engine loop is not running: {self._loop_error!r}")
+            raise GenerationError(f"the engine loop is not running: {_named(self._loop_error)}")
         if self._watch.down:
             raise UnavailableError("a shard is down; retry on another replica")
         if len(self._active) >= self.config.max_concurrent_requests:
@@ -316,7 +317,7 @@ class Engine(RequestBook):
         exception) comes back on the future. A future cancelled before then skips fn."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         if not self._loop_alive():
-            future.set_exception(GenerationError(f"the engine loop is not running: {self._loop_error!r}"))
+            future.set_exception(GenerationError(f"the engine loop is not running: {_named(self._loop_error)}"))
             return future
         self._between_steps.append((fn, future))  # type: ignore[arg-type]
         self._wakeup.set()
@@ -369,7 +370,7 @@ class Engine(RequestBook):
         except BaseException as err:  # a bug here must not leave clients hanging
             log.critical("engine loop crashed: %s", err, exc_info=not isinstance(err, ShardDivergence))
             self._loop_error = err
-            self._fail_all(GenerationError(f"engine loop crashed: {err!r}"))
+            self._fail_all(GenerationError(f"engine loop crashed: {_named(err)}"))
             self._status_changed()
             if self.on_fatal is not None:
                 self.on_fatal(err)  # the process exits non-zero: the launcher tears everything down
@@ -526,7 +527,7 @@ class Engine(RequestBook):
             log.warning("requests %s were being swapped out by the failed step: they resume by "
                         "recomputing their KV", requeued)
         for group_id in failed:
-            self._fail(group_id, GenerationError(f"Request failed during generation: {err}"))
+            self._fail(group_id, GenerationError(f"Request failed during generation: {client_text(err)}"))
         await self._check_shards_after(err)  # the streams got their error first
 
     async def _check_shards_after(self, err: Exception) -> None:
@@ -542,4 +543,9 @@ class Engine(RequestBook):
         if down and self.scheduler is not None:
             self._watch.mark_down(f"a step failed: {err}")
             # Requests admitted meanwhile (and any still running) cannot run either: 503, not 424.
-            self._abort_all(self.scheduler, UnavailableError(f"a shard is down ({err}); retry on another replica"))
+            self._abort_all(self.scheduler, UnavailableError(f"a shard is down ({client_text(err)}); retry on another replica"))
+
+
+def _named(error: BaseException | None) -> str:
+    """An internal error for a client: its type and its text without paths or addresses."""
+    return f"{type(error).__name__}: {client_text(error)}"

@@ -10,6 +10,7 @@ from test_scheduler import group, setup
 
 from loom_router.core.request import SequenceGroup
 from loom_router.core.scheduler import Scheduler
+from loom_router.types import client_text
 
 MAX_NEW = 20
 
@@ -117,3 +118,17 @@ def test_failed_step_of_one_request_leaves_the_others_exact():
     for g in late:
         assert_exact(g)
     assert_nothing_leaks(scheduler, shard)
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("shard rank 0: UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: "
+     "unix:/tmp/loom-shard-0.sock: No such file or directory",
+     "shard rank 0: UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: No such file or directory"),
+    ("shard rank 1: UNAVAILABLE: ipv4:10.1.2.3:50051: Connection refused", "shard rank 1: UNAVAILABLE: Connection refused"),
+    ("peer [::1]:8080 closed", "peer closed"),
+    ("RuntimeError: boom\n  File \"/opt/loom/shard/runner.py\", line 3", "RuntimeError: boom"),
+    ("tensor-parallel ranks diverged (ranks [0] ran it; rank 1: 1/2 of a/b)",  # causes and fractions stay
+     "tensor-parallel ranks diverged (ranks [0] ran it; rank 1: 1/2 of a/b)"),
+])
+def test_client_text_keeps_the_cause_without_paths_or_addresses(text: str, shown: str) -> None:
+    assert client_text(text) == shown
