@@ -11,11 +11,12 @@ error event), then the frontends, the engine and the process stop with exit stat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -64,10 +65,15 @@ async def serve(config: RouterConfig) -> int:
     """Runs the router until a signal stops it; returns the exit status."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model_id)
     client = ShardClient(config.shard_targets(), config.resolved_shard_secret())
-    folder = private_folder()
     stop = Stop()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # from the start: a stop while starting cleans up too
+        loop.add_signal_handler(signum, stop.on_signal)
+    folder = private_folder()
     try:
-        await client.wait_ready(config.shard_ready_timeout)
+        if not await _unless_stopped(stop, client.wait_ready(config.shard_ready_timeout)):
+            log.info("stopped while waiting for the shards")
+            return 0
         engine = Engine(config, client, tokenizer)
         tracer = configure_tracing(config.otlp_endpoint)
         if tracer is not None:  # each step a span, its context sent to the shards
@@ -81,6 +87,21 @@ async def serve(config: RouterConfig) -> int:
     finally:
         await client.close()
         remove_folder(folder)
+
+
+async def _unless_stopped(stop: Stop, work: Awaitable[object]) -> bool:
+    """Awaits `work` unless a stop comes first (it is then cancelled): whether it finished."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.event.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()  # its error, if it failed
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
 
 
 async def _serve_frontends(config: RouterConfig, engine: Engine, metrics: CoreMetrics, folder: str,
@@ -98,9 +119,6 @@ async def _serve_frontends(config: RouterConfig, engine: Engine, metrics: CoreMe
     listen = listening_socket(config.hostname, config.port)
     num_workers = config.api_workers or default_api_workers(available_cpus())
     pool = FrontendPool(config, num_workers, folder, listen, metrics_folder, server.frontend_gone, stop.on_fatal)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.on_signal)
     metrics_server = None
     try:
         freeze_startup_heap()

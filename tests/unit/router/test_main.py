@@ -1,11 +1,20 @@
-"""loom-router's command line: every RouterConfig field round-trips through its flags and JSON."""
+"""loom-router's command line: every RouterConfig field round-trips through its flags and JSON; a
+signal while it starts stops it cleanly."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from loom_proto.config import RouterConfig, option, parse_config
+from loom_proto.config import RouterConfig, option, parse_config, public_json
 from loom_router.main import DESCRIPTION
+from tests.net import free_port
 
 
 def parse(argv: list[str]) -> RouterConfig:
@@ -51,3 +60,18 @@ def test_invalid_values_are_rejected(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         parse(["--shard-uds-path", "s", "--max-input-tokens", "10", "--max-total-tokens", "10"])
     assert "max_input_tokens" in capsys.readouterr().err
+
+
+def test_a_signal_while_waiting_for_the_shards_stops_cleanly(tmp_path: Path) -> None:
+    """Nothing left behind (its private folder for the frontends' sockets) and exit 0, as when serving."""
+    config = RouterConfig(model_id="", shard_uds_paths=(str(tmp_path / "no-shard.sock"),), hostname="127.0.0.1",
+                          port=free_port(), shard_ready_timeout=60.0)
+    router = subprocess.Popen([sys.executable, "-m", "loom_router.main", "--config-json", public_json(config)],
+                              env={**os.environ, "TMPDIR": str(tmp_path)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("loom-router-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # it made its folder: it is waiting for the shard
+    assert list(tmp_path.glob("loom-router-*")), "the router never started waiting"
+    router.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=10) == 0, router.stderr.read() if router.stderr else ""
+    assert not list(tmp_path.glob("loom-router-*"))
