@@ -9,6 +9,8 @@ from typing import get_origin
 
 import yaml
 
+from loom_launcher.cli import ROUTER_EXIT_MARGIN_S
+from loom_launcher.supervisor import SHARD_STOP_TIMEOUT_S
 from loom_proto.config import LauncherSettings, env_var, option, singular
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,6 +59,15 @@ def test_compose_runs_loom_prometheus_and_grafana() -> None:
     assert all(key.startswith("LOOM_") for key in services["loom"]["environment"])
     env_vars = {env_var(name) for name in LauncherSettings.model_fields}
     assert set(services["loom"]["environment"]) <= env_vars
+
+
+def test_compose_gives_the_launcher_time_to_drain_then_stop_the_shards() -> None:
+    budget = LauncherSettings.model_fields["graceful_termination_timeout"].default + ROUTER_EXIT_MARGIN_S \
+        + SHARD_STOP_TIMEOUT_S
+    for name in ("docker-compose.yml", "docker-compose.gateway.yml"):
+        services = load_yaml(name)["services"]
+        for service in (s for s in services.values() if s.get("build", {}).get("dockerfile") == "deploy/Dockerfile"):
+            assert float(service["stop_grace_period"].removesuffix("s")) > budget, name
 
 
 def test_prometheus_scrapes_loom_metrics() -> None:

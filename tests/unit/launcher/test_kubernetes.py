@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from loom_launcher.cli import ROUTER_EXIT_MARGIN_S
+from loom_launcher.supervisor import SHARD_STOP_TIMEOUT_S
 from loom_proto.config import LauncherSettings, parse_config
 
 KUBE = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
@@ -50,7 +51,7 @@ def test_deployment_probes_ports_and_shutdown_follow_the_flags(name: str, monkey
     assert annotations["prometheus.io/path"] == "/metrics"
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep"
-    budget = float(command[1]) + settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S
+    budget = float(command[1]) + settings.graceful_termination_timeout + ROUTER_EXIT_MARGIN_S + SHARD_STOP_TIMEOUT_S
     assert pod["spec"]["terminationGracePeriodSeconds"] >= budget
     shm = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"}
     assert [v["emptyDir"]["medium"] for v in pod["spec"]["volumes"] if v["name"] in shm] == ["Memory"]
