@@ -120,8 +120,12 @@ def report(run: RunResult, servers: list[str], slo: dict[str, float]) -> dict[st
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, not {args.num_prompts}")
     requests = load_requests(args)
     servers = [args.base_url.rstrip("/")] + ([args.compare.rstrip("/")] if args.compare else [])
+    if len(set(servers)) < len(servers):
+        raise ValueError(f"--compare names the --base-url server ({servers[0]}): compare two servers")
     slo = parse_goodput(args.goodput)
     opts = BackendOptions(args.model, args.ignore_eos, args.temperature)
     runs = []

@@ -93,6 +93,10 @@ def test_bad_flags_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["--goodput", "latency:5", "--num-prompts", "1"]) == 2
     assert "--goodput takes KEY:MS" in capsys.readouterr().err
     assert main(["--dataset-name", "jsonl"]) == 2
+    assert main(["--num-prompts", "0"]) == 2  # nothing measured is no result
+    assert "--num-prompts must be at least 1" in capsys.readouterr().err
+    assert main(["--base-url", "http://a:1/", "--compare", "http://a:1", "--num-prompts", "1"]) == 2
+    assert "compare two servers" in capsys.readouterr().err
 
 
 def test_a_missing_dataset_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
