@@ -237,7 +237,7 @@ class CompletionRequest(OpenAISampling):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None  # refused (400): no fill-in-the-middle
-    best_of: Positive | None = None  # choices generated; the n with the highest logprob per token return
+    best_of: Positive | None = None  # choices generated; the n with the highest logprob per token are returned
 
     @property
     def num_candidates(self) -> int:
