@@ -115,6 +115,7 @@ async def _serve_frontends(config: RouterConfig, engine: Engine, metrics: CoreMe
         return metrics.render()[0]
 
     server = EngineCoreServer(engine, folder, render)
+    server.on_requests_lost = metrics.on_requests_lost
     server.start()
     listen = listening_socket(config.hostname, config.port)
     num_workers = config.api_workers or default_api_workers(available_cpus())

@@ -90,6 +90,7 @@ async def start_router(config: RouterConfig, backend: Any, tokenizer: Tokenizer,
         return core_metrics.render()[0]
 
     server = EngineCoreServer(engine, folder, render, context)
+    server.on_requests_lost = core_metrics.on_requests_lost  # as loom_router.main wires it
     server.start()
     client = EngineClient(config, tokenizer, folder, 0, context)
     try:

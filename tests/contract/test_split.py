@@ -65,6 +65,10 @@ async def test_a_gone_frontends_requests_are_cancelled_and_their_kv_freed_while_
     assert len(events) == 60 and events[-1].finish_reason is not None
     await wait_for(lambda: r.engine.stats().num_blocks_used == 0)
     assert not any(stream.closed for stream in doomed)  # their process is gone: nothing reaches them
+    # No frontend is left to count them: the core does, in TGI's failures, summed with the frontends'
+    exposition = (await r.http.get("/metrics")).text
+    assert exposition.count("# TYPE tgi_request_failure counter") == 1
+    assert 'tgi_request_failure{err="generation"} 3.0' in exposition
 
 
 async def test_a_new_process_on_a_frontends_index_replaces_it_and_frees_what_the_old_one_had(

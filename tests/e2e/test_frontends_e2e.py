@@ -103,6 +103,7 @@ def test_a_killed_frontend_frees_its_requests_kv_is_restarted_and_metrics_stay_w
         time.sleep(0.1)
     assert metric(text, "loom_kv_blocks_used") == 0  # the core freed the dead frontend's request
     assert metric(text, "tgi_request_success") == 6  # what the dead frontend counted is still there
+    assert 'tgi_request_failure{err="generation"} 1.0' in text  # and the request it took with it
     for _ in range(4):
         with httpx.Client(timeout=60) as client:
             assert client.get(f"{base}/health").status_code == 200
@@ -110,4 +111,5 @@ def test_a_killed_frontend_frees_its_requests_kv_is_restarted_and_metrics_stay_w
                                ).status_code == 200
     assert launcher.process.poll() is None
     assert "frontend" in launcher.log() and "exited with code -9" in launcher.log()
+    assert "ended with it (finish_reason=error)" in launcher.log()
     assert launcher.stop() == 0

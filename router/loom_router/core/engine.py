@@ -299,12 +299,12 @@ class Engine(RequestBook):
             self._pending_aborts[group_id] = outcome
             self._wakeup.set()
 
-    def cancel_all_of(self, sink: Sink, outcome: str) -> int:
-        """Cancel every request whose tokens go to `sink` (a frontend that is gone); how many."""
+    def cancel_all_of(self, sink: Sink, outcome: str) -> list[int]:
+        """Cancel every request whose tokens go to `sink` (a frontend that is gone); their ids."""
         group_ids = [group_id for group_id, active in self._active.items() if active.sink is sink]
         for group_id in group_ids:
             self.cancel(group_id, outcome)
-        return len(group_ids)
+        return group_ids
 
     def stop_choice(self, group_id: int, index: int, num_generated: int) -> None:
         """A frontend found a stop string in choice `index`: it ends there (between steps)."""

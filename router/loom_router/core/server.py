@@ -61,6 +61,7 @@ class EngineCoreServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snapshots = snapshots.Snapshots(engine)
         self.responses = ResponseStore()
+        self.on_requests_lost: Callable[[int], None] | None = None  # requests of a frontend that died
         engine.status_observers.append(self._broadcast)
 
     def start(self) -> None:
@@ -83,9 +84,11 @@ class EngineCoreServer:
         outbox = self._outboxes.pop(frontend, None)
         if outbox is None:
             return
-        cancelled = self.engine.cancel_all_of(outbox, outcome="error")
-        if cancelled:
-            log.warning("frontend %d is gone: its %d request(s) were cancelled", frontend, cancelled)
+        lost = self.engine.cancel_all_of(outbox, outcome="error")
+        if lost:  # no frontend is left to log or count them: here, as failures
+            log.warning("frontend %d is gone: its requests %s ended with it (finish_reason=error)", frontend, lost)
+            if self.on_requests_lost is not None:
+                self.on_requests_lost(len(lost))
         outbox.close()
 
     # ---- messages ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -104,6 +104,9 @@ class CoreMetrics:
                                     ["rank"], buckets=TOKEN_LATENCY_BUCKETS + (10.24, 30.0), registry=r)
         self._shard_step_by_rank: list[Any] = []
         self.tgi = TgiBatchMetrics(r)
+        # Requests a frontend took with it when it died: TGI's failures, counted here (summed with
+        # the frontends' own at render).
+        self.request_failure = Counter("tgi_request_failure", "Number of failed requests", ["err"], registry=r)
         if read_stats is not None:
             r.register(EngineStatsCollector(read_stats))
         # The frontends' metrics: a MultiProcessCollector over their files, or their registries.
@@ -112,6 +115,9 @@ class CoreMetrics:
     def bind_engine(self, engine: Any) -> None:
         """Follow the engine's steps (TGI's batch metrics, per-rank step time)."""
         engine.step_observers.append(self.on_step)
+
+    def on_requests_lost(self, count: int) -> None:
+        self.request_failure.labels("generation").inc(count)
 
     def on_step(self, step: StepRecord) -> None:
         self.tgi.on_batch(step.method, step.ok, step.duration_s, step.forward_s)
@@ -126,6 +132,26 @@ class CoreMetrics:
         families: list[Metric] = list(self.registry.collect())
         for source in self.frontend_sources:
             families += source.collect()
-        exact = [family for family in families if family.name in EXACT_COUNTERS]
+        exact = merged([family for family in families if family.name in EXACT_COUNTERS])
         rest = [family for family in families if family.name not in EXACT_COUNTERS]
         return generate_latest(_Families(rest)) + render_exact(exact).encode(), CONTENT_TYPE_LATEST  # type: ignore[arg-type]
+
+
+def merged(families: Sequence[Metric]) -> list[Metric]:
+    """Families of one name from several sources (the core's registry, the frontends' files) as one,
+    each sample's values summed."""
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    first: dict[str, Metric] = {}
+    for family in families:
+        first.setdefault(family.name, family)
+        by_sample = values.setdefault(family.name, {})
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            by_sample[key] = by_sample.get(key, 0.0) + sample.value
+    out = []
+    for name, family in first.items():
+        metric = Metric(name, family.documentation, family.type)
+        for (sample_name, labels), value in values[name].items():
+            metric.add_sample(sample_name, dict(labels), value)
+        out.append(metric)
+    return out
