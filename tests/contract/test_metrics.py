@@ -163,3 +163,19 @@ async def test_every_generating_route_is_counted_and_client_errors_are_not_faile
     assert delta("tgi_request_generated_tokens_sum") == 4
     assert delta('tgi_request_failure{err="validation"}') == 2
     assert delta('tgi_request_failure{err="generation"}') == 0
+
+
+async def test_the_x_request_id_comes_back_and_names_the_log_line(harness: Harness,  # noqa: F811
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    body = {"prompt": "x", "max_tokens": 2}
+    with caplog.at_level(logging.INFO, logger=REQUEST_LOGGER):
+        mine = await harness.client.post("/v1/completions", json=body, headers={"X-Request-Id": "client-42"})
+        made = await harness.client.post("/v1/completions", json=body)
+        odd = await harness.client.post("/v1/completions", json=body, headers={"X-Request-Id": "bad id\tx"})
+    assert mine.headers["x-request-id"] == "client-42"
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+    assert re.fullmatch(r"[0-9a-f]{32}", odd.headers["x-request-id"])  # not a token: replaced
+    records = [r for r in caplog.records if r.name == REQUEST_LOGGER]
+    logged = [r.fields["http_request_id"] for r in records]  # type: ignore[attr-defined]
+    assert logged == ["client-42", made.headers["x-request-id"], odd.headers["x-request-id"]]
+    assert "http_request_id=client-42" in records[0].getMessage()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from bisect import bisect_left
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ LENGTH_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384 tokens
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
                               "/v1/responses", "/v1/messages"})
 SNAPSHOT_PREFIX = "/snapshots"
+MAX_REQUEST_ID = 128  # characters of a client's X-Request-Id kept
 FAILURE_BY_STATUS = {429: "overloaded", 499: "cancelled"}  # other 4xx: the request's fault ("validation")
 SUCCESS_OUTCOMES = frozenset(reason.value for reason in FinishReason)
 
@@ -43,6 +45,7 @@ class HttpRecord:
     arrival: float
     timer: RequestTimer | None = None
     snapshot_failure: str | None = None  # the error_type of a failed snapshot operation
+    request_id: str = ""  # X-Request-Id: the client's, or one made here; in the response and the log line
 
 
 # Set by MetricsMiddleware around each request, so the handlers' `start_request` and the
@@ -91,7 +94,9 @@ class FrontendMetrics:
         """The timer of a generation about to be submitted (its first tokens may arrive before
         the submission returns)."""
         record = _current_http.get()
-        return RequestTimer(self, None, num_input_tokens, record.arrival if record else None)
+        timer = RequestTimer(self, None, num_input_tokens, record.arrival if record else None)
+        timer.http_request_id = record.request_id if record else None
+        return timer
 
     def start_request(self, timer: RequestTimer, stream: Any, engine: Any = None) -> RequestTimer:
         """The generation was admitted: its timer follows its stream, tied to the HTTP request."""
@@ -162,7 +167,7 @@ class RequestTimer:
     """Latency bookkeeping of one generation request, fed with its events."""
 
     __slots__ = ("_metrics", "_stream", "num_input_tokens", "_arrival", "_start", "_first_token", "_end",
-                 "_itl_counts", "_itl_sum", "num_generated")
+                 "_itl_counts", "_itl_sum", "num_generated", "http_request_id")
 
     def __init__(self, metrics: FrontendMetrics, stream: Any = None, num_input_tokens: int = 0,
                  arrival: float | None = None) -> None:
@@ -176,6 +181,7 @@ class RequestTimer:
         self._itl_counts = [0] * (len(TOKEN_LATENCY_BUCKETS) + 1)  # the inter-token latencies, per bucket
         self._itl_sum = 0.0
         self.num_generated = 0
+        self.http_request_id: str | None = None  # X-Request-Id of the HTTP request it serves
 
     def on_tokens(self, index: int, count: int, now: float, gap: float | None) -> None:
         """`count` new tokens of choice `index` arrived at `now` (monotonic), `gap` after its last."""
@@ -212,6 +218,7 @@ class RequestTimer:
         times = self.times()
         summary = RequestSummary(
             request_id=getattr(self._stream, "group_id", None),
+            http_request_id=self.http_request_id,
             num_input_tokens=self.num_input_tokens,
             num_generated_tokens=self.num_generated,
             queue_s=(times.scheduled - times.validated) if times.scheduled is not None else None,
@@ -222,6 +229,17 @@ class RequestTimer:
         log_request(summary)
         if self._metrics.tracer is not None:
             self._metrics.tracer.record(summary, times)
+
+
+def request_id_of(scope: dict[str, Any]) -> str:
+    """The client's X-Request-Id when it is a short printable token, else a new one (as vLLM's)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= MAX_REQUEST_ID and text.isascii() and text.isprintable() and " " not in text:
+                return text
+            break
+    return uuid.uuid4().hex
 
 
 class MetricsMiddleware:
@@ -238,13 +256,14 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = {"code": 500}
-        record = HttpRecord(arrival=time.monotonic())
+        record = HttpRecord(arrival=time.monotonic(), request_id=request_id_of(scope))
         if _is_generation(scope):
             self.metrics.tgi.on_arrival()
 
         async def send_and_record(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", record.request_id.encode())]
             await send(message)
 
         token = _current_http.set(record)

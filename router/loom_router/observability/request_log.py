@@ -20,6 +20,7 @@ class RequestSummary:
     """What the log line of a finished request says. None: never happened (no token, never ran)."""
 
     request_id: int | None
+    http_request_id: str | None  # the X-Request-Id of its HTTP request (the client's, or the router's)
     num_input_tokens: int
     num_generated_tokens: int
     queue_s: float | None
@@ -31,6 +32,7 @@ class RequestSummary:
         """The log line's fields, durations in milliseconds."""
         return {
             "request_id": self.request_id,
+            "http_request_id": self.http_request_id,
             "num_input_tokens": self.num_input_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "finish_reason": self.finish_reason,
