@@ -150,12 +150,7 @@ async def _drain(engine: Engine, stop: Stop, timeout_s: float) -> None:
     with an error event). A second signal, or a fatal error, ends the wait."""
     log.info("draining (up to %g s)", timeout_s)
     stop.event.clear()
-    drain = asyncio.ensure_future(engine.drain(timeout_s))
-    interrupted = asyncio.ensure_future(stop.event.wait())
-    await asyncio.wait({drain, interrupted}, return_when=asyncio.FIRST_COMPLETED)
-    interrupted.cancel()
-    if not drain.done():
-        drain.cancel()
+    await _unless_stopped(stop, engine.drain(timeout_s))
     await asyncio.sleep(0.05)  # the last error events reach the frontends before they stop
 
 

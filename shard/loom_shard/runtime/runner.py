@@ -23,7 +23,7 @@ from loom_proto.step import (
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention.backend import BackendKind, select_backend
+from loom_shard.attention.backend import BackendKind, host_ints, select_backend
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.loading.quantize import quantized_summary
@@ -345,7 +345,7 @@ class ModelRunner:
         meta = self._metadata(spans)
         if self.decode_graphs is not None and meta.max_position > self.decode_graphs.spec.max_position:
             self.decode_graphs = None  # the rotary table grows past what the graphs captured
-        return self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device), self._cache(), meta)
+        return self.model(host_ints(input_ids).to(self.device), self._cache(), meta)
 
     def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
         """The step's attention metadata: one per KV group when layers keep their KV in groups,
@@ -443,7 +443,7 @@ def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     which saves a copy of up to [batch, vocab] float32 per use."""
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):
         return x
-    return x[torch.tensor(rows, dtype=torch.long, device=x.device)]
+    return x[host_ints(rows).to(x.device)]
 
 
 def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:
