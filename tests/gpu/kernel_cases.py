@@ -43,7 +43,7 @@ def reference(case: PagedCase) -> torch.Tensor:
     out, start = [], 0
     for s in case.spans:
         context = s.num_cached + s.num_compute
-        slots = torch.tensor([s.block_table[p // bs] * bs + p % bs for p in range(context)])
+        slots = torch.tensor([s.block_table[p // bs] * bs + p % bs for p in range(context)], dtype=torch.long)
         k = kv[0].flatten(0, 1)[slots].repeat_interleave(heads // kv_heads, dim=1)  # [context, heads, hd]
         v = kv[1].flatten(0, 1)[slots].repeat_interleave(heads // kv_heads, dim=1)
         query = q[start : start + s.num_compute]

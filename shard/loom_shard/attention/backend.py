@@ -68,7 +68,6 @@ class StepShape:
     num_seqs: int
     max_blocks: int  # block-table width
     num_tokens: int
-    max_query_len: int
     max_position: int
 
 
@@ -92,7 +91,6 @@ def pack_step_tables(spans: list[SeqSpan], block_size: int, max_blocks: int | No
         num_seqs=len(spans),
         max_blocks=width,
         num_tokens=packed[len(spans)],
-        max_query_len=max((s.num_compute for s in spans), default=0),
         max_position=max((s.num_cached + s.num_compute - 1 for s in spans), default=0),
     )
     return host_ints(packed, torch.int32), shape
@@ -116,7 +114,7 @@ def paged_metadata(packed: torch.Tensor, shape: StepShape, block_size: int, kern
     seq_of_token = torch.searchsorted(query_starts[1:], tokens, right=True)  # [num_tokens]
     positions = (num_cached[seq_of_token] + tokens - query_starts[seq_of_token]).long()
     pages = block_tables[seq_of_token, positions // block_size].long()
-    tables = PagedTables(block_tables, query_starts, num_cached, shape.max_query_len, kernel)
+    tables = PagedTables(block_tables, query_starts, num_cached, kernel)
     return AttentionMetadata(
         positions=positions,
         max_position=shape.max_position,
@@ -153,17 +151,22 @@ def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> At
     if device.type != "cuda":
         return TorchBackend(device)
     try:
-        from loom_shard.attention.triton_paged import paged_attention_triton
+        from loom_shard.attention import triton_paged
     except ImportError as error:
         log.warning("triton unavailable (%s): CUDA attention falls back to the torch gather path", error)
         return TorchBackend(device)
-    return PagedBackend(device, _triton_kernel(paged_attention_triton), BackendKind.TRITON)
+    return PagedBackend(device, _triton_kernel(triton_paged), BackendKind.TRITON)
 
 
-def _triton_kernel(fn) -> PagedKernel:  # noqa: ANN001 - the triton launcher
+def _triton_kernel(module) -> PagedKernel:  # noqa: ANN001 - loom_shard.attention.triton_paged
     def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: PagedTables, spec: AttentionSpec) -> torch.Tensor:
-        return fn(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached, tables.max_query_len,
-                  scale=spec.scale, window=spec.window, softcap=spec.softcap, sinks=spec.sinks)
+        group = q.shape[1] // kv_layer.shape[3]
+        tiles = tables.derived.get(group)
+        if tiles is None:
+            tiles = tables.derived[group] = module.tile_seqs(tables.query_starts, q.shape[0], group)
+        return module.paged_attention_triton(q, kv_layer, tables.block_tables, tables.query_starts, tables.num_cached,
+                                             tiles, scale=spec.scale, window=spec.window, softcap=spec.softcap,
+                                             sinks=spec.sinks)
 
     return attend
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,8 +65,10 @@ class PagedTables:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     query_starts: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query token
     num_cached: torch.Tensor  # [num_seqs] int32: keys before its first query
-    max_query_len: int
     kernel: PagedKernel
+    # What a kernel derives from these tables once a step, at its first layer, for every layer
+    # after (the Triton kernel's tile-to-sequence table, by query-group size).
+    derived: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # (q [num_tokens, heads, head_dim], kv_layer, tables, spec) -> [num_tokens, heads, head_dim]

@@ -1,11 +1,15 @@
 """A Triton paged-attention kernel: prefill chunks and decodes in one launch, reading K/V
 blocks in place through each sequence's block table (no gather of the context).
 
-One program computes one query tile of one sequence for one KV head. The KV head's query
-group folds into the tile's rows (row = token * group + g), so grouped-query attention
-loads each K/V block once for the whole group:
+One program computes one query tile of one sequence for one KV head. A tile holds whole
+tokens, each with its KV head's query group in the tile's rows (row = token * group + g), so
+grouped-query attention loads each K/V block once for the whole group. Tiles are numbered
+across the step, sequence after sequence: sequence i's tiles start at
+query_starts[i] // TILE_TOKENS + i, so the grid needs only the step's token and sequence
+counts, never its longest query (a CUDA graph captures it once for any mix of prefill chunks
+and decodes), and a short helper table maps each tile to its sequence:
 
-    grid = (num_seqs, num_kv_heads, cdiv(max_query_len * group, BLOCK_M))
+    grid = (num_tokens // TILE_TOKENS + num_seqs, num_kv_heads)
     program: rows of Q [BLOCK_M, head_dim]  x  keys 0 .. last visible, BLOCK_N at a time,
              each key's slot = block_table[seq, key // block_size] * block_size + key % block_size
 
@@ -22,42 +26,43 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # query rows per program: tl.dot's minimum, and a decode's group fits in it
+BLOCK_M = 16  # query rows per program at least: tl.dot's minimum
 BLOCK_N = 64  # keys per iteration
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_starts_ptr, num_cached_ptr, sinks_ptr,
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_starts_ptr, num_cached_ptr, tile_seqs_ptr, sinks_ptr,
     scale, window, softcap,
     stride_q_token, stride_q_head,
     stride_kv_kind, stride_kv_slot, stride_kv_head,
     stride_out_token, stride_out_head,
     stride_table_seq,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    seq = tl.load(tile_seqs_ptr + tile_id)
     query_start = tl.load(query_starts_ptr + seq)
     query_len = tl.load(query_starts_ptr + seq + 1) - query_start
-    if tile * BLOCK_M >= query_len * GROUP:
-        return  # this sequence has fewer query rows than the longest one
+    first_token = (tile_id - query_start // TILE_TOKENS - seq) * TILE_TOKENS  # of this tile, in its sequence
+    if first_token >= query_len:
+        return  # a spare tile: the numbering gives each sequence one more than it may need
     num_cached = tl.load(num_cached_ptr + seq)
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    token = rows // GROUP
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_valid = token < query_len
+    row_valid = (rows < TILE_TOKENS * GROUP) & (token < query_len)
     dims = tl.arange(0, DIM_PAD)  # head_dim padded to a power of two (Phi-3's 96): masked dims are 0
     dim_valid = dims < HEAD_DIM
     q_offsets = (query_start + token)[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, DIM_PAD]
     query_pos = num_cached + token  # [BLOCK_M]
     # Keys this tile can see: up to its last valid token's position, inclusive.
-    last_token = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, query_len * GROUP - 1) // GROUP
+    last_token = tl.minimum(first_token + TILE_TOKENS, query_len) - 1
     num_keys = num_cached + last_token + 1
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked row never makes NaN
@@ -68,7 +73,7 @@ def _paged_attention_kernel(
     # stay on the grid fixed from key 0, so a row's arithmetic does not depend on its tile.
     tile_first_key = 0
     if window > 0:
-        tile_first_key = tl.maximum(num_cached + (tile * BLOCK_M) // GROUP + 1 - window, 0)
+        tile_first_key = tl.maximum(num_cached + first_token + 1 - window, 0)
     first_key = (tile_first_key // BLOCK_N) * BLOCK_N
     while first_key < num_keys:  # a while loop: the interpreter's scalars are not Python ints
         keys = first_key + tl.arange(0, BLOCK_N)
@@ -112,13 +117,29 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
+def tile_tokens(group: int) -> int:
+    """Tokens per query tile: as many whole query groups as BLOCK_M rows hold (at least one)."""
+    return max(BLOCK_M // group, 1)
+
+
+def tile_seqs(query_starts: torch.Tensor, num_tokens: int, group: int) -> torch.Tensor:
+    """Each tile's sequence, [num_tokens // tile_tokens + num_seqs] int32, from the query starts
+    on the device (device ops only: graph-capturable; one table serves every layer of a step)."""
+    per_tile = tile_tokens(group)
+    num_seqs = query_starts.shape[0] - 1
+    seqs = torch.arange(num_seqs, device=query_starts.device, dtype=torch.int32)
+    first_tiles = query_starts[:-1] // per_tile + seqs  # strictly increasing
+    tiles = torch.arange(num_tokens // per_tile + num_seqs, device=query_starts.device, dtype=torch.int32)
+    return (torch.searchsorted(first_tiles, tiles, right=True) - 1).to(torch.int32)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
     block_tables: torch.Tensor,
     query_starts: torch.Tensor,
     num_cached: torch.Tensor,
-    max_query_len: int,
+    tiles: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     *,
     scale: float | None = None,
@@ -131,7 +152,7 @@ def paged_attention_triton(
     q: [num_tokens, num_heads, head_dim]; kv_layer: [2, num_blocks, block_size, kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks] int32; query_starts: [num_seqs + 1] int32 (token offsets
     of each sequence's queries in q); num_cached: [num_seqs] int32 (keys before its first query);
-    max_query_len: the longest sequence's query count, known on the host (sizes the grid);
+    tiles: `tile_seqs(query_starts, num_tokens, group)`, built here when not given;
     scale (default head_dim ** -0.5), window, softcap, sinks [num_heads]: the layer's spec.
     Returns [num_tokens, num_heads, head_dim].
     """
@@ -142,18 +163,18 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
-    num_seqs = block_tables.shape[0]
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len * group, BLOCK_M))
+    if tiles is None:
+        tiles = tile_seqs(query_starts, num_tokens, group)
     sinks_arg = sinks.float().contiguous() if sinks is not None else q  # any pointer when unused
-    _paged_attention_kernel[grid](
-        q, kv_layer, out, block_tables, query_starts, num_cached, sinks_arg,
+    _paged_attention_kernel[(tiles.shape[0], num_kv_heads)](
+        q, kv_layer, out, block_tables, query_starts, num_cached, tiles, sinks_arg,
         head_dim**-0.5 if scale is None else scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), PAGE=page,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
+        GROUP=group, TILE_TOKENS=tile_tokens(group), HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        PAGE=page, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
     )
     return out

@@ -23,7 +23,7 @@ def test_packed_tables_layout_and_shape() -> None:
     packed, shape = pack_step_tables(spans, block_size=4)
     # query_starts | num_cached | block tables cut to the blocks reached (2 and 3), padded with 0
     assert packed.tolist() == [0, 3, 4] + [5, 9] + [7, 2, 0] + [4, 1, 8]
-    assert (shape.num_seqs, shape.max_blocks, shape.num_tokens, shape.max_query_len, shape.max_position) == (2, 3, 4, 3, 9)
+    assert (shape.num_seqs, shape.max_blocks, shape.num_tokens, shape.max_position) == (2, 3, 4, 9)
 
 
 def test_paged_metadata_positions_and_slots_follow_the_block_tables() -> None:
