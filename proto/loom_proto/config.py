@@ -132,7 +132,7 @@ class ShardFlags(ModelFlags):
         "else AVX2); off: torch's paths (slower, bfloat16 linears not batch-invariant)")
     block_size: Positive = Field(16, description="tokens per KV cache block")
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of free GPU memory the KV cache may take")
-    cuda_graphs: bool = Field(True, description="replay decode steps as CUDA graphs captured at warmup "
+    cuda_graphs: bool = Field(True, description="replay steps as CUDA graphs captured at warmup "
                               "(CUDA with triton only)")
     cpu_kv_cache_bytes: Positive | None = Field(
         None, description="KV cache size on CPU when max-batch-total-tokens is unset; default: a share of free RAM")

@@ -56,7 +56,7 @@ def test_float32_greedy_matches_transformers(kind: str, graphs: bool) -> None:
     prompts = [random_tokens(n, seed) for seed, n in enumerate([9, 5, 17, 2])]
     generated = _generate(runner, prompts, 12)
     assert generated == [_greedy_reference(hf, p, 12) for p in prompts]
-    assert (runner.decode_graphs is not None and runner.decode_graphs.num_replays >= 10) == graphs
+    assert (runner.step_graphs is not None and runner.step_graphs.num_replays >= 10) == graphs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

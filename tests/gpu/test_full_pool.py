@@ -10,7 +10,7 @@ from loom_proto.config import ShardConfig
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_shard.loading.hf_folder import config_from_hf
 from loom_shard.models import build_model
-from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES
+from loom_shard.runtime.cuda_graphs import MAX_GRAPH_SEQS
 from loom_shard.runtime.runner import ModelRunner
 
 SMOLLM2_SHAPES = dict(  # the embedded model's architecture, random weights
@@ -27,7 +27,7 @@ def test_filled_pool_at_max_batch_does_not_oom() -> None:
                          memory_fraction=0.04, host_kv_cache_bytes=0)
     runner = ModelRunner(config, model=build_model(config_from_hf(SMOLLM2_SHAPES)))
     num_blocks = runner.warmup(max_prefill_tokens=MAX_PREFILL).num_blocks
-    batch = max(GRAPH_BATCH_SIZES)
+    batch = MAX_GRAPH_SEQS
     blocks_per_seq = min(num_blocks // batch, 8192 // 16)
     assert blocks_per_seq >= 4, f"pool of {num_blocks} blocks too small for the test"
     prompt_len = blocks_per_seq * 16 - 8  # leaves room for 8 decoded tokens: the pool is full
@@ -39,7 +39,9 @@ def test_filled_pool_at_max_batch_does_not_oom() -> None:
                 for i in range(first, min(first + per_step, batch))]
         runner.step(StepPlan(new_requests=news))
     plan = StepPlan(running_requests=[RunningRequest(i, 1) for i in range(batch)])
+    assert runner.step_graphs is not None
+    replays = runner.step_graphs.num_replays  # the prefill steps' (each within the largest graph)
     for _ in range(7):
         outputs = runner.step(plan).outputs
         assert len(outputs) == batch and all(o.token_id is not None for o in outputs)
-    assert runner.decode_graphs is not None and runner.decode_graphs.num_replays == 7
+    assert runner.step_graphs.num_replays == replays + 7

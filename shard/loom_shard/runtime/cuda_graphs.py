@@ -1,20 +1,27 @@
-"""Decode steps replayed as CUDA graphs, one graph per bucketed batch size, captured at warmup.
+"""Steps replayed as CUDA graphs, one graph per bucketed token count, captured at warmup.
 
-A small model's decode step is launch-bound: hundreds of kernels of a few microseconds.
-A graph replays them with one launch. Each graph owns static inputs that a step refills:
+A small model's step is launch-bound: hundreds of kernels of a few microseconds. A graph
+replays them with one launch. Every kind of step replays one (decodes, prefill chunks beside
+decodes, speculative drafts) when its tokens fit the largest bucket and its sequences the
+graph's sequence slots; wider steps and steps with LoRA adapters run eagerly. Each graph owns
+static inputs that a step refills:
 
-    input_ids [batch] int64 | packed tables [batch + 1 | batch | batch * max_blocks] int32
+    input_ids [tokens] int64 | packed tables [seqs + 1 | seqs | seqs * max_blocks] int32
 
-Positions and slots are derived on the device from the packed tables inside the graph
-(`attention.backend.paged_metadata`). A step smaller than its bucket is padded with one-token
-sequences that write into the cache's scratch block and read nothing else. Mixed steps
-(prefill chunks) and steps wider than the largest graph run eagerly.
+with seqs = min(tokens, MAX_GRAPH_SEQS) + 1. Positions, slots and the attention kernel's tiles
+are derived on the device from the packed tables inside the graph
+(`attention.backend.paged_metadata`): the paged kernel's grid follows the token and sequence
+counts only, so one graph serves any mix of query lengths. A step smaller than its graph is
+padded: empty sequences fill the unused sequence slots and the last slot takes the spare
+tokens, which write into the cache's scratch block and read nothing else.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,22 +29,28 @@ from loom_shard.attention.backend import StepShape, host_ints, pack_step_tables,
 from loom_shard.attention.metadata import PagedKernel, SeqSpan
 from loom_shard.models.decoder import DecoderModel
 
-# Batch sizes captured: dense where small batches are common, coarser above.
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Token counts captured: dense where decode batches are common, coarser above (prefill chunks).
+GRAPH_TOKEN_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256,
+                     320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
+MAX_GRAPH_SEQS = 256  # sequences one graph step takes (a decode batch of 256 fills the 256 bucket)
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
 
 
 @dataclass(slots=True)
 class _CapturedStep:
-    graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor  # [batch] int64, static
+    graph: Replayable  # a torch.cuda.CUDAGraph
+    num_seqs: int  # sequence slots
+    input_ids: torch.Tensor  # [tokens] int64, static
     packed: torch.Tensor  # [packed_len] int32, static
-    hidden: torch.Tensor  # [batch, hidden_size], written by each replay
+    hidden: torch.Tensor  # [tokens, hidden_size], written by each replay
 
     @property
     def block_tables(self) -> torch.Tensor:
-        """The packed buffer's block-table part, [batch, max_blocks] (a view)."""
-        batch = self.input_ids.shape[0]
-        return self.packed[2 * batch + 1 :].view(batch, -1)
+        """The packed buffer's block-table part, [seqs, max_blocks] (a view)."""
+        return self.packed[2 * self.num_seqs + 1 :].view(self.num_seqs, -1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,10 +59,10 @@ class GraphSpec:
     max_blocks: int  # block-table width: the longest sequence a graph can serve
     max_position: int  # rotary table size known at capture
     scratch_block: int
-    batch_sizes: tuple[int, ...] = GRAPH_BATCH_SIZES
+    token_sizes: tuple[int, ...] = GRAPH_TOKEN_SIZES
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, kernel: PagedKernel, spec: GraphSpec) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -59,76 +72,103 @@ class DecodeGraphs:
         self.num_replays = 0
 
     @property
-    def max_batch(self) -> int:
-        return max(self.spec.batch_sizes)
+    def max_tokens(self) -> int:
+        return max(self.spec.token_sizes)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        for batch in sorted(self.spec.batch_sizes, reverse=True):
-            self.steps[batch] = self._capture_one(batch, pool)
+        for tokens in sorted(self.spec.token_sizes, reverse=True):
+            self.steps[tokens] = self._capture_one(tokens, pool)
         torch.cuda.synchronize()
 
-    def _shape(self, batch: int) -> StepShape:
-        return StepShape(batch, self.spec.max_blocks, batch, 1, self.spec.max_position)
+    def _capture_one(self, tokens: int, pool: tuple[int, int]) -> _CapturedStep:
+        seqs = _num_seqs(tokens)
+        input_ids = torch.zeros(tokens, dtype=torch.long, device=self.kv_cache.device)
+        packed, _ = pack_step_tables(self._padding([], 0, tokens), self.spec.block_size, self.spec.max_blocks)
+        packed = packed.to(self.kv_cache.device)
+        shape = StepShape(seqs, self.spec.max_blocks, tokens, self.spec.max_position)
+        graph, hidden = self._record(lambda: self._forward(input_ids, packed, shape), pool)
+        return _CapturedStep(graph, seqs, input_ids, packed, hidden)
 
-    def _capture_one(self, batch: int, pool: tuple[int, int]) -> _CapturedStep:
+    def _record(self, forward: Callable[[], torch.Tensor], pool: tuple[int, int]) -> tuple[Replayable, torch.Tensor]:
+        """One eager run first (compiles the Triton kernels, builds the rotary table), then the capture."""
         device = self.kv_cache.device
-        input_ids = torch.zeros(batch, dtype=torch.long, device=device)
-        packed_host, _ = pack_step_tables(self._padding(batch), self.spec.block_size, self.spec.max_blocks)
-        packed = packed_host.to(device)
-        shape = self._shape(batch)
-        # One eager run first: compiles the Triton kernel and builds the rotary table.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self._forward(input_ids, packed, shape)
+            forward()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            hidden = self._forward(input_ids, packed, shape)
-        return _CapturedStep(graph, input_ids, packed, hidden)
+            hidden = forward()
+        return graph, hidden
 
     def _forward(self, input_ids: torch.Tensor, packed: torch.Tensor, shape: StepShape) -> torch.Tensor:
         meta = paged_metadata(packed, shape, self.spec.block_size, self.kernel)
         return self.model(input_ids, self.kv_cache, meta)
 
-    def _padding(self, num: int) -> list[SeqSpan]:
-        return [SeqSpan(0, 1, [self.spec.scratch_block]) for _ in range(num)]
+    def _padding(self, spans: list[SeqSpan], num_tokens: int, bucket: int) -> list[SeqSpan]:
+        """`spans` (num_tokens in all) filled out to the bucket's sequence slots and tokens: empty
+        sequences, then one that takes the spare tokens into the scratch block (every position
+        of it on that block: its keys are its own, written in the same layer before they are read)."""
+        spare = bucket - num_tokens
+        empty = [SeqSpan(0, 0, []) for _ in range(_num_seqs(bucket) - 1 - len(spans))]
+        scratch = SeqSpan(0, spare, [self.spec.scratch_block] * -(-spare // self.spec.block_size))
+        return spans + empty + [scratch]
 
-    def can_run(self, spans: list[SeqSpan]) -> bool:
-        """All decodes, few enough for the largest graph, each within the table width."""
-        if not spans or len(spans) > self.max_batch:
+    def can_run(self, spans: list[SeqSpan], num_tokens: int) -> bool:
+        """Few enough tokens and sequences for the largest graph, each within the table width."""
+        if not spans or num_tokens > self.max_tokens or len(spans) > min(num_tokens, MAX_GRAPH_SEQS):
             return False
-        bs = self.spec.block_size
-        return all(s.num_compute == 1 and s.num_cached // bs < self.spec.max_blocks for s in spans)
+        bs, width = self.spec.block_size, self.spec.max_blocks
+        return all((s.num_cached + s.num_compute - 1) // bs < width for s in spans)
 
     def run(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
-        """Replay the smallest graph that fits; returns hidden states [len(spans), hidden_size]."""
-        num = len(spans)
-        batch = self.spec.batch_sizes[bisect.bisect_left(self.spec.batch_sizes, num)]
-        step = self.steps[batch]
-        padded = spans + self._padding(batch - num)
+        """Replay the smallest graph that fits; returns hidden states [len(input_ids), hidden_size]."""
+        num_tokens = len(input_ids)
+        bucket = self.spec.token_sizes[bisect.bisect_left(self.spec.token_sizes, num_tokens)]
+        step = self.steps[bucket]
         # Tables as wide as this step needs, not the graph's full width: the host builds and
-        # sends batch * width entries, and the kernel never reads past a sequence's last block.
-        packed, shape = pack_step_tables(padded, self.spec.block_size)
-        head = 2 * batch + 1  # query_starts and num_cached
-        ids = host_ints(input_ids + [0] * (batch - num))
+        # sends seqs * width entries, and the kernel never reads past a sequence's last block.
+        packed, shape = pack_step_tables(self._padding(spans, num_tokens, bucket), self.spec.block_size)
+        head = 2 * step.num_seqs + 1  # query_starts and num_cached
+        ids = host_ints(input_ids + [0] * (bucket - num_tokens))
         # Three small host-to-device copies from pinned memory, then one launch for the whole step.
-        step.packed[:head].copy_(packed[:head].pin_memory(), non_blocking=True)
-        step.block_tables[:, : shape.max_blocks].copy_(packed[head:].view(batch, -1).pin_memory(), non_blocking=True)
-        step.input_ids.copy_(ids.pin_memory(), non_blocking=True)
+        step.packed[:head].copy_(self._pinned(packed[:head]), non_blocking=True)
+        tables = self._pinned(packed[head:].view(step.num_seqs, -1))
+        step.block_tables[:, : shape.max_blocks].copy_(tables, non_blocking=True)
+        step.input_ids.copy_(self._pinned(ids), non_blocking=True)
         step.graph.replay()
         self.num_replays += 1
-        return step.hidden[:num]
+        return step.hidden[:num_tokens]
 
 
-def capture_decode_graphs(model: DecoderModel, kv_cache: torch.Tensor, kernel: PagedKernel, scratch_block: int,
-                          block_size: int) -> DecodeGraphs:
+    def _pinned(self, host: torch.Tensor) -> torch.Tensor:
+        return host.pin_memory() if self.kv_cache.is_cuda else host
+
+
+def _num_seqs(tokens: int) -> int:
+    """A bucket's sequence slots: every step of that many tokens has at most that many sequences
+    (MAX_GRAPH_SEQS at most), and one more slot takes a smaller step's spare tokens."""
+    return min(tokens, MAX_GRAPH_SEQS) + 1
+
+
+def graph_token_sizes(max_step_tokens: int, max_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The buckets a shard captures: every decode batch up to MAX_GRAPH_SEQS, and prefill steps up
+    to the largest the router schedules, none longer than the model's context (a bucket's spare
+    tokens take positions from 0 in the scratch sequence)."""
+    limit = min(max(max_step_tokens, MAX_GRAPH_SEQS), max_blocks * block_size)
+    return tuple(t for t in GRAPH_TOKEN_SIZES if t <= limit)
+
+
+def capture_step_graphs(model: DecoderModel, kv_cache: torch.Tensor, kernel: PagedKernel, scratch_block: int,
+                        block_size: int, max_step_tokens: int) -> StepGraphs:
     """Graphs for sequences up to the model's context length, padding into `scratch_block`."""
     max_blocks = -(-model.config.max_position_embeddings // block_size)
-    spec = GraphSpec(block_size, max_blocks, max_blocks * block_size - 1, scratch_block)
-    graphs = DecodeGraphs(model, kv_cache, kernel, spec)
+    sizes = graph_token_sizes(max_step_tokens, max_blocks, block_size)
+    spec = GraphSpec(block_size, max_blocks, max_blocks * block_size - 1, scratch_block, sizes)
+    graphs = StepGraphs(model, kv_cache, kernel, spec)
     graphs.capture()
     return graphs

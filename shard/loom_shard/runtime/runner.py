@@ -30,7 +30,7 @@ from loom_shard.loading.quantize import quantized_summary
 from loom_shard.lora.adapter import AdapterError
 from loom_shard.lora.slots import HostAdapter, LoraSlots
 from loom_shard.models.decoder import DecoderModel
-from loom_shard.runtime.cuda_graphs import GRAPH_BATCH_SIZES, DecodeGraphs, capture_decode_graphs
+from loom_shard.runtime.cuda_graphs import MAX_GRAPH_SEQS, StepGraphs, capture_step_graphs
 from loom_shard.runtime.kv_cache import (
     CPU_POOL_SHARE,
     HOST_POOL_SHARE,
@@ -62,9 +62,6 @@ from loom_shard.runtime.requests import (
 from loom_shard.runtime.sampler import Sample, SeqSamplingState, sample
 from loom_shard.runtime.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
-
-MAX_GRAPH_BATCH = max(GRAPH_BATCH_SIZES)  # the widest decode step warmup measures
-
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +96,8 @@ class ModelRunner:
                                    self.dtype)
         self.attention = select_backend(self.device, self.dtype)
         self.kv_cache: PagedKVCache | None = None
-        self.decode_graphs: DecodeGraphs | None = None  # captured with the KV cache (CUDA)
+        self.step_graphs: StepGraphs | None = None  # captured with the KV cache (CUDA)
+        self.max_step_tokens = MAX_GRAPH_SEQS  # the widest step graphs capture (warmup: the prefill budget)
         self.requests: dict[int, RequestState] = {}
 
     @property
@@ -129,13 +127,13 @@ class ModelRunner:
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
-        self.kv_cache = self.decode_graphs = None  # free the old pool (and graphs reading it) first
+        self.kv_cache = self.step_graphs = None  # free the old pool (and graphs reading it) first
         graphs = (self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
                   and self.kv_groups.num_groups == 1)  # graphs replay one set of tables
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device, num_scratch_blocks=int(graphs))
         if graphs:
-            self.decode_graphs = capture_decode_graphs(
-                self.model, self.kv_cache.device_blocks, self.attention.kernel, num_blocks, self.block_size)
+            self.step_graphs = capture_step_graphs(self.model, self.kv_cache.device_blocks, self.attention.kernel,
+                                                   num_blocks, self.block_size, self.max_step_tokens)
         return self.kv_cache
 
     @torch.inference_mode()
@@ -163,6 +161,7 @@ class ModelRunner:
         num_host_blocks = blocks_for_bytes(host_bytes, self.kv_spec)
         if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size) * self.kv_groups.num_groups:
             raise ValueError(f"{num_blocks} KV blocks cannot hold a prefill of {max_prefill_tokens} tokens")
+        self.max_step_tokens = max_prefill_tokens  # a step's tokens, decodes included (the router's budget)
         self.allocate_kv_cache(num_blocks, num_host_blocks)
         return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
 
@@ -174,7 +173,7 @@ class ModelRunner:
         groups = self.kv_groups.num_groups  # every group's table the same scratch blocks
         steps = [[SeqSpan(0, num_tokens, [b for b in range(prefill_blocks) for _ in range(groups)])]]
         if self.device.type == "cuda":
-            steps.append([SeqSpan(0, 1, [i] * groups) for i in range(MAX_GRAPH_BATCH)])
+            steps.append([SeqSpan(0, 1, [i] * groups) for i in range(MAX_GRAPH_SEQS)])
         scratch = PagedKVCache(self.kv_spec, max(prefill_blocks, len(steps[-1])), 0, self.device)
         for spans in steps:
             meta = self._metadata(spans)
@@ -324,7 +323,7 @@ class ModelRunner:
         phases.sample_start = time.perf_counter()
 
     def _forward(self, input_ids: list[int], scheduled: list[Scheduled]) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden]: a graph replay for decode steps, else eager;
+        """Final hidden states [num_tokens, hidden]: a graph replay where one fits, else eager;
         with LoRA deltas for the sequences that name an adapter."""
         spans = [s.span for s in scheduled]
         if self.lora is None:
@@ -340,11 +339,12 @@ class ModelRunner:
 
     def _forward_spans(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
         lora_active = self.lora is not None and self.lora.batch.active
-        if self.decode_graphs is not None and not lora_active and self.decode_graphs.can_run(spans):
-            return self.decode_graphs.run(input_ids, spans)
+        graphs = self.step_graphs
+        if graphs is not None and not lora_active and graphs.can_run(spans, len(input_ids)):
+            return graphs.run(input_ids, spans)
         meta = self._metadata(spans)
-        if self.decode_graphs is not None and meta.max_position > self.decode_graphs.spec.max_position:
-            self.decode_graphs = None  # the rotary table grows past what the graphs captured
+        if graphs is not None and meta.max_position > graphs.spec.max_position:
+            self.step_graphs = None  # the rotary table grows past what the graphs captured
         return self.model(host_ints(input_ids).to(self.device), self._cache(), meta)
 
     def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
