@@ -1,5 +1,6 @@
 """GPU benchmark of the shard's runner (one CUDA device): decode tokens/s at several batch
-sizes, prefill tokens/s, the GPU's own ceilings, and transformers on the same GPU and model;
+sizes, a step of decodes with one new prompt replayed as its graph and run eagerly, prefill
+tokens/s, the GPU's own ceilings, and transformers on the same GPU and model;
 batch 1 and 32 again with torch's elementwise ops in place of the Triton kernels (A/B), and a
 Llama-1B shape against its weight-read floor and the bf16 peak.
 
@@ -76,7 +77,8 @@ def make_runner(cuda_graphs: bool, max_batch: int, hf_config: dict | None = None
     config = ShardConfig(model_id="bench", uds_path="", device="cuda", dtype="bfloat16", block_size=BLOCK_SIZE,
                          cuda_graphs=cuda_graphs, host_kv_cache_bytes=0)
     runner = ModelRunner(config, model=model)
-    runner.warmup(max_prefill_tokens=4096, max_batch_total_tokens=max(max_batch * SEQ_BLOCKS, 512) * BLOCK_SIZE)
+    # one sequence's blocks more than the batch: mixed_step_ms's new prompts
+    runner.warmup(max_prefill_tokens=4096, max_batch_total_tokens=max((max_batch + 1) * SEQ_BLOCKS, 512) * BLOCK_SIZE)
     return runner
 
 
@@ -125,8 +127,33 @@ def graph_rates(runner: ModelRunner, tag: str, batches: list[int]) -> dict[str, 
     results = {}
     for batch in batches:
         results[f"{tag}_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
-        results[f"{tag}_graph_replay_ms_b{batch}"] = cuda_time(runner.decode_graphs.steps[batch].graph.replay, 20) * 1e3
+        results[f"{tag}_graph_replay_ms_b{batch}"] = cuda_time(runner.step_graphs.steps[batch].graph.replay, 20) * 1e3
     return results
+
+
+def mixed_step_ms(runner: ModelRunner, batch: int, prompt_len: int = 20, steps: int = 10) -> dict[str, float]:
+    """A step of `batch` decodes that also prefills one new `prompt_len`-token prompt (a step while
+    requests keep arriving): median ms with its CUDA graph and eagerly, alternating, in one runner."""
+    decode_rate(runner, batch)  # leaves `batch` sequences decoding, with room for 28 tokens more each
+    graphs = runner.step_graphs
+    decodes = [RunningRequest(i, 1) for i in range(batch)]
+    spare = list(range(batch * SEQ_BLOCKS, batch * SEQ_BLOCKS + -(-prompt_len // BLOCK_SIZE)))
+    times: dict[str, list[float]] = {"graph": [], "eager": []}
+    released: list[int] = []
+    for step in range(2 * steps):
+        mode = ("graph", "eager")[step % 2]
+        runner.step_graphs = graphs if mode == "graph" else None
+        request_id = 100_000 + step
+        prompt = torch.randint(0, 49152, (prompt_len,)).tolist()
+        new = NewRequest(request_id, prompt, prompt_len, 0, prompt_len, spare, sampling=GREEDY)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.step(StepPlan(new_requests=[new], running_requests=decodes, released_ids=released))
+        times[mode].append(time.perf_counter() - start)  # tokens on the host: synchronized
+        released = [request_id]
+    runner.step_graphs = graphs
+    runner.release(released)
+    return {f"loom_mixed_step_ms_b{batch}_{mode}": statistics.median(t[1:]) * 1e3 for mode, t in times.items()}
 
 
 def torch_elementwise_rates() -> dict[str, float]:
@@ -308,6 +335,8 @@ def main() -> None:
         runner = make_runner(graphs, max(batches))
         if graphs:
             results |= graph_rates(runner, "loom_graphs", batches)
+            for batch in batches:
+                results |= mixed_step_ms(runner, batch)
         else:
             results |= {f"loom_eager_decode_tok_s_b{batch}": decode_rate(runner, batch) for batch in batches}
         print({k: round(v, 2) for k, v in results.items() if isinstance(v, float)}, flush=True)
