@@ -16,6 +16,7 @@ from loom_shard.layers.rotary import KernelRope, RotaryEmbedding, apply_rotary
 from loom_shard.model_config import Activation
 
 triton_elementwise = pytest.importorskip("loom_shard.layers.triton_elementwise", reason="needs triton")
+pytestmark = pytest.mark.interpretable
 # TRITON_INTERPRET=1 runs these on the CPU too (float32/float16: the interpreter has no bfloat16).
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 LOW = torch.float16 if DEVICE == "cpu" else torch.bfloat16
