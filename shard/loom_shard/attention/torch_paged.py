@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from loom_shard.attention.metadata import AttentionMetadata, AttentionSpec, DecodeBatch, PrefillChunk
 
@@ -64,6 +63,10 @@ def sdpa_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           scale: float | None = None) -> torch.Tensor:
     """The same contract as `blocked_causal_attention`, through SDPA's fused kernels (CUDA):
     a lower-right causal bias aligns the diagonal with the chunk's end after cached keys."""
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, ~1 s of every shard's start,
+    # and only CUDA without triton comes here.
+    from torch.nn.attention.bias import causal_lower_right
+
     chunk_len, context = query.shape[0], key.shape[1]
     bias = causal_lower_right(chunk_len, context) if context != chunk_len else None
     out = F.scaled_dot_product_attention(
