@@ -11,20 +11,21 @@ Triton kernel's contract and the CPU linears are row-invariant, so the rows must
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from loom_shard.attention.backend import BackendKind
-from loom_shard.attention.metadata import SeqSpan
+from loom_shard.attention.backend import AttentionBackend, BackendKind
+from loom_shard.attention.metadata import PagedKernel, SeqSpan
+from loom_shard.models.decoder import DecoderModel
 from loom_shard.runtime.cuda_graphs import (
     MAX_GRAPH_SEQS,
     GraphSpec,
     StepGraphs,
     graph_token_sizes,
 )
-from loom_shard.runtime.kv_cache import PagedKVCache
-from loom_shard.runtime.runner import ModelRunner
+from loom_shard.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from tests.unit.shard.conftest import random_tokens, tiny_runner
 
 BLOCK_SIZE = 4
@@ -53,17 +54,32 @@ class EagerStepGraphs(StepGraphs):
         return replay, replay.hidden
 
 
-@pytest.fixture(scope="module")
-def setup(llama_pair) -> tuple[ModelRunner, PagedKVCache, EagerStepGraphs]:
-    runner = tiny_runner(llama_pair, BLOCK_SIZE, num_blocks=8)
-    assert runner.attention.kind is BackendKind.CPU_PAGED
-    cache = PagedKVCache(runner.kv_spec, NUM_BLOCKS, 0, "cpu", num_scratch_blocks=1)
-    max_blocks = runner.model.config.max_position_embeddings // BLOCK_SIZE
-    spec = GraphSpec(BLOCK_SIZE, max_blocks, max_blocks * BLOCK_SIZE - 1, NUM_BLOCKS, SIZES)
-    graphs = EagerStepGraphs(runner.model, cache.device_blocks, runner.attention.kernel, spec)
+@dataclass(slots=True)
+class Setup:
+    model: DecoderModel
+    backend: AttentionBackend
+    cache: PagedKVCache  # NUM_BLOCKS blocks, then the scratch block
+    graphs: StepGraphs
+
+
+def make_setup(model: DecoderModel, backend: AttentionBackend, kernel: PagedKernel, graphs_class: type[StepGraphs],
+               device: str = "cpu") -> Setup:
+    c = model.config
+    spec = KVCacheSpec(c.num_layers, model.num_kv_heads, c.head_dim, BLOCK_SIZE, torch.float32)
+    cache = PagedKVCache(spec, NUM_BLOCKS, 0, device, num_scratch_blocks=1)
+    max_blocks = c.max_position_embeddings // BLOCK_SIZE
+    graph_spec = GraphSpec(BLOCK_SIZE, max_blocks, max_blocks * BLOCK_SIZE - 1, NUM_BLOCKS, SIZES)
+    graphs = graphs_class(model, cache.device_blocks, kernel, graph_spec)
     with torch.inference_mode():
         graphs.capture()
-    return runner, cache, graphs
+    return Setup(model, backend, cache, graphs)
+
+
+@pytest.fixture(scope="module")
+def setup(llama_pair) -> Setup:
+    runner = tiny_runner(llama_pair, BLOCK_SIZE, num_blocks=8)
+    assert runner.attention.kind is BackendKind.CPU_PAGED
+    return make_setup(runner.model, runner.attention, runner.attention.kernel, EagerStepGraphs)
 
 
 def _sequences(lengths: list[int]) -> list[tuple[list[int], list[int]]]:
@@ -78,9 +94,9 @@ def _sequences(lengths: list[int]) -> list[tuple[list[int], list[int]]]:
 
 
 @torch.inference_mode()
-def _eager(runner: ModelRunner, cache: PagedKVCache, ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
-    meta = runner.attention.build_metadata(spans, BLOCK_SIZE)
-    return runner.model(torch.tensor(ids), cache.device_blocks, meta)
+def _eager(setup: Setup, ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
+    meta = setup.backend.build_metadata(spans, BLOCK_SIZE)
+    return setup.model(torch.tensor(ids, device=setup.cache.device), setup.cache.device_blocks, meta)
 
 
 STEPS = {
@@ -92,32 +108,37 @@ STEPS = {
 }
 
 
-@pytest.mark.parametrize("name", list(STEPS))
-def test_a_padded_step_gives_the_eager_rows(setup, name: str) -> None:
-    runner, cache, graphs = setup
-    cache.device_blocks.zero_()
-    steps = STEPS[name]
+@torch.inference_mode()
+def replay_and_eager(setup: Setup, steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step `steps` ((num_cached, num_compute) per sequence, each context computed first) through
+    its graph and eagerly: (graph rows, eager rows). Asserts that the graph step wrote nothing
+    outside the scratch block (the step's own tokens' K/V it rewrites with the same values)."""
+    setup.cache.device_blocks.zero_()
     seqs = _sequences([cached + compute for cached, compute in steps])
-    # Each sequence's context first, eagerly, one sequence a step.
     for (tokens, table), (cached, _) in zip(seqs, steps):
         if cached:
-            _eager(runner, cache, tokens[:cached], [SeqSpan(0, cached, table)])
+            _eager(setup, tokens[:cached], [SeqSpan(0, cached, table)])
     spans = [SeqSpan(cached, compute, table) for (_, table), (cached, compute) in zip(seqs, steps)]
     ids = [t for (tokens, _), (cached, compute) in zip(seqs, steps) for t in tokens[cached : cached + compute]]
-    expected = _eager(runner, cache, ids, spans)
-    before = cache.device_blocks[:, :, :NUM_BLOCKS].clone()
+    expected = _eager(setup, ids, spans)
+    before = setup.cache.device_blocks[:, :, :NUM_BLOCKS].clone()
+    graphs = setup.graphs
     assert graphs.can_run(spans, len(ids))
     replays = graphs.num_replays
-    with torch.inference_mode():
-        got = graphs.run(ids, spans)
+    got = graphs.run(ids, spans).clone()
     assert graphs.num_replays == replays + 1
+    assert torch.equal(setup.cache.device_blocks[:, :, :NUM_BLOCKS], before)
+    return got, expected
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_a_padded_step_gives_the_eager_rows(setup: Setup, name: str) -> None:
+    got, expected = replay_and_eager(setup, STEPS[name])
     assert torch.equal(got, expected)
-    # The step rewrote its own tokens' K/V (the same values); padding touched the scratch block only.
-    assert torch.equal(cache.device_blocks[:, :, :NUM_BLOCKS], before)
 
 
-def test_steps_no_graph_takes(setup) -> None:
-    _, _, graphs = setup
+def test_steps_no_graph_takes(setup: Setup) -> None:
+    graphs = setup.graphs
     assert not graphs.can_run([], 0)
     assert not graphs.can_run([SeqSpan(0, 65, list(range(17)))], 65)  # more tokens than the largest bucket
     wide = [SeqSpan(0, 1, [0]) for _ in range(MAX_GRAPH_SEQS + 1)]

@@ -1,7 +1,7 @@
-"""Loom's Triton kernels (paged attention, the elementwise ops, the MoE grouped GEMM) checked on the
-CPU by Triton's interpreter: the `interpretable` tests of tests/gpu, each module in a process of
-its own started with TRITON_INTERPRET=1 (read when triton is first imported; no other test's
-process should see interpreted kernels)."""
+"""Loom's Triton kernels (paged attention alone and in padded graph steps, the elementwise ops, the
+MoE grouped GEMM) checked on the CPU by Triton's interpreter: the `interpretable` tests of
+tests/gpu, each module in a process of its own started with TRITON_INTERPRET=1 (read when triton
+is first imported; no other test's process should see interpreted kernels)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton")
 
 GPU_TESTS = Path(__file__).parents[2] / "gpu"
-MODULES = ["test_paged_features.py", "test_elementwise_cuda.py", "test_moe_grouped.py"]
+MODULES = ["test_paged_features.py", "test_step_graphs_triton.py", "test_elementwise_cuda.py", "test_moe_grouped.py"]
 
 
 @pytest.mark.parametrize("module", MODULES)
