@@ -1,17 +1,22 @@
 """The shard's host work per decode step at large batches: what a step costs besides the model.
 
-Run: python bench/bench_step_overhead.py [--batches 32 256] [--steps 100] [--threads 2]
+Run: python bench/bench_step_overhead.py [--batches 32 256] [--steps 100] [--threads 2] [--graph-host]
 
 A tiny random Llama (hidden 64, 2 layers, float32) decodes `batch` sequences through what a step
 on the step socket does: the plan's bytes parsed, `ModelRunner.step`, the result written. Its
 forward costs little, so the step time is mostly the host's per-sequence work: on a GPU that work
 is on every step's critical path (a 256-sequence step there takes a few ms). Reported: the mean
 step, per sequence, and the runner's phases (plan check, admission, forward, sampling, wire).
+With --graph-host the forward is what a CUDA graph step costs the host (its padding, step tables
+and input copies through `StepGraphs`, the replay itself left out): the whole step is then the
+host work a GPU waits on.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import sys
 import time
@@ -33,6 +38,7 @@ from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_proto.wire import encode_plan  # noqa: E402
 from loom_shard.model_config import ModelConfig  # noqa: E402
 from loom_shard.runtime import plan_check  # noqa: E402
+from loom_shard.runtime.cuda_graphs import GraphSpec, StepGraphs, graph_token_sizes  # noqa: E402
 from loom_shard.runtime.runner import ModelRunner  # noqa: E402
 
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
@@ -50,8 +56,36 @@ def timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
     return wrapper
 
 
-def measure(batch: int, steps: int) -> tuple[float, dict[str, float]]:
+class _NoReplay:
+    def replay(self) -> None:
+        pass
+
+
+class HostOnlyGraphs(StepGraphs):
+    """A graph step's host work on the CPU: padding, step tables and input copies; no replay."""
+
+    def capture(self) -> None:
+        for tokens in self.spec.token_sizes:
+            self.steps[tokens] = self._capture_one(tokens, (0, 0))
+
+    def _record(self, forward, pool):  # noqa: ANN001, ANN202
+        return _NoReplay(), forward()  # hidden states of the bucket's shape, computed once
+
+
+def host_only_graphs(runner: ModelRunner, scratch_block: int) -> StepGraphs:
+    max_blocks = TINY.max_position_embeddings // runner.block_size
+    sizes = graph_token_sizes(256, max_blocks, runner.block_size)
+    spec = GraphSpec(runner.block_size, max_blocks, max_blocks * runner.block_size - 1, scratch_block, sizes)
+    graphs = HostOnlyGraphs(runner.model, runner.kv_cache.device_blocks, runner.attention.kernel, spec)
+    with torch.inference_mode():
+        graphs.capture()
+    return graphs
+
+
+def measure(batch: int, steps: int, graph_host: bool = False) -> tuple[float, dict[str, float]]:
     runner: ModelRunner = make_runner(random_model(TINY), "float32", batch * BLOCKS_PER_SEQ + 64)
+    if graph_host:
+        runner.step_graphs = host_only_graphs(runner, scratch_block=batch * BLOCKS_PER_SEQ)
     rng = random.Random(0)
     runner.step(StepPlan(new_requests=[
         NewRequest(i, [rng.randrange(1, TINY.vocab_size) for _ in range(20)], 20, 0, 20,
@@ -84,13 +118,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--graph-host", action="store_true", help="the forward as a CUDA graph step's host work")
+    parser.add_argument("--profile", action="store_true", help="print the widest batch's cProfile")
+    parser.add_argument("--profile-sort", default="tottime", help="pstats order: tottime, cumulative")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
     for batch in args.batches:
-        step_s, phases = measure(batch, args.steps)
+        step_s, phases = measure(batch, args.steps, args.graph_host)
         parts = ", ".join(f"{name} {seconds * 1e3:.3f}" for name, seconds in phases.items())
         print(f"batch {batch}: {step_s * 1e3:.2f} ms a step, {step_s / batch * 1e6:.1f} us a sequence; ms: {parts}")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(measure, max(args.batches), args.steps, args.graph_host)
+        pstats.Stats(profile).sort_stats(args.profile_sort).print_stats(25)
 
 
 if __name__ == "__main__":
