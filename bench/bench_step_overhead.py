@@ -64,10 +64,6 @@ class _NoReplay:
 class HostOnlyGraphs(StepGraphs):
     """A graph step's host work on the CPU: padding, step tables and input copies; no replay."""
 
-    def capture(self) -> None:
-        for tokens in self.spec.token_sizes:
-            self.steps[tokens] = self._capture_one(tokens, (0, 0))
-
     def _record(self, forward, pool):  # noqa: ANN001, ANN202
         return _NoReplay(), forward()  # hidden states of the bucket's shape, computed once
 

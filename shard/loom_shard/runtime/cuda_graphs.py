@@ -42,10 +42,13 @@ class Replayable(Protocol):
 @dataclass(slots=True)
 class _CapturedStep:
     graph: Replayable  # a torch.cuda.CUDAGraph
-    num_seqs: int  # sequence slots
     input_ids: torch.Tensor  # [tokens] int64, static
     packed: torch.Tensor  # [packed_len] int32, static
     hidden: torch.Tensor  # [tokens, hidden_size], written by each replay
+
+    @property
+    def num_seqs(self) -> int:
+        return _num_seqs(self.input_ids.shape[0])
 
     @property
     def block_tables(self) -> torch.Tensor:
@@ -78,21 +81,23 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
-        pool = torch.cuda.graph_pool_handle()
+        cuda = self.kv_cache.is_cuda  # elsewhere only a stand-in for the graphs (tests, benches) records
+        pool = torch.cuda.graph_pool_handle() if cuda else None
         for tokens in sorted(self.spec.token_sizes, reverse=True):
             self.steps[tokens] = self._capture_one(tokens, pool)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
 
-    def _capture_one(self, tokens: int, pool: tuple[int, int]) -> _CapturedStep:
-        seqs = _num_seqs(tokens)
+    def _capture_one(self, tokens: int, pool: tuple[int, int] | None) -> _CapturedStep:
         input_ids = torch.zeros(tokens, dtype=torch.long, device=self.kv_cache.device)
         packed, _ = pack_step_tables(self._padding([], 0, tokens), self.spec.block_size, self.spec.max_blocks)
         packed = packed.to(self.kv_cache.device)
-        shape = StepShape(seqs, self.spec.max_blocks, tokens, self.spec.max_position)
+        shape = StepShape(_num_seqs(tokens), self.spec.max_blocks, tokens, self.spec.max_position)
         graph, hidden = self._record(lambda: self._forward(input_ids, packed, shape), pool)
-        return _CapturedStep(graph, seqs, input_ids, packed, hidden)
+        return _CapturedStep(graph, input_ids, packed, hidden)
 
-    def _record(self, forward: Callable[[], torch.Tensor], pool: tuple[int, int]) -> tuple[Replayable, torch.Tensor]:
+    def _record(self, forward: Callable[[], torch.Tensor],
+                pool: tuple[int, int] | None) -> tuple[Replayable, torch.Tensor]:
         """One eager run first (compiles the Triton kernels, builds the rotary table), then the capture."""
         device = self.kv_cache.device
         stream = torch.cuda.Stream(device)
@@ -143,7 +148,6 @@ class StepGraphs:
         step.graph.replay()
         self.num_replays += 1
         return step.hidden[:num_tokens]
-
 
     def _pinned(self, host: torch.Tensor) -> torch.Tensor:
         return host.pin_memory() if self.kv_cache.is_cuda else host

@@ -97,7 +97,6 @@ class ModelRunner:
         self.attention = select_backend(self.device, self.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.step_graphs: StepGraphs | None = None  # captured with the KV cache (CUDA)
-        self.max_step_tokens = MAX_GRAPH_SEQS  # the widest step graphs capture (warmup: the prefill budget)
         self.requests: dict[int, RequestState] = {}
 
     @property
@@ -126,14 +125,17 @@ class ModelRunner:
             kv_group_windows=self.kv_groups.windows,
         )
 
-    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> PagedKVCache:
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int,
+                          max_step_tokens: int = MAX_GRAPH_SEQS) -> PagedKVCache:
+        """The KV pools, and on CUDA the step graphs up to `max_step_tokens` (warmup: the router's
+        prefill budget, which counts a step's decodes too)."""
         self.kv_cache = self.step_graphs = None  # free the old pool (and graphs reading it) first
         graphs = (self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
                   and self.kv_groups.num_groups == 1)  # graphs replay one set of tables
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, num_host_blocks, self.device, num_scratch_blocks=int(graphs))
         if graphs:
             self.step_graphs = capture_step_graphs(self.model, self.kv_cache.device_blocks, self.attention.kernel,
-                                                   num_blocks, self.block_size, self.max_step_tokens)
+                                                   num_blocks, self.block_size, max_step_tokens)
         return self.kv_cache
 
     @torch.inference_mode()
@@ -161,8 +163,7 @@ class ModelRunner:
         num_host_blocks = blocks_for_bytes(host_bytes, self.kv_spec)
         if num_blocks < blocks_for_tokens(max_prefill_tokens, self.block_size) * self.kv_groups.num_groups:
             raise ValueError(f"{num_blocks} KV blocks cannot hold a prefill of {max_prefill_tokens} tokens")
-        self.max_step_tokens = max_prefill_tokens  # a step's tokens, decodes included (the router's budget)
-        self.allocate_kv_cache(num_blocks, num_host_blocks)
+        self.allocate_kv_cache(num_blocks, num_host_blocks, max_prefill_tokens)
         return WarmupResult(num_blocks=num_blocks, num_host_blocks=num_host_blocks, block_size=self.block_size)
 
     def _dry_run(self, num_tokens: int) -> int:

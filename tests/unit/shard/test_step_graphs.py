@@ -45,10 +45,6 @@ class _EagerReplay:
 
 
 class EagerStepGraphs(StepGraphs):
-    def capture(self) -> None:
-        for tokens in self.spec.token_sizes:
-            self.steps[tokens] = self._capture_one(tokens, (0, 0))
-
     def _record(self, forward, pool):  # noqa: ANN001, ANN202
         replay = _EagerReplay(forward)
         return replay, replay.hidden
