@@ -113,6 +113,7 @@ async def test_json_schema_on_chat_validates_for_every_choice(harness: Harness) 
     for choice, text in zip(out["choices"], texts):
         assert choice["finish_reason"] == "stop", text
         jsonschema.validate(json.loads(text), SCHEMA)
+        assert list(json.loads(text)) == list(SCHEMA["properties"]), text  # the schema's order, as OpenAI's
     assert len(set(texts)) > 1  # each choice walks its own matcher
     plans = harness.backend.shard.plans
     assert any(plan.allowed_token_masks for plan in plans)

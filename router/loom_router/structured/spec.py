@@ -65,12 +65,13 @@ class ConstraintSpec:
 
     @classmethod
     def json_schema(cls, schema: object) -> ConstraintSpec:
-        """A schema as a dict (or True for any JSON object); sorted keys make equal schemas one cache entry."""
+        """A schema as a dict (or True for any JSON object), its keys in the client's order: the
+        output's properties follow the order of the schema's `properties`."""
         if schema is True or schema is None:
             schema = {"type": "object"}
         if not isinstance(schema, dict):
             raise ValidationError(f"a JSON schema must be an object. Given: {type(schema).__name__}")
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
 
     @classmethod
     def choice(cls, options: list[str]) -> ConstraintSpec:
