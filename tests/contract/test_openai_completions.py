@@ -179,3 +179,10 @@ async def test_best_of_returns_the_n_choices_with_the_highest_logprob_per_token(
                             ({"best_of": 2, "choice_params": [{"temperature": 0}]}, "cannot be combined")]:
         with pytest.raises(openai.UnprocessableEntityError, match=message):
             await client.completions.create(model="default", prompt="x", max_tokens=2, extra_body=fields)
+
+
+async def test_completions_without_max_tokens_generate_openais_default_of_16(
+        harness: Harness, client: openai.AsyncOpenAI) -> None:
+    out = await client.completions.create(model="default", prompt="one two")
+    (choice,) = out.choices
+    assert out.usage.completion_tokens == 16 and choice.finish_reason == "length"

@@ -233,7 +233,8 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
 class CompletionRequest(OpenAISampling):
     # One prompt (text or token ids), or a list of them (at most --max-client-batch-size).
     prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: Count | None = None  # 0 with echo: score the prompt, generate nothing
+    # OpenAI's default for legacy completions (and vLLM's): 16; 0 with echo: score the prompt, generate nothing
+    max_tokens: Count = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None  # refused (400): no fill-in-the-middle
