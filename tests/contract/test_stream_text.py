@@ -3,6 +3,7 @@ joining to the whole text (byte-level BPE and SentencePiece); and the character 
 
 from __future__ import annotations
 
+import codecs
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -78,21 +79,49 @@ async def test_tgi_details_and_prefill_follow_the_same_rule(harness: Harness) ->
     assert not any("\ufffd" in t["text"] for t in prefill)
 
 
-async def test_openai_logprobs_tokens_offsets_and_bytes(harness: Harness) -> None:
+def _named_bytes(name: str) -> bytes:
+    """The bytes a completions logprobs token names: its text, or OpenAI's `bytes:\\xe2\\x80`."""
+    if name.startswith("bytes:"):
+        return codecs.escape_decode(name.removeprefix("bytes:"))[0]
+    return name.encode()
+
+
+def _check_named_tokens(logprobs: dict, text: str) -> None:
+    """Each token named as its top_logprobs entry names it (the fake shard's alternatives may list
+    the sampled token with another logprob: a real one's cannot); a token
+    of whole characters stands at its offset (its leading space aside: SentencePiece drops the
+    text's first)."""
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    for name, top in zip(tokens, logprobs["top_logprobs"]):
+        assert top is None or name in top, (name, top)
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    whole = [(name, o) for name, o in zip(tokens, offsets) if not name.startswith("bytes:")]
+    assert all(text[o:].lstrip().startswith(name.lstrip()) for name, o in whole), (tokens, offsets, text)
+
+
+async def test_openai_logprobs_name_tokens_as_their_alternatives_and_their_bytes_join_to_the_text(
+        harness: Harness) -> None:
     script = harness.backend.script
     assert script is not None
     body = {"prompt": "the", "max_tokens": len(script), "logprobs": 1}
     choice = (await harness.client.post("/v1/completions", json=body)).json()["choices"][0]
-    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
-    assert "".join(tokens) == choice["text"]
-    assert all(choice["text"][o:].startswith(t) for t, o in zip(tokens, offsets))
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(script), "logprobs": True}
+    _check_named_tokens(choice["logprobs"], choice["text"])
+    if not _is_sentencepiece(harness.tokenizer):  # its script is whole characters, one token each
+        assert any(name.startswith("bytes:") for name in choice["logprobs"]["tokens"])
+    assert b"".join(_named_bytes(name) for name in choice["logprobs"]["tokens"]).decode() == choice["text"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(script), "logprobs": True,
+            "top_logprobs": 2}
     response = await harness.client.post("/v1/chat/completions", json=body)
     if response.status_code == 422:  # the SentencePiece fixture has no chat template
         return
     choice = response.json()["choices"][0]
     content = choice["logprobs"]["content"]
-    assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    for entry in [c for c in content] + [alt for c in content for alt in c["top_logprobs"]]:
+        raw = bytes(entry["bytes"])  # the token's own bytes, named by its text or escaped
+        try:
+            assert entry["token"] == raw.decode()
+        except UnicodeDecodeError:
+            assert entry["token"] == "".join(f"\\x{b:02x}" if b >= 0x80 else chr(b) for b in raw)
     raw = b"".join(bytes(c["bytes"]) for c in content)
     assert raw.decode() == choice["message"]["content"]  # the pieces of split characters, whole again
 
@@ -102,9 +131,7 @@ async def test_openai_stream_echo_offsets(harness: Harness) -> None:
     assert script is not None
     body = {"prompt": "the 日本", "max_tokens": len(script), "logprobs": 0, "echo": True}
     choice = (await harness.client.post("/v1/completions", json=body)).json()["choices"][0]
-    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
-    assert "".join(tokens) == choice["text"]
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    _check_named_tokens(choice["logprobs"], choice["text"])
 
 
 async def test_inputs_over_the_character_cap_are_refused_before_tokenizing(tokenizer: Tokenizer) -> None:

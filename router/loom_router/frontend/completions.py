@@ -25,7 +25,7 @@ from loom_router.frontend.http_common import (
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
 from loom_router.frontend.openai_api import Echo, Reply, check_context, check_model, stream_chunks, usage_counts
-from loom_router.frontend.text import token_texts
+from loom_router.frontend.text import token_string, token_texts
 from loom_router.frontend.validation import CompletionRequest, check_openai, openai_generation_params
 from loom_router.types import (
     APIError,
@@ -229,10 +229,12 @@ def _text_choice(state: AppState, reply: Reply, choice: ChoiceResult, prompt: Pr
 
 def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: Echo | None,
                          prompt: PromptInfo | None, first_offset: int) -> dict[str, Any]:
-    """The legacy completions logprobs: parallel lists, echoed prompt tokens first. Each token's
-    text is what it adds to the output, so text_offset follows the text; each top_logprobs entry
-    holds the token's own logprob and its alternatives' (None for the prompt's first token)."""
+    """The legacy completions logprobs: parallel lists, echoed prompt tokens first. Each token is
+    named as in top_logprobs (`_top_key`), whose entry holds the token's own logprob and its
+    alternatives' (None for the prompt's first token); text_offset follows the text, where a
+    character whose bytes span tokens starts at the token that completes it."""
     tokenizer = state.tokenizer
+    ids: list[int] = []
     texts: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -242,12 +244,14 @@ def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: Ec
         prompt_logprobs += [None] * (num_prompt - len(prompt_logprobs))
         prompt_tops = list(prompt.prompt_top_tokens)[:num_prompt]
         prompt_tops += [None] * (num_prompt - len(prompt_tops))
+        ids += echo.ids
         texts += echo.texts
         token_logprobs += prompt_logprobs
         for token_id, logprob, alternatives in zip(echo.ids, prompt_logprobs, prompt_tops):
             top.append(None if logprob is None else
                        _top_dict(tokenizer, token_id, logprob, alternatives or []))
     for token in tokens:
+        ids.append(token.token_id)
         texts.append(token.text)
         token_logprobs.append(token.logprob)
         top.append(_top_dict(tokenizer, token.token_id, token.logprob, token.top_tokens))
@@ -255,7 +259,8 @@ def _completion_logprobs(state: AppState, tokens: list[GeneratedToken], echo: Ec
     for text in texts:
         offsets.append(position)
         position += len(text)
-    return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": [_top_key(tokenizer, token_id) for token_id in ids], "token_logprobs": token_logprobs,
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def _top_dict(tokenizer: Any, token_id: int, logprob: float, alternatives: list[Any]) -> dict[str, float]:
@@ -266,14 +271,6 @@ def _top_dict(tokenizer: Any, token_id: int, logprob: float, alternatives: list[
 
 
 def _top_key(tokenizer: Any, token_id: int) -> str:
-    """A token's text; a token holding part of a UTF-8 character (its text alone would be U+FFFD,
-    the same for many such tokens) as OpenAI writes it: `bytes:` and its bytes as Python's repr, `\\xe2\\x80`."""
-    text = tokenizer.decode([token_id])
-    if "\ufffd" not in text:
-        return text
-    raw = tokenizer.token_bytes(token_id)
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
-    return text  # the character U+FFFD itself
+    """A token as OpenAI's completions name it: its text, or for a token holding part of a UTF-8
+    character, `bytes:` and its bytes escaped (`bytes:\\xe2\\x80`)."""
+    return token_string(tokenizer, token_id, "bytes:")

@@ -31,6 +31,7 @@ from loom_router.frontend.http_common import (
 )
 from loom_router.frontend.json_body import UnicodeJSONRoute
 from loom_router.frontend.lora_routes import adapter_models
+from loom_router.frontend.text import token_string
 from loom_router.frontend.tool_stream import tool_chunks
 from loom_router.frontend.tools import (
     AnswerFormat,
@@ -311,13 +312,13 @@ def _chat_chunk_choice(state: AppState, reply: Reply, one: ChoiceResult) -> dict
 
 
 def _chat_logprob(state: AppState, token: GeneratedToken) -> dict[str, Any]:
-    """`token` is the text the token adds (as the stream's); `bytes` its raw bytes, which
-    for a piece of a multi-byte character are not a whole character."""
+    """The sampled token and its alternatives, each named by its own bytes (`token_string`: a
+    piece of a multi-byte character escaped, its `bytes` not a whole character)."""
     tok = state.tokenizer
-    top = [{"token": tok.decode([alt.token_id]), "logprob": alt.logprob,
+    top = [{"token": token_string(tok, alt.token_id), "logprob": alt.logprob,
             "bytes": list(tok.token_bytes(alt.token_id))} for alt in token.top_tokens]
-    return {"token": token.text, "logprob": token.logprob, "bytes": list(tok.token_bytes(token.token_id)),
-            "top_logprobs": top}
+    return {"token": token_string(tok, token.token_id), "logprob": token.logprob,
+            "bytes": list(tok.token_bytes(token.token_id)), "top_logprobs": top}
 
 
 def _usage(prompt: PromptInfo, generation: Generation) -> dict[str, Any]:

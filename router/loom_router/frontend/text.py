@@ -90,6 +90,17 @@ def token_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
     return texts
 
 
+def token_string(tokenizer: Tokenizer, token_id: int, partial_prefix: str = "") -> str:
+    """A token on its own, as logprobs name it (the sampled token and its alternatives alike):
+    its bytes as text, or, for a token holding part of a UTF-8 character, those bytes escaped
+    as Python writes them (`\\xe2\\x80`) after `partial_prefix` (OpenAI's completions write `bytes:`)."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return partial_prefix + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
+
+
 def token_spans(tokenizer: Tokenizer, text: str, truncate: int | None = None) -> list[dict[str, Any]]:
     """TGI's /tokenize answer: each token with its character span in `text`, in one linear pass
     over the encoder's offsets. The bytes of one character may span tokens: those before the
