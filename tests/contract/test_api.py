@@ -236,6 +236,11 @@ async def test_tgi_bad_requests_get_422_and_the_server_stays_healthy(harness: Ha
     assert ok.status_code == 200
 
 
+def invalid_status(route: str) -> int:
+    """An invalid request's status: TGI's 422, or 400 on OpenAI's and Anthropic's /v1 routes."""
+    return 400 if route.startswith("/v1/") else 422
+
+
 @pytest.mark.parametrize("route, content", [
     ("/generate", b'{"inputs": "a\\ud800b", "parameters": {"max_new_tokens": 2}}'),
     ("/generate", b'{"inputs": "ab", "parameters": {"max_new_tokens": 2, "stop": ["\\udfff"]}}'),
@@ -244,10 +249,10 @@ async def test_tgi_bad_requests_get_422_and_the_server_stays_healthy(harness: Ha
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
 ])
-async def test_a_lone_surrogate_is_a_422(harness: Harness, route: str, content: bytes) -> None:
+async def test_a_lone_surrogate_is_refused(harness: Harness, route: str, content: bytes) -> None:
     """JSON can spell half of a UTF-16 pair (\ud800) that is no Unicode text: refused at the door."""
     response = await harness.client.post(route, content=content, headers={"content-type": "application/json"})
-    assert response.status_code == 422, response.text
+    assert response.status_code == invalid_status(route), response.text
     error = response.json()["error"]
     assert "surrogate" in (error["message"] if route.startswith("/v1/") else error)
     pair = await harness.client.post("/tokenize", content=b'{"inputs": "\\ud83d\\ude00"}',  # a whole pair: fine
@@ -438,13 +443,13 @@ async def test_stop_token_ids_end_a_choice_as_eos_does(harness: Harness) -> None
     sampled = [p.sampling for plan in harness.backend.shard.plans for p in plan.new_requests][-1]
     assert stop_id in sampled.eos_token_ids  # min_tokens holds them back too
     response = await harness.client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [10**6]})
-    assert response.status_code == 422 and "stop_token_ids" in response.text
+    assert response.status_code == 400 and "stop_token_ids" in response.text
 
 
-async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_chat_without_template_is_a_clear_400(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(harness.tokenizer, "chat_template", None)
     response = await harness.client.post("/v1/chat/completions", json={"messages": CHAT})
-    assert response.status_code == 422
+    assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
 
 
@@ -463,10 +468,10 @@ async def test_chat_without_template_is_a_clear_422(harness: Harness, monkeypatc
     ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, None,
      "needs it to be an assistant message"),
 ])
-async def test_openai_bad_requests_get_422_in_openai_shape(harness: Harness, route: str, body: dict,
+async def test_openai_bad_requests_get_400_in_openai_shape(harness: Harness, route: str, body: dict,
                                                            param: str | None, message: str) -> None:
     response = await harness.client.post(route, json=body)
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and message in error["message"], error
     assert error["param"] == param and "code" in error
@@ -479,13 +484,13 @@ async def test_openai_bad_requests_get_422_in_openai_shape(harness: Harness, rou
 ])
 async def test_openai_infinite_numbers_are_refused(harness: Harness, route: str, content: bytes, param: str) -> None:
     response = await harness.client.post(route, content=content, headers={"content-type": "application/json"})
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and "finite" in response.json()["error"]["message"]
 
 
 async def test_openai_malformed_json(harness: Harness) -> None:
     response = await harness.client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
-    assert response.status_code == 422 and "not valid JSON" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
 UINT32_OVERFLOW = 2**32  # one past the shard protocol's uint32 fields
@@ -501,7 +506,7 @@ UINT32_OVERFLOW = 2**32  # one past the shard protocol's uint32 fields
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "top_k": UINT32_OVERFLOW}, "top_k"),
     ("/v1/chat/completions", {"messages": CHAT, "min_tokens": UINT32_OVERFLOW}, "min_tokens"),
 ])
-async def test_an_integer_past_the_protocol_is_a_422_and_hurts_no_other_request(
+async def test_an_integer_past_the_protocol_is_refused_and_hurts_no_other_request(
         harness: Harness, route: str, body: dict, field: str) -> None:
     """One request's out-of-range integer must not fail the step every other request is in."""
     harness.backend.step_delay_s = 0.01
@@ -510,7 +515,7 @@ async def test_an_integer_past_the_protocol_is_a_422_and_hurts_no_other_request(
     while harness.engine.stats().num_running == 0:
         await asyncio.sleep(0.005)
     response = await harness.client.post(route, json=body)
-    assert response.status_code == 422, response.text
+    assert response.status_code == invalid_status(route), response.text
     error = response.json()["error"]
     message = error["message"] if route.startswith("/v1/") else error
     assert field.rsplit(".", 1)[-1] in message, message

@@ -77,7 +77,7 @@ async def test_openai_client(served: Served) -> None:
     completion = await client.completions.create(model="smol", prompt="Hi", max_tokens=3, n=2, seed=10)
     prompt_ids = served.tokenizer.encode("Hi")
     assert [c.text for c in completion.choices] == [expected_text(served, prompt_ids, s, 3) for s in (10, 11)]
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError):
         await client.completions.create(model="smol", prompt="Hi", max_tokens=3, n=100)
 
 

@@ -121,7 +121,7 @@ async def test_a_streamed_echo_with_logprobs_carries_the_prompts_logprobs_as_the
 
 
 async def test_prompts_past_the_client_batch_limit_are_refused(client: openai.AsyncOpenAI) -> None:
-    with pytest.raises(openai.UnprocessableEntityError, match="--max-client-batch-size"):
+    with pytest.raises(openai.BadRequestError, match="--max-client-batch-size"):
         await client.completions.create(model="default", prompt=["a"] * 5, max_tokens=1)
 
 
@@ -177,7 +177,7 @@ async def test_best_of_returns_the_n_choices_with_the_highest_logprob_per_token(
     for fields, message in [({"n": 3, "best_of": 2}, "must be >= `n`"), ({"best_of": 2, "stream": True}, "cannot stream"),
                             ({"best_of": 99}, "must be <="),
                             ({"best_of": 2, "choice_params": [{"temperature": 0}]}, "cannot be combined")]:
-        with pytest.raises(openai.UnprocessableEntityError, match=message):
+        with pytest.raises(openai.BadRequestError, match=message):
             await client.completions.create(model="default", prompt="x", max_tokens=2, extra_body=fields)
 
 

@@ -93,7 +93,7 @@ async def test_input_items_with_a_function_call_round_trip(harness: Harness, cli
     out = await client.responses.create(model="default", input=items, tools=[WEATHER], store=False)
     assert out.output_text == "Done."
     assert "snow" in last_prompt(harness) and "Oslo" in last_prompt(harness)
-    with pytest.raises(openai.UnprocessableEntityError, match="not supported"):
+    with pytest.raises(openai.BadRequestError, match="not supported"):
         await client.responses.create(model="default", input=[{"type": "computer_call", "id": "x"}])
 
 
@@ -173,7 +173,7 @@ async def test_unknown_model_and_bad_input(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as error:
         await client.responses.create(model="gpt-5", input="Hi")
     assert error.value.code == "model_not_found"
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="default", input=[{"role": "wizard", "content": "Hi"}])
 
 

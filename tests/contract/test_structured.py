@@ -21,6 +21,7 @@ import pytest
 from api_fakes import WORDS, FakeShardClient
 from fake_shard import FakeShard
 from router_harness import InProcessRouter, start_router
+from test_api import invalid_status
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import WarmupResult
@@ -166,10 +167,11 @@ async def test_length_cut_keeps_finish_reason_length(harness: Harness) -> None:
     ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in `tools`"),
 ])
-async def test_bad_constraints_are_422_and_the_server_stays_healthy(harness: Harness, body: dict, reason: str) -> None:
+async def test_bad_constraints_are_refused_and_the_server_stays_healthy(harness: Harness, body: dict,
+                                                                         reason: str) -> None:
     steps_before = harness.backend.num_steps
     response = await harness.client.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     assert reason in response.json()["error"]["message"]
     assert harness.backend.num_steps == steps_before  # refused before any compute
     assert (await harness.client.get("/health")).status_code == 200
@@ -194,24 +196,24 @@ UNENFORCEABLE = [
 
 
 @pytest.mark.parametrize("route, body, reason", UNENFORCEABLE)
-async def test_a_constraint_that_cannot_be_enforced_is_a_422_before_any_compute(
+async def test_a_constraint_that_cannot_be_enforced_is_refused_before_any_compute(
         harness: Harness, route: str, body: dict, reason: str) -> None:
     steps_before = harness.backend.num_steps
     response = await harness.client.post(route, json=body)
-    assert response.status_code == 422, response.text
+    assert response.status_code == invalid_status(route), response.text
     error = response.json()["error"]
     message = error["message"] if route.startswith("/v1/") else error
     assert reason in message and "<" not in message, message  # no parser state dump
     assert harness.backend.num_steps == steps_before
 
 
-async def test_a_grammar_engine_panic_is_a_422_without_its_text(harness: Harness) -> None:
+async def test_a_grammar_engine_panic_is_refused_without_its_text(harness: Harness) -> None:
     """Past ~65k symbols llguidance panics; its message and backtrace stay in the log."""
     rules = 66_000
     grammar = "start: " + " | ".join(f"r{i}" for i in range(rules)) + "\n" + "\n".join(
         f'r{i}: "x"' for i in range(rules))
     response = await harness.client.post("/v1/completions", json={"prompt": "x", "guided_grammar": grammar})
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert not any(word in message.lower() for word in ("panic", "backtrace", "assertion", "<unknown>")), message
     assert (await harness.client.get("/health")).status_code == 200
@@ -266,9 +268,9 @@ async def test_compiling_is_bounded_in_time_and_leaves_the_tokenizing_threads_fr
     assert time.monotonic() - start < 1.0
     answers = await asyncio.gather(*slow)
     statuses = sorted(response.status_code for response in answers)
-    # Those compiling when the time ran out are too complex (422); those still waiting for a
-    # compile thread were turned away as load (429).
-    assert statuses == [422] * COMPILE_THREADS + [429] * (8 - COMPILE_THREADS), [r.text for r in answers]
+    # Those compiling when the time ran out are too complex (400 on OpenAI's routes); those still
+    # waiting for a compile thread were turned away as load (429).
+    assert statuses == [400] * COMPILE_THREADS + [429] * (8 - COMPILE_THREADS), [r.text for r in answers]
     assert any("did not compile within 0.5 s" in r.json()["error"]["message"] for r in answers)
 
 

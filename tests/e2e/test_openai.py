@@ -106,10 +106,10 @@ def test_async_client_and_errors(server: Launcher) -> None:
         aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120)
         out = await aclient.completions.create(model="loom", prompt="Hello", max_tokens=3, temperature=0)
         assert out.usage.completion_tokens <= 3 and out.choices[0].text
-        with pytest.raises(openai.UnprocessableEntityError) as err:
+        with pytest.raises(openai.BadRequestError) as err:
             await aclient.completions.create(model="loom", prompt="Hello", max_tokens=3, n=99)
         assert "n" in str(err.value)
-        with pytest.raises(openai.UnprocessableEntityError):
+        with pytest.raises(openai.BadRequestError):
             await aclient.chat.completions.create(model="loom", messages=QUESTION, temperature="hot")  # type: ignore[arg-type]
 
     asyncio.run(go())

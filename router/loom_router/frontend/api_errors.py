@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from loom_router.frontend import openai_api
 
-# Anthropic's error types by status (its API answers 400 where Loom's others answer 422).
+# Anthropic's error types by status.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                    429: "rate_limit_error", 503: "overloaded_error"}
@@ -19,7 +19,9 @@ def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def anthropic_status(status: int) -> int:
+def v1_status(status: int) -> int:
+    """OpenAI's and Anthropic's APIs (and vLLM's) answer an invalid request with 400, where
+    TGI's answer 422: their clients raise their BadRequestError for it."""
     return 400 if status == 422 else status
 
 
@@ -31,7 +33,7 @@ def api_error_response(path: str, status: int, message: str, param: str | None =
                        code: str | None = None) -> JSONResponse | None:
     """The error in its API's shape, or None on TGI's routes."""
     if is_anthropic_path(path):
-        return JSONResponse(anthropic_error(status, message), status_code=anthropic_status(status))
+        return JSONResponse(anthropic_error(status, message), status_code=v1_status(status))
     if openai_api.is_openai_path(path):
-        return openai_api.error_response(status, message, param, code)
+        return openai_api.error_response(v1_status(status), message, param, code)
     return None

@@ -112,7 +112,7 @@ def _document(app: FastAPI) -> dict[str, Any]:
                 errors |= GENERATION
             errors |= {status: f"{errors[status]}; {description}" if status in errors else description
                        for status, description in EXTRA.get((method, path), {}).items()}
-            if api_errors.is_anthropic_path(path) and 422 in errors:  # Anthropic answers 400 for it
+            if openai_api.is_openai_path(path) and 422 in errors:  # OpenAI and Anthropic answer 400 for it
                 errors[400] = f"{errors.pop(422)}; {errors.get(400, '')}".rstrip("; ")
             if path.startswith("/snapshots"):
                 errors |= SNAPSHOTS | {503: "not enough free KV blocks, or draining"}

