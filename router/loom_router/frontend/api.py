@@ -125,17 +125,32 @@ def error_response(request: Request, status: int, message: str, error_type: str,
 
 
 def describe_validation_errors(errors: Any) -> tuple[str, str | None]:
-    """Pydantic's errors as one readable line, and the first offending field."""
-    parts, first_param = [], None
+    """Pydantic's errors as one readable line, and the first offending field. A value that
+    fits no branch of a union is one error naming the field (not a branch per type)."""
+    parts: dict[str | None, list[str]] = {}
     for error in errors:
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}")
+            reason = error.get("ctx", {}).get("error", error.get("msg"))
+            parts.setdefault(None, []).append(f"the body is not valid JSON: {reason}")
             continue
-        param = ".".join(loc) or None
-        first_param = first_param or param
-        parts.append(f"`{param}`: {error.get('msg')}" if param else str(error.get("msg")))
-    return "; ".join(parts) or "invalid request", first_param
+        loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+        messages = parts.setdefault(".".join(loc) or None, [])
+        if error.get("msg") not in messages:
+            messages.append(str(error.get("msg")))
+    described = [f"`{param}`: {' or '.join(messages)}" if param else "; ".join(messages)
+                 for param, messages in parts.items()]
+    return "; ".join(described) or "invalid request", next((p for p in parts if p), None)
+
+
+def _is_union_branch(part: object) -> bool:
+    """Pydantic names the union branch a value failed in its error's location (`str`,
+    `list[TextPart]`, `constrained-str`, a model's class name): not a field of the request."""
+    if not isinstance(part, str):
+        return False
+    return any(c in part for c in "[]-(),") or part[:1].isupper() or part in PYTHON_TYPE_NAMES
+
+
+PYTHON_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes", "literal"})
 
 
 def _validation_message(message: str) -> str:

@@ -4,6 +4,7 @@ share: the chat path (`prepare_chat`), `model` and context checks, OpenAI's erro
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -63,6 +64,8 @@ MARK = "\ue000loom-choice\ue000"  # stands for a chunk's choice while its framin
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 424: "server_error", 503: "server_error"}
 
+NAMED_FIELD = re.compile(r"(?:Value error, )?`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)*)`")
+
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=UnicodeJSONRoute)
 
 
@@ -71,6 +74,9 @@ def is_openai_path(path: str) -> bool:
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error body; `param` defaults to the field a message starts by naming (`n` ...)."""
+    if param is None and (named := NAMED_FIELD.match(message.removeprefix("Input validation error: "))):
+        param = named.group(1)
     error = {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
              "param": param, "code": code}
     return JSONResponse({"error": error}, status_code=status)

@@ -216,6 +216,12 @@ class OpenAISampling(ChoiceOverride, ConstraintFields):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return [s for s in stops if s]
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> OpenAISampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` is only allowed when `stream` is true")
+        return self
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -269,6 +275,12 @@ class ChatMessage(_Strict):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     reasoning_content: str | None = None  # an assistant turn's thinking, for templates that use it
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # an assistant turn may hold tool calls only
+            raise ValueError(f"a `{self.role}` message needs `content`")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as the chat template expects it; `developer` is OpenAI's new `system`."""
