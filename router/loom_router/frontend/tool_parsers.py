@@ -57,8 +57,9 @@ class ParsedOutput:
 def parse(fmt: ToolFormat, text: str, names: set[str], cut_off: bool = False) -> ParsedOutput:
     """Split an answer into content and calls to the tools named `names`. With `cut_off` (the
     answer ended at max_tokens) a call left open is returned as it stands, a partial call with its
-    arguments as far as written, once its name is complete (one cut off before is dropped), and
-    the start of a call's marker is dropped too: never markup in the content."""
+    arguments as far as written, once its name is complete (one cut off before is dropped, with
+    its marker: never markup of a call in the content). Text that is no call (a marker in prose,
+    a call to no known tool) stays content."""
     if fmt is ToolFormat.HERMES:
         calls = [c for body in _HERMES_RE.findall(text) if (c := _call(_json(body), "arguments", names))]
         start = text.find(HERMES_OPEN)
@@ -69,15 +70,30 @@ def parse(fmt: ToolFormat, text: str, names: set[str], cut_off: bool = False) ->
         calls, start = _llama3_calls(text, names), 0
     else:
         calls, start = _mistral_calls(text, names)
-    if not calls and cut_off:
-        begun = call_start(fmt, text)
-        if begun is None:
-            held = held_tail(fmt, text)
-            return ParsedOutput((text[: len(text) - held].rstrip() or None) if held else text, [])
-        calls, start = _partial_call(text[begun:], names), begun
-    if not calls:
-        return ParsedOutput((text[:start].strip() or None) if cut_off else text, [])
-    return ParsedOutput(text[:start].strip() or None, calls)
+    if calls:
+        return ParsedOutput(text[:start].strip() or None, calls)
+    if not cut_off:
+        return ParsedOutput(text, [])
+    begun = _open_call(fmt, text, names)
+    if begun is not None:
+        return ParsedOutput(text[:begun].strip() or None, _partial_call(text[begun:], names))
+    held = held_tail(fmt, text)
+    return ParsedOutput((text[: len(text) - held].rstrip() or None) if held else text, [])
+
+
+def _open_call(fmt: ToolFormat, text: str, names: set[str]) -> int | None:
+    """Where a call the answer was cut off writing begins; None where none is open. A Hermes
+    marker opens one only when the JSON of a call to a known tool may follow it."""
+    if fmt is not ToolFormat.HERMES:
+        return call_start(fmt, text)
+    last = text.rfind(HERMES_OPEN)
+    if last < 0 or HERMES_CLOSE in text[last:]:
+        return None
+    body = text[last + len(HERMES_OPEN):].lstrip()
+    if body and not body.startswith("{"):
+        return None
+    name = _PARTIAL_NAME.search(body)
+    return None if name is not None and name.group(1) not in names else last
 
 
 _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')

@@ -83,6 +83,27 @@ def test_anything_else_stays_content(fmt: ToolFormat, text: str) -> None:
     assert tool_parsers.parse(fmt, text, NAMES) == tool_parsers.ParsedOutput(text, [])
 
 
+@pytest.mark.parametrize("text", [
+    "You can use the <tool_call> function to get the weather in Madrid. Here is how",  # a marker in prose
+    '<tool_call>\n{"name": "get_weather Berlin", "arguments": {}}\n</tool_call>\nThen I would say',  # no such tool
+    '<tool_call>\n{"name": "rm_rf", "argu',  # cut off in a call to no known tool
+])
+def test_an_answer_cut_off_keeps_what_is_no_call_as_content(text: str) -> None:
+    assert tool_parsers.parse(ToolFormat.HERMES, text, NAMES, cut_off=True) == tool_parsers.ParsedOutput(text, [])
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("Let me check. <tool_call>\n{", "Let me check.", []),  # no name yet: the call is dropped
+    ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"ci', "Let me check.",
+     [("get_weather", '{"ci')]),  # a partial call
+    ('A <tool_call> in prose, then <tool_call>\n{"name": "get_ti', "A <tool_call> in prose, then", []),
+])
+def test_an_answer_cut_off_in_a_call_drops_its_markup(text: str, content: str, calls: list) -> None:
+    parsed = tool_parsers.parse(ToolFormat.HERMES, text, NAMES, cut_off=True)
+    assert parsed.content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == calls
+
+
 def test_where_calls_start_and_what_a_stream_holds_back() -> None:
     assert tool_parsers.call_start(ToolFormat.HERMES, "ok <tool_call>{") == 3
     assert tool_parsers.held_tail(ToolFormat.HERMES, "ok <tool") == len("<tool")
