@@ -134,6 +134,9 @@ async def test_eos_and_stop_sequences_finish(harness: Harness) -> None:
     harness.backend.eos_at = 2
     out = (await harness.client.post("/generate", json={"inputs": "x", "parameters": {"details": True}})).json()
     assert out["details"]["finish_reason"] == "eos_token" and out["details"]["generated_tokens"] == 3
+    eos = out["details"]["tokens"][-1]  # named as TGI names it, and left out of the text
+    assert eos["special"] and eos["text"] == harness.tokenizer.decode([eos["id"]]) != ""
+    assert eos["text"] not in out["generated_text"]
     harness.backend.eos_at = None
     text = expected_text(harness, "x", 1, 10)
     stop = text[text.index(" ", 2):][:4]  # the start of the second word
@@ -154,8 +157,9 @@ async def test_return_full_text_and_truncate(harness: Harness) -> None:
     assert prefill[0]["logprob"] is None
 
 
-async def test_decoder_input_details_give_prompt_logprobs(harness: Harness) -> None:
-    body = {"inputs": "one two three four", "parameters": {"max_new_tokens": 1, "details": True,
+@pytest.mark.parametrize("details", [True, False])  # TGI: decoder_input_details alone asks for details too
+async def test_decoder_input_details_give_prompt_logprobs(harness: Harness, details: bool) -> None:
+    body = {"inputs": "one two three four", "parameters": {"max_new_tokens": 1, "details": details,
                                                            "decoder_input_details": True}}
     prefill = (await harness.client.post("/generate", json=body)).json()["details"]["prefill"]
     ids = harness.tokenizer.encode("one two three four")
@@ -169,6 +173,9 @@ async def test_best_of_returns_the_best_and_the_others(harness: Harness) -> None
     details = (await harness.client.post("/generate", json=body)).json()["details"]
     others = details["best_of_sequences"]
     assert len(others) == 2
+    body["parameters"]["return_full_text"] = True  # the prompt before every sequence's text, as TGI's
+    full = (await harness.client.post("/generate", json=body)).json()["details"]["best_of_sequences"]
+    assert [o["generated_text"] for o in full] == ["x" + o["generated_text"] for o in others]
     assert sorted([details["seed"]] + [o["seed"] for o in others]) == [5, 6, 7]
     best = sum(t["logprob"] for t in details["tokens"])
     assert all(best >= sum(t["logprob"] for t in o["tokens"]) for o in others)
@@ -223,6 +230,7 @@ async def test_tokenize(harness: Harness) -> None:
     (json.dumps({"inputs": "x", "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS}}).encode(),
      f"must be <= {MAX_TOTAL_TOKENS}"),
     (json.dumps({"inputs": "hi " * MAX_TOTAL_TOKENS}).encode(), f"less than {MAX_TOTAL_TOKENS} tokens"),
+    (json.dumps({"inputs": "x", "parameters": {"watermark": True}}).encode(), "`watermark` is not supported"),
 ])
 async def test_tgi_bad_requests_get_422_and_the_server_stays_healthy(harness: Harness, content: bytes,
                                                                      body_check: str) -> None:

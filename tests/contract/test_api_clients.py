@@ -148,3 +148,27 @@ async def test_shutdown_lets_in_flight_streams_finish(tokenizer: Tokenizer) -> N
                         server.should_exit = True  # as SIGTERM does
         assert len(events) == 30 and json.loads(events[-1][5:])["generated_text"] is not None
         assert router.engine.stats().num_running == 0  # the stream's request ran to its end
+
+
+async def test_head_is_answered_as_get_without_a_body(served: Served) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+        for path in ("/health", "/info", "/v1/models", "/metrics"):
+            head, get = await client.head(path), await client.get(path)
+            assert head.status_code == get.status_code == 200, path
+            assert head.content == b"" and head.headers.get("content-type") == get.headers.get("content-type"), path
+        assert (await client.head("/generate")).status_code == 405
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+])
+async def test_a_json_body_sent_as_another_media_type_is_a_415(served: Served, path: str, body: dict) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+        for media in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d's, and a mistake's
+            response = await client.post(path, content=json.dumps(body), headers={"content-type": media})
+            assert response.status_code == 415 and "application/json" in response.text, response.text
+        for media in ("application/json; charset=utf-8", None):  # no Content-Type: read as JSON
+            headers = {"content-type": media} if media else {}
+            response = await client.post(path, content=json.dumps(body), headers=headers)
+            assert response.status_code == 200, response.text

@@ -273,7 +273,7 @@ async def _generate(state: AppState, request: Request, body: TGIRequest) -> dict
     ids, gen_params = await _prepare(state, body, stream=False)
     generation = await generate(state, request, ids, gen_params)
     prompt_texts: list[str] = []
-    if body.parameters.details and body.parameters.decoder_input_details:
+    if body.parameters.decoder_input_details:
         prompt_texts = await asyncio.to_thread(token_texts, state.tokenizer, ids)  # long prompts: off the loop
     return _tgi_response(state, body, ids, gen_params, generation, prompt_texts)
 
@@ -285,27 +285,28 @@ def _tgi_response(state: AppState, body: TGIRequest, ids: list[int], gen_params:
     ranked = sorted(generation.choices, key=lambda c: c.logprob_sum, reverse=True)
     best = ranked[0]
     out: dict[str, Any] = {"generated_text": _full_text(params, body.inputs, best.text)}
-    if not params.details:
+    if not (params.details or params.decoder_input_details):  # TGI: either asks for the details
         return out
     prefill = _prefill(ids, prompt_texts, generation.prompt.prompt_logprobs) if params.decoder_input_details else []
-    details = _sequence(state, params, gen_params, best, prefill)
+    details = _sequence(state, body, gen_params, best, prefill)
     del details["generated_text"]
     if len(ranked) > 1:
-        details["best_of_sequences"] = [_sequence(state, params, gen_params, c, prefill) for c in ranked[1:]]
+        details["best_of_sequences"] = [_sequence(state, body, gen_params, c, prefill) for c in ranked[1:]]
     out["details"] = details
     return out
 
 
-def _sequence(state: AppState, params: TGIParameters, gen_params: GenerationParams, choice: ChoiceResult,
+def _sequence(state: AppState, body: TGIRequest, gen_params: GenerationParams, choice: ChoiceResult,
               prefill: list[dict[str, Any]]) -> dict[str, Any]:
     """TGI's BestOfSequence (Details plus the text)."""
+    params = body.parameters
     return {
-        "generated_text": choice.text,
+        "generated_text": _full_text(params, body.inputs, choice.text),
         "finish_reason": choice.finish_reason.value if choice.finish_reason else None,
         "generated_tokens": len(choice.tokens),
         "seed": _reported_seed(params, gen_params, choice.index),
         "prefill": prefill,
-        "tokens": [_token(t) for t in choice.tokens],
+        "tokens": [_token(state, t) for t in choice.tokens],
         "top_tokens": [_top_tokens(state, t) for t in choice.tokens] if params.top_n_tokens else [],
     }
 
@@ -336,7 +337,7 @@ def _tgi_event(state: AppState, body: TGIRequest, ids: list[int], gen_params: Ge
     params = body.parameters
     payload: dict[str, Any] = {
         "index": event.num_generated,
-        "token": _token(event.token),
+        "token": _token(state, event.token),
         "top_tokens": _top_tokens(state, event.token) if params.top_n_tokens else [],
         "generated_text": None,
         "details": None,
@@ -362,8 +363,11 @@ def _reported_seed(params: TGIParameters, gen_params: GenerationParams, index: i
     return gen_params.choices[index].seed if params.sampling else None
 
 
-def _token(token: GeneratedToken) -> dict[str, Any]:
-    return {"id": token.token_id, "text": token.text, "logprob": token.logprob, "special": token.special}
+def _token(state: AppState, token: GeneratedToken) -> dict[str, Any]:
+    """TGI's Token: a special token's text is the token itself (`</s>`), though the generated
+    text leaves it out."""
+    text = state.tokenizer.decode([token.token_id]) if token.special else token.text
+    return {"id": token.token_id, "text": text, "logprob": token.logprob, "special": token.special}
 
 
 def _top_tokens(state: AppState, token: GeneratedToken) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The router's front door, one ASGI middleware ahead of every route: API keys, the request
-size limit, and refusing new work while the engine drains or a shard is down. CORS sits
-outside it (a browser's preflight carries no key), and so do the metrics (they count the
-guard's refusals too)."""
+size limit, refusing new work while the engine drains or a shard is down, and HEAD answered as
+GET (uvicorn sends the headers without the body: uptime checks and load balancers probe so).
+CORS sits outside it (a browser's preflight carries no key), and so do the metrics (they count
+the guard's refusals too)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
         path: str = scope["path"]
         if path not in self.policy.open_paths:
             # The playground's page and files hold no secret, and a browser cannot send a key

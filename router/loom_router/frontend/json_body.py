@@ -1,7 +1,8 @@
 """JSON request bodies as Unicode text. JSON can spell half of a UTF-16 surrogate pair
 (`"\\ud800"`), which Python reads into a string that no UTF-8 encoder, tokenizer or grammar
 engine accepts; such a body is refused as malformed JSON (422), like any other, before a route
-sees it. The routes get this through their route class (`UnicodeJSONRoute`)."""
+sees it. A body sent as another media type (`curl -d` sends a form's) is a 415, as TGI answers
+it. The routes get this through their route class (`UnicodeJSONRoute`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
 # A \u escape of a surrogate: only bodies holding one are searched string by string.
@@ -56,6 +57,19 @@ class UnicodeJSONRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            return await handler(UnicodeJSONRequest(request.scope, request.receive))
+            scope = request.scope
+            if self.body_field is not None:
+                content_type = request.headers.get("content-type")
+                if content_type is None:  # a body without a media type is read as JSON
+                    scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+                elif not _json_media_type(content_type):
+                    raise HTTPException(415, "Expected request with `Content-Type: application/json`")
+            return await handler(UnicodeJSONRequest(scope, request.receive))
 
         return route
+
+
+def _json_media_type(content_type: str) -> bool:
+    """application/json or a +json type."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

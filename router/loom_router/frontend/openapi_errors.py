@@ -28,7 +28,7 @@ ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties"
 
 ANY_ROUTE = {401: "no valid API key (with --api-key)", 503: "draining, or a shard is down"}
 WITH_BODY = {400: "the body cannot be parsed", 413: "the body is larger than --payload-limit",
-             422: "invalid parameters"}
+             415: "the body is not sent as application/json", 422: "invalid parameters"}
 GENERATION = {424: "the generation failed on the shards", 429: "too many requests in flight"}
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
                               "/v1/messages", "/v1/responses"})

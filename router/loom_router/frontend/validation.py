@@ -101,7 +101,7 @@ class TGIParameters(_Strict):
     typical_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     truncate: Positive | None = None
     best_of: Positive | None = None
-    watermark: bool = False  # accepted and ignored
+    watermark: bool = False  # true is refused: no watermarking here
     details: bool = False
     decoder_input_details: bool = False
     top_n_tokens: Count | None = None
@@ -146,6 +146,8 @@ def check_tgi(params: TGIParameters, inputs: str, stream: bool, limits: Limits) 
         raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
     if params.decoder_input_details and stream:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+    if params.watermark:
+        raise ValidationError("`watermark` is not supported: this server does not watermark its output")
 
 
 def tgi_generation_params(params: TGIParameters, max_new_tokens: int, limits: Limits) -> GenerationParams:
