@@ -476,6 +476,8 @@ async def test_chat_without_template_is_a_clear_400(harness: Harness, monkeypatc
     ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
      "continue_final_message", "cannot both be true"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0", "a `user` message needs `content`"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions",
+     "send `tools`"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options",
      "only allowed when `stream` is true"),
     ("/v1/completions", {"prompt": "x", "stream": False, "stream_options": {}}, "stream_options", "`stream`"),

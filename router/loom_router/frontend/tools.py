@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from loom_router.frontend import harmony, reasoning, tool_parsers
 from loom_router.frontend.tool_parsers import HERMES_CLOSE, HERMES_OPEN, ParsedOutput, ToolFormat
@@ -60,6 +60,16 @@ class ToolFields(_Model):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # None (unset): a model may write several calls under "auto", one when forced ("required")
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated form of tools: refused by name rather than ignored
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _no_legacy_functions(self) -> ToolFields:
+        if self.functions or self.function_call is not None:
+            raise ValueError("`functions` and `function_call` (deprecated by OpenAI) are not supported: "
+                             "send `tools` and `tool_choice`")
+        return self
 
 
 class ToolMode(enum.Enum):
