@@ -37,6 +37,7 @@ class GenerationParams:
     max_new_tokens: int
     stop_sequences: list[str] = field(default_factory=list)
     include_stop: bool = False  # the text ends with a matched stop sequence (TGI; vLLM's include_stop_str_in_output)
+    stop_ends_token: bool = False  # with include_stop: the text goes on to the end of that token (TGI's)
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end the choice as EOS does
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs

@@ -143,7 +143,13 @@ async def test_eos_and_stop_sequences_finish(harness: Harness) -> None:
     body = {"inputs": "x", "parameters": {"details": True, "stop": [stop], "max_new_tokens": 10, "seed": 1}}
     out = (await harness.client.post("/generate", json=body)).json()
     assert out["details"]["finish_reason"] == "stop_sequence"
-    assert out["generated_text"] == text[:text.index(stop) + len(stop)]  # TGI keeps the stop sequence
+    assert out["generated_text"].startswith(text[:text.index(stop) + len(stop)])  # TGI keeps the stop sequence
+    # and the rest of the token that completed it: the tokens' texts join to the text
+    assert out["generated_text"] == "".join(t["text"] for t in out["details"]["tokens"])
+    mid_token = text[:text.index(stop) + len(stop) - 1]  # a stop that ends inside a token
+    body["parameters"]["stop"] = [mid_token[-3:]]
+    out = (await harness.client.post("/generate", json=body)).json()
+    assert out["generated_text"] == "".join(t["text"] for t in out["details"]["tokens"])
 
 
 async def test_return_full_text_and_truncate(harness: Harness) -> None:

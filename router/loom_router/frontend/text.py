@@ -127,16 +127,18 @@ def _overlaps(span: tuple[int, int], stop: int) -> bool:
 
 class StopMatcher:
     """Finds stop sequences in streamed text and cuts them (and all after) from the output; with
-    `keep`, the text ends with the first stop sequence to complete (TGI's text, vLLM's
-    include_stop_str_in_output).
+    `keep`, the text ends with the first stop sequence to complete (vLLM's
+    include_stop_str_in_output), and with `to_token_end` too, with the rest of the token that
+    completed it (TGI's text: whole tokens).
 
     A tail that could still grow into a stop sequence is held back until it either
     completes one (cut, stopped) or stops matching (released).
     """
 
-    def __init__(self, stop_sequences: list[str], keep: bool = False) -> None:
+    def __init__(self, stop_sequences: list[str], keep: bool = False, to_token_end: bool = False) -> None:
         self._stops = [s for s in dict.fromkeys(stop_sequences) if s]
         self._keep = keep
+        self._to_token_end = keep and to_token_end
         self._held = ""
         self.stopped = False
 
@@ -150,7 +152,7 @@ class StopMatcher:
         match = self._match(buffer)
         if match is not None:
             self._held, self.stopped = "", True
-            return buffer[:match], True
+            return (buffer if self._to_token_end else buffer[:match]), True
         hold = self._partial_suffix_length(buffer)
         self._held = buffer[len(buffer) - hold :]
         return buffer[: len(buffer) - hold], False

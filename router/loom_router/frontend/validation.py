@@ -170,7 +170,8 @@ def tgi_generation_params(params: TGIParameters, max_new_tokens: int, limits: Li
         choices=[replace(base, seed=choice_seed(seed, i)) for i in range(n)],
         max_new_tokens=max_new_tokens,
         stop_sequences=[s for s in params.stop if s],
-        include_stop=True,  # TGI's generated_text ends with the stop sequence it matched
+        include_stop=True,  # TGI's generated_text ends with the token that completed a stop sequence
+        stop_ends_token=True,
         prompt_logprobs=params.decoder_input_details,
         adapter=params.adapter_id or None,
     )

@@ -137,6 +137,13 @@ def test_stop_matcher_keeping_the_stop_ends_with_the_first_to_complete():
     assert held.feed("OP and after") == ("STOP", True)
 
 
+def test_stop_matcher_to_the_token_end_keeps_the_token_that_completed_the_stop():
+    stop = StopMatcher(["d Sta"], keep=True, to_token_end=True)  # TGI's: whole tokens
+    assert stop.feed(" United") == (" Unite", False)
+    assert stop.feed(" States") == ("d States", True)
+    assert stop.feed(" of") == ("", True)
+
+
 def test_stop_matcher_after_stop_and_without_stops():
     stop = StopMatcher(["x"])
     assert stop.feed("x tail") == ("", True)
