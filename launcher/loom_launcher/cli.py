@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import SecretStr
 
 from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, json_log_to_stderr, log_to_stderr, serve
+from loom_proto.cgroup import usable_cpus
 from loom_proto.config import (
     SECRET_FIELDS,
     LauncherSettings,
@@ -101,8 +102,9 @@ def health_url(config: RouterConfig) -> str:
 
 
 def available_cpus() -> int:
+    """The CPUs this process may use: its affinity mask, capped by a container's CPU quota."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
+        return usable_cpus(len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loom_proto.cgroup import memory_headroom
+
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
@@ -144,15 +146,19 @@ HOST_POOL_SHARE = 0.05
 
 
 def available_ram_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); 8 GiB assumed elsewhere."""
+    """MemAvailable from /proc/meminfo (Linux; 8 GiB assumed elsewhere), capped by what the
+    process's cgroups still allow (a container's limit, which /proc/meminfo does not show)."""
+    available = 8 * 2**30
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 8 * 2**30
+    headroom = memory_headroom()
+    return available if headroom is None else min(available, headroom)
 
 
 def blocks_for_bytes(pool_bytes: int, spec: KVCacheSpec) -> int:
