@@ -26,6 +26,7 @@ from loom_proto.config import (
     secrets_json,
 )
 from loom_proto.http_socket import check_http_port
+from loom_proto.step_channel import SOCKET_SUFFIX, refuse_live_socket
 
 SHARD_READY_MARKER = "loom-shard ready"
 SHARD_MODULE = "loom_shard.server"
@@ -101,6 +102,20 @@ def health_url(config: RouterConfig) -> str:
     return f"http://{host}:{config.port}/health"
 
 
+def check_shard_sockets(settings: LauncherSettings) -> None:
+    """The unix sockets the shards started here will serve on must not be another server's
+    (a second launcher on this host needs its own --shard-uds-path). Raises OSError."""
+    if settings.role == "router" or settings.shard_port is not None or settings.placement == "ray":
+        return
+    for path in settings.socket_paths():
+        for socket_path in (path, path + SOCKET_SUFFIX):
+            try:
+                refuse_live_socket(socket_path)
+            except OSError:
+                raise OSError(f"another server's shard serves on {socket_path}: give this one its own "
+                              f"--shard-uds-path (now {settings.shard_uds_path})") from None
+
+
 def available_cpus() -> int:
     """The CPUs this process may use: its affinity mask, capped by a container's CPU quota."""
     if hasattr(os, "sched_getaffinity"):
@@ -116,12 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"loom-launcher: error: {error}", file=sys.stderr)
         return 2
     router = None if settings.role == "shards" else settings.router_config()
-    if router is not None:
-        try:
-            check_http_port(router.hostname, router.port)  # before minutes of loading a model
-        except OSError as error:
-            print(f"loom-launcher: error: {error}", file=sys.stderr)
-            return 2
+    try:  # before minutes of loading a model
+        if router is not None:
+            check_http_port(router.hostname, router.port)
+        check_shard_sockets(settings)
+    except OSError as error:
+        print(f"loom-launcher: error: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     log = json_log_to_stderr if settings.json_output else log_to_stderr
     install_signal_handlers(stop, log)

@@ -226,6 +226,22 @@ def test_a_port_in_use_stops_the_launcher_before_anything_starts(capsys: pytest.
     assert capsys.readouterr().err == f"loom-launcher: error: cannot serve HTTP on 127.0.0.1:{port}: Address already in use\n"
 
 
+def test_a_shard_socket_another_server_serves_stops_the_launcher_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prefix = str(tmp_path / "loom")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:  # another launcher's shard 0
+        live.bind(f"{prefix}-0.step")
+        live.listen()
+        start = time.monotonic()
+        argv = ["--hostname", "127.0.0.1", "--port", str(free_port()), "--shard-uds-path", prefix,
+                "--model-id", "/no/such/model"]
+        assert main(argv) == 2
+    assert time.monotonic() - start < 5  # no shard started, no model read
+    err = capsys.readouterr().err
+    assert err == (f"loom-launcher: error: another server's shard serves on {prefix}-0.step: give this one its own "
+                   f"--shard-uds-path (now {prefix})\n")
+
+
 def test_children_get_their_config_as_json() -> None:
     args = settings("--num-shard", "2", "--device", "cpu", "--port", "3100",
                     "--max-total-tokens", "512", "--master-port", "29600", "--graceful-termination-timeout", "7")
