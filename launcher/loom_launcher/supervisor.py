@@ -103,8 +103,17 @@ def json_line(message: str) -> str:
     if isinstance(parsed, dict):
         return json.dumps({**parsed, "process": source}, ensure_ascii=False)
     now = datetime.now(tz=UTC).isoformat()
-    return json.dumps({"timestamp": now, "level": "INFO", "target": f"loom.{source.split()[0]}",
+    return json.dumps({"timestamp": now, "level": _level(text), "target": f"loom.{source.split()[0]}",
                        "message": text, "process": source}, ensure_ascii=False)
+
+
+def _level(text: str) -> str:
+    """A plain line's level, from how Loom's processes (and Python) start such lines."""
+    if text.startswith(("error:", "Traceback (most recent call last)")):
+        return "ERROR"
+    if text.startswith("warning:"):
+        return "WARNING"
+    return "INFO"
 
 
 class ForceStop(Exception):

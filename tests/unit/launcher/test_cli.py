@@ -478,3 +478,19 @@ def test_boolean_flags_are_switches_that_also_take_a_value() -> None:
     assert json_output("--json-output", "true") is True
     assert json_output("--json-output", "false") is False
     assert json_output() is False
+
+
+def test_json_output_lines_carry_the_level_a_plain_line_starts_with() -> None:
+    from loom_launcher.supervisor import json_line
+
+    def line(message: str) -> dict:
+        return json.loads(json_line(message))
+
+    failed = line("[shard 0] error: cannot load model /etc/passwd: not a GGUF file")
+    assert (failed["level"], failed["process"], failed["target"]) == ("ERROR", "shard 0", "loom.shard")
+    assert line("[launcher] error: shard 0 exited with code 2; its last lines:\n...")["level"] == "ERROR"
+    assert line("[router] Traceback (most recent call last):")["level"] == "ERROR"
+    assert line("[shard 1] warning: no C++ compiler")["level"] == "WARNING"
+    assert line("[launcher] started shard 0")["level"] == "INFO"
+    kept = line('[router] {"level": "ERROR", "message": "x"}')  # a child's own JSON keeps its level
+    assert kept["level"] == "ERROR" and kept["process"] == "router"
