@@ -57,6 +57,21 @@ T = TypeVar("T")
 DRAIN_ABORT_TIMEOUT_S = 5.0
 
 
+def context_limits(config: RouterConfig, model_context: int) -> tuple[int, int]:
+    """(max total, max input) tokens per request: the flags', else the model's context. Input
+    that leaves no room for output is refused (ValueError); a total past the model's context is
+    served, with a warning (positions the model never learned)."""
+    total = config.max_total_tokens or model_context
+    max_input = config.max_input_tokens or total - 1
+    if max_input >= total:
+        raise ValueError(f"--max-input-tokens ({max_input}) must be below the tokens a request may hold "
+                         f"({total}: --max-total-tokens, by default the model's context)")
+    if total > model_context:
+        log.warning("--max-total-tokens %d is past the model's context (%d tokens): positions past it "
+                    "were never trained and may give poor output", total, model_context)
+    return total, max_input
+
+
 def overlaps(config: RouterConfig, device: str) -> bool:
     """--overlap-steps, or by default: on where the shards compute on a GPU (the engine core plans
     step n+1 while the GPU runs step n) and nothing is drafted; off where they share the CPU with
@@ -124,8 +139,7 @@ class Engine(RequestBook):
         info = await self.client.info()
         self.model_info = info
         self.overlap_steps = overlaps(self.config, info.device)
-        self.max_total_tokens = self.config.max_total_tokens or info.max_position_embeddings
-        self.max_input_tokens = self.config.max_input_tokens or self.max_total_tokens - 1
+        self.max_total_tokens, self.max_input_tokens = context_limits(self.config, info.max_position_embeddings)
         self.max_batch_prefill_tokens = self.config.prefill_budget(info.device)
         warm = await self.client.warmup(self.max_batch_prefill_tokens, self.config.max_batch_total_tokens)
         # Tokens of every layer: a block of tokens takes one block per KV group.
