@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import SecretStr
 
 from loom_launcher.supervisor import ProcessSpec, install_signal_handlers, json_log_to_stderr, log_to_stderr, serve
-from loom_proto.cgroup import usable_cpus
+from loom_proto.cgroup import available_cpus
 from loom_proto.config import (
     SECRET_FIELDS,
     LauncherSettings,
@@ -114,13 +114,6 @@ def check_shard_sockets(settings: LauncherSettings) -> None:
             except OSError:
                 raise OSError(f"another server's shard serves on {socket_path}: give this one its own "
                               f"--shard-uds-path (now {settings.shard_uds_path})") from None
-
-
-def available_cpus() -> int:
-    """The CPUs this process may use: its affinity mask, capped by a container's CPU quota."""
-    if hasattr(os, "sched_getaffinity"):
-        return usable_cpus(len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

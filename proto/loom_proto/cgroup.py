@@ -10,6 +10,7 @@ tightest counts. Without a cgroup filesystem (not Linux, a bare host) there is n
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,13 @@ def cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> floa
     """CPUs the tightest CFS quota of the process's cgroups allows (quota / period); None without one."""
     quotas = [q for group, v2 in _groups(root, self_cgroup, "cpu") if (q := _cpu_quota(group, v2)) is not None]
     return min(quotas) if quotas else None
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: its affinity mask, capped by a container's CPU quota."""
+    if hasattr(os, "sched_getaffinity"):
+        return usable_cpus(len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def usable_cpus(affinity: int, root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:

@@ -20,10 +20,11 @@ from collections.abc import Awaitable, Sequence
 
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from loom_proto.cgroup import available_cpus
 from loom_proto.config import RouterConfig, parse_config
 from loom_proto.event_loop import freeze_startup_heap, run_event_loop
 from loom_router.core.engine import Engine
-from loom_router.core.frontends import FrontendPool, available_cpus, default_api_workers, listening_socket
+from loom_router.core.frontends import FrontendPool, default_api_workers, listening_socket
 from loom_router.core.server import EngineCoreServer
 from loom_router.core.shard_client import ShardClient
 from loom_router.ipc import private_folder, remove_folder

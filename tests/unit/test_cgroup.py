@@ -64,13 +64,13 @@ def test_usage_past_the_limit_leaves_no_headroom(tmp_path: Path) -> None:
     assert memory_headroom(root, _self(tmp_path, "0::/\n")) == 0
 
 
-def test_the_cpu_kv_pools_and_the_launchers_threads_follow_the_container(monkeypatch) -> None:
-    from loom_launcher import cli
+def test_the_cpu_kv_pools_and_the_cpu_count_follow_the_container(monkeypatch) -> None:
+    from loom_proto import cgroup
     from loom_shard.runtime import kv_cache
 
     monkeypatch.setattr(kv_cache, "memory_headroom", lambda: GIB)
     assert kv_cache.available_ram_bytes() == GIB  # not the node's MemAvailable
     monkeypatch.setattr(kv_cache, "memory_headroom", lambda: None)
     assert kv_cache.available_ram_bytes() > 0
-    monkeypatch.setattr(cli, "usable_cpus", lambda affinity: min(affinity, 1))
-    assert cli.available_cpus() == 1
+    monkeypatch.setattr(cgroup, "usable_cpus", lambda affinity: min(affinity, 1))
+    assert cgroup.available_cpus() == 1  # the launcher's threads and the router's frontends count these

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -35,10 +34,6 @@ MAX_WORKERS = 8
 def default_api_workers(num_cpus: int) -> int:
     """One frontend per four cores (the engine core, the shards and the OS keep the rest), 1 to 8."""
     return max(1, min(MAX_WORKERS, num_cpus // 4))
-
-
-def available_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
