@@ -23,6 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from loom_proto.cgroup import available_cpus
 from loom_proto.config import RouterConfig, parse_config
 from loom_proto.event_loop import freeze_startup_heap, run_event_loop
+from loom_router.api_keys import load_api_keys
 from loom_router.core.engine import Engine
 from loom_router.core.frontends import FrontendPool, default_api_workers, listening_socket
 from loom_router.core.server import EngineCoreServer
@@ -127,7 +128,8 @@ async def _serve_frontends(config: RouterConfig, engine: Engine, metrics: CoreMe
         pool.start()
         log.info("engine core serving %d frontend(s) on %s:%d", num_workers, config.hostname, config.port)
         if config.prometheus_port is not None:
-            metrics_server = await start_metrics_server(metrics.render, config.hostname, config.prometheus_port)
+            keys = load_api_keys(config) if config.metrics_require_api_key else ()
+            metrics_server = await start_metrics_server(metrics.render, config.hostname, config.prometheus_port, keys)
         await stop.event.wait()
         if stop.fatal is None:
             await _drain(engine, stop, config.graceful_termination_timeout)

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from loom_proto.config import RouterConfig
 from loom_proto.step import SamplingParams
+from loom_router import api_keys
 from loom_router.core.engine import Engine
 from loom_router.core.shard_client import ShardError
 from loom_router.frontend import guard
@@ -141,13 +142,13 @@ async def test_metrics_can_require_the_key(serve: Serve) -> None:
 
 async def test_every_key_is_compared_in_constant_time(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
     compared: list[tuple[bytes, bytes]] = []
-    real = guard.hmac.compare_digest
+    real = api_keys.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(guard.hmac, "compare_digest", spy)
+    monkeypatch.setattr(api_keys.hmac, "compare_digest", spy)
     client, _ = await serve(api_key=KEYS)
     assert (await client.get("/info", headers=bearer(KEYS[0]))).status_code == 200
     # no early exit on the first match: the time does not tell which key matched

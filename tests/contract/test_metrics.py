@@ -144,6 +144,21 @@ async def test_prometheus_port_serves_the_same_exposition() -> None:
     assert response.headers["content-type"].startswith("text/plain") and missing.status_code == 404
 
 
+async def test_prometheus_port_asks_for_a_key_when_metrics_require_one() -> None:
+    core = CoreMetrics()
+    server = await start_metrics_server(core.render, "127.0.0.1", 0, api_keys=(b"sekrit",))
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+    try:
+        async with httpx.AsyncClient() as client:
+            missing, wrong = await client.get(url), await client.get(url, headers={"Authorization": "Bearer nope"})
+            bearer = await client.get(url, headers={"Authorization": "Bearer sekrit"})
+            anthropic_style = await client.get(url, headers={"x-api-key": "sekrit"})
+    finally:
+        server.close()
+    assert missing.status_code == wrong.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert bearer.status_code == anthropic_style.status_code == 200 and "loom_" in bearer.text
+
+
 async def test_every_generating_route_is_counted_and_client_errors_are_not_failed_generations(
         harness: Harness) -> None:  # noqa: F811
     c = harness.client

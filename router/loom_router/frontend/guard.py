@@ -6,7 +6,6 @@ the guard's refusals too)."""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loom_proto.config import RouterConfig, read_api_key_file
+from loom_proto.config import RouterConfig
+from loom_router.api_keys import is_a_key, load_api_keys, presented_key
 from loom_router.frontend.api_errors import api_error_response
 from loom_router.frontend.playground import is_public
 
@@ -36,15 +36,6 @@ class GuardPolicy:
     open_paths: frozenset[str]  # answered without a key, and even while draining
     payload_limit: int  # bytes
     is_accepting: Callable[[], bool]  # False: new work gets 503 (draining, a shard down)
-
-
-def load_api_keys(config: RouterConfig) -> tuple[bytes, ...]:
-    """The keys of --api-key and of --api-key-file (one per line; blank lines and # comments
-    skipped). A file without a key is refused (ValueError): it would leave every route open."""
-    keys = [key.get_secret_value() for key in config.api_key]
-    if config.api_key_file is not None:
-        keys += read_api_key_file(config.api_key_file)
-    return tuple(key.encode() for key in keys)
 
 
 def install(app: FastAPI, config: RouterConfig, engine: Any) -> None:
@@ -95,25 +86,7 @@ class Guard:
         await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        token = _presented_key(scope)
-        if not token:  # never authorized, whatever the keys
-            return False
-        # Every key is compared, each in constant time: how long it takes says nothing
-        # about which key, or how much of one, matched.
-        matched = False
-        for key in self.policy.api_keys:
-            matched |= hmac.compare_digest(token, key)
-        return matched
-
-
-def _presented_key(scope: Scope) -> bytes | None:
-    """The key of `Authorization: Bearer <key>`, or of Anthropic's `x-api-key: <key>`."""
-    header = _header(scope, b"authorization")
-    if header is not None:
-        scheme, _, token = header.partition(b" ")
-        return token.strip() if scheme.lower() == b"bearer" else None
-    header = _header(scope, b"x-api-key")
-    return header.strip() if header is not None else None
+        return is_a_key(presented_key(scope["headers"]), self.policy.api_keys)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
