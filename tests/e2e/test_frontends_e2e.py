@@ -62,6 +62,7 @@ def test_a_killed_frontend_frees_its_requests_kv_is_restarted_and_metrics_stay_w
     launcher = start_launcher("--api-workers", "2", "--max-total-tokens", "2100")
     base, port = launcher.base_url, int(launcher.base_url.rsplit(":", 1)[1])
     assert len(frontend_pids(launcher)) == 2
+    assert httpx.get(f"{base}/info").json()["validation_workers"] == 2  # the frontends validate
     for _ in range(6):  # new connections: the two frontends share the listening socket
         with httpx.Client(timeout=60) as client:
             assert client.post(f"{base}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}

@@ -78,8 +78,8 @@ class FrontendPool:
         self._watch = asyncio.create_task(self._watch_loop(), name="loom-frontends")
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
-        config = FrontendConfig(**self._config.model_dump(exclude=FrontendConfig.SHARD_FIELDS),
-                                frontend_index=index, ipc_folder=self._folder,
+        values = self._config.model_dump(exclude=FrontendConfig.SHARD_FIELDS) | {"api_workers": self._num_workers}
+        config = FrontendConfig(**values, frontend_index=index, ipc_folder=self._folder,
                                 listen_fd=self._listen.fileno(), metrics_folder=self._metrics_folder)
         argv = [sys.executable, "-m", FRONTEND_MODULE, "--config-json", public_json(config)]
         secrets = secrets_json(config)  # API keys: on stdin, never on a command line

@@ -407,7 +407,7 @@ def _info(state: AppState) -> dict[str, Any]:
         "max_top_n_tokens": config.max_top_n_tokens,
         "max_n": config.max_n,
         "max_client_batch_size": config.max_client_batch_size,
-        "validation_workers": 1,
+        "validation_workers": config.api_workers or 1,  # the frontends, which validate and tokenize
         "block_size": model.block_size if model else None,
         "world_size": model.world_size if model else None,
         "served_model_name": state.model_name,
