@@ -37,6 +37,7 @@ class ExitStatus(enum.IntEnum):
     OK = 0  # served and stopped on request
     CHILD_FAILED = 1  # a child died unexpectedly (during startup or while serving)
     STARTUP_TIMEOUT = 3
+    FORCED = 4  # a second SIGINT/SIGTERM: every child killed, requests not drained
 
 
 @dataclass(slots=True, frozen=True)
@@ -296,4 +297,4 @@ def serve(shards: Sequence[ProcessSpec], router: ProcessSpec | None, health_url:
         supervisor.terminate(router_children, shutdown_timeout)
         supervisor.terminate([child for child in supervisor.children
                               if child not in router_children], SHARD_STOP_TIMEOUT_S)
-    return int(status)
+    return int(ExitStatus.FORCED if supervisor.forced and status is ExitStatus.OK else status)

@@ -25,10 +25,42 @@ def ipc_address(folder: str, name: str) -> str:
     return f"ipc://{os.path.join(folder, name)}"
 
 
-def private_folder() -> str:
+FOLDER_PREFIX = "loom-router-"
+OWNER_FILE = "owner.pid"
+
+
+def private_folder(parent: str | None = None) -> str:
     """A folder for the router's sockets, readable by this user only (short: unix socket paths
-    are limited to ~107 bytes)."""
-    return tempfile.mkdtemp(prefix="loom-router-")
+    are limited to ~107 bytes), marked with this process's id. The folders of routers that were
+    killed (SIGKILL leaves them) are removed first."""
+    parent = parent or tempfile.gettempdir()
+    remove_orphaned_folders(parent)
+    folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent)
+    with open(os.path.join(folder, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return folder
+
+
+def remove_orphaned_folders(parent: str) -> None:
+    """Remove the router folders under parent whose owner process is gone."""
+    for name in os.listdir(parent):
+        folder = os.path.join(parent, name)
+        if name.startswith(FOLDER_PREFIX) and not _owner_alive(folder):
+            remove_folder(folder)
+
+
+def _owner_alive(folder: str) -> bool:
+    """False only when the folder names its owner and no such process exists (one of another
+    user's, or without the mark, is left alone)."""
+    try:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
+            pid = int(f.read())
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return True
 
 
 def remove_folder(folder: str) -> None:
