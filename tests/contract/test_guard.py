@@ -155,6 +155,14 @@ async def test_every_key_is_compared_in_constant_time(serve: Serve, monkeypatch:
     assert compared == [(KEYS[0].encode(), key.encode()) for key in KEYS]
 
 
+async def test_a_request_refused_for_its_key_is_no_snapshot_failure(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS)
+    assert (await client.get("/snapshots")).status_code == 401
+    metrics = (await client.get("/metrics", headers=bearer(KEYS[0]))).text
+    assert "loom_snapshot_failures_total{" not in metrics and "loom_snapshot_operations_total{" not in metrics
+    assert 'loom_http_requests_total{route="unmatched",status="401"} 1.0' in metrics
+
+
 async def test_keys_never_reach_the_logs(serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     client, _ = await serve(api_key=KEYS)

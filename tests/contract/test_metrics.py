@@ -127,6 +127,14 @@ async def test_snapshot_failures_are_counted_by_reason(harness: Harness) -> None
     assert s['loom_snapshot_failures_total{op="save",reason="disabled"}'] == 1
 
 
+async def test_fastapis_own_pages_are_counted_by_their_path(harness: Harness) -> None:  # noqa: F811
+    assert (await harness.client.get("/openapi.json")).status_code == 200
+    assert (await harness.client.get("/no/such/path")).status_code == 404
+    s = samples((await harness.client.get("/metrics")).text)
+    assert s['loom_http_requests_total{route="/openapi.json",status="200"}'] == 1
+    assert s['loom_http_requests_total{route="unmatched",status="404"}'] == 1
+
+
 async def test_prometheus_port_serves_the_same_exposition() -> None:
     frontend = FrontendMetrics()
     frontend.tgi.on_arrival()

@@ -114,7 +114,7 @@ class FrontendMetrics:
         path = scope.get("path", "")
         if _is_generation(scope):
             self._count_generation(record, status)
-        elif path.startswith(SNAPSHOT_PREFIX):
+        elif path.startswith(SNAPSHOT_PREFIX) and "route" in scope:  # reached a snapshot route (not refused at the door)
             op = _snapshot_op(scope)
             self.snapshot_operations.labels(op=op, result="ok" if status < 400 else "error").inc()
             if status >= 400:
@@ -271,10 +271,17 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_and_record)
         finally:
             _current_http.reset(token)
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(route=path, status=str(status["code"])).inc()
+            self.metrics.requests.labels(route=_route_label(scope, status["code"]), status=str(status["code"])).inc()
             try:
                 self.metrics.on_http_end(scope, record, status["code"])
             except Exception:  # metrics must never fail a request
                 log.exception("recording the metrics of %s failed", scope.get("path"))
+
+
+def _route_label(scope: dict[str, Any], status: int) -> str:
+    """The route's path template; FastAPI's own pages (/docs, /openapi.json) and the playground's
+    files by their path when served; anything else that matched no route is "unmatched"."""
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return str(path)
+    return str(scope["path"]) if "endpoint" in scope and status < 400 else "unmatched"
