@@ -84,7 +84,9 @@ async def serve(config: RouterConfig) -> int:
         engine.on_fatal = lambda error: stop.on_fatal(f"the engine loop died: {error}")
         metrics = CoreMetrics(engine.stats)
         metrics.bind_engine(engine)
-        await engine.start()
+        if not await _unless_stopped(stop, engine.start()):  # warmup takes a while: a stop need not wait
+            log.info("stopped while warming up")
+            return 0
         return await _serve_frontends(config, engine, metrics, folder, stop)
     finally:
         await client.close()

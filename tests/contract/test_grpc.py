@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from grpc_fakes import BLOCK_SIZE, FakeRunner
 
+from loom_proto.config import RouterConfig, public_json
 from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
 from loom_router.core.shard_client import ShardClient, ShardError
 from loom_router.types import ShardDivergence
@@ -347,3 +348,43 @@ async def test_a_step_socket_that_closes_fails_the_step_as_unavailable_and_the_n
     runner.step_delay_s = 0.0
     await asyncio.sleep(0.4)  # the shard finishes the orphaned step
     assert (await client.step(decode_plan(last_token=10))).outputs[0].token_id == 11
+
+
+# A shard whose warmup never ends (it marks the file named in LOOM_TEST_WARMUP_MARK when asked).
+SLOW_WARMUP_SHARD_MAIN = """
+import os, sys, time
+from grpc_fakes import FakeRunner
+import loom_shard.server as server
+
+class SlowWarmup(FakeRunner):
+    def warmup(self, max_prefill_tokens, max_batch_total_tokens):
+        open(os.environ["LOOM_TEST_WARMUP_MARK"], "w").close()
+        time.sleep(600)
+
+server.build_runner = lambda config: SlowWarmup()
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_while_the_shards_warm_up_stops_the_router_at_once(tmp_path: Path) -> None:
+    path, mark = str(tmp_path / "slow.sock"), tmp_path / "warming"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)]),
+           "LOOM_TEST_WARMUP_MARK": str(mark), "TMPDIR": str(tmp_path)}
+    shard = subprocess.Popen([sys.executable, "-c", SLOW_WARMUP_SHARD_MAIN, "--uds-path", path, "--rank", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    config = RouterConfig(model_id="", shard_uds_paths=(path,), hostname="127.0.0.1", port=free_port())
+    router = subprocess.Popen([sys.executable, "-m", "loom_router.main", "--config-json", public_json(config)],
+                              stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), "the shard was never asked to warm up"
+        router.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert router.wait(timeout=10) == 0, router.stderr.read() if router.stderr else ""
+        assert time.monotonic() - start < 5  # not after the warmup
+        assert not list(tmp_path.glob("loom-router-*"))
+    finally:
+        stop(router)
+        stop(shard)
