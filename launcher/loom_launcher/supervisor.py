@@ -70,8 +70,19 @@ class Child:
 
 class ChildExited(Exception):
     def __init__(self, child: Child) -> None:
-        super().__init__(f"{child.name} exited with code {child.process.returncode}")
+        super().__init__(f"{child.name} {how_it_ended(child.process.returncode)}")
         self.child = child
+
+
+def how_it_ended(returncode: int) -> str:
+    """`exited with code N`, or for a negative code (Popen's way) the signal that killed it."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name} (code {returncode})"
 
 
 class StartupTimeout(Exception):
@@ -228,7 +239,7 @@ class Supervisor:
                     except subprocess.TimeoutExpired:
                         self.log(f"[launcher] {child.name} did not stop in {timeout:.0f}s, killing it")
                         _kill_session(child)
-                    self.log(f"[launcher] {child.name} exited with code {child.process.returncode}")
+                    self.log(f"[launcher] {child.name} {how_it_ended(child.process.returncode)}")
         except ForceStop:
             self.forced = True
         if self.forced:

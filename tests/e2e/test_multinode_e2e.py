@@ -132,8 +132,8 @@ def test_ray_places_one_rank_per_node_and_gives_the_single_host_tokens(
     log = launcher.log()
     # Whichever notices first (the launcher's poll of the actors, or the router's step or health
     # check): the launcher reports it, then stops the router, the other shard and the Ray parts.
-    assert "[launcher] error: shard 1 exited with code -9" in log or "rank 1" in log, log
-    assert "[launcher] shard 1 exited with code -9" in log and "[launcher] shard 0 exited with code" in log
+    assert "[launcher] error: shard 1 was killed by SIGKILL (code -9)" in log or "rank 1" in log, log
+    assert "[launcher] shard 1 was killed by SIGKILL (code -9)" in log and "[launcher] shard 0 exited with code" in log
     assert "Ray actors and placement group removed" in log
 
 

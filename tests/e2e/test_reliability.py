@@ -118,7 +118,7 @@ def test_a_shard_killed_mid_stream_ends_it_with_an_error_and_stops_the_launcher(
     assert len(events) < 480
     assert status in (503, None)
     assert launcher.wait(timeout=60) != 0
-    assert f"{victim} exited with code -9" in launcher.log()
+    assert f"{victim} was killed by SIGKILL (code -9)" in launcher.log()
     assert launcher.log().count("loom.engine: step failed") <= 2  # no stepping into the dead shard again and again
 
 
@@ -147,6 +147,18 @@ def test_an_engine_core_killed_mid_stream_ends_it_with_an_error_and_frees_the_po
             time.sleep(0.2)
         else:
             raise AssertionError("a frontend still serves the port 10 s after the engine core died")
+    assert "router was killed by SIGKILL (code -9)" in launcher.log()
+
+
+def test_idle_frontends_end_cleanly_when_the_engine_core_is_killed(start_launcher: StartLauncher) -> None:
+    launcher = start_launcher("--api-workers", "2")
+    assert httpx.post(f"{launcher.base_url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+                      timeout=60).status_code == 200
+    os.kill(launcher.child_pids()["router"], signal.SIGKILL)
+    assert launcher.wait(timeout=60) != 0
+    log = launcher.log()
+    assert "router was killed by SIGKILL (code -9)" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log  # the app's shutdown ran, no force
 
 
 def test_a_frozen_shard_turns_new_requests_away_at_once_and_work_resumes_when_it_thaws(

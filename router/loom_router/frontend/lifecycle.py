@@ -64,7 +64,9 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's handler: that one re-raises the signal once served (exit status -15).
         if self._loop is None or self._drain_requested or not self.started:
-            self.force_exit = self._drain_requested
+            # A second signal stops at once; not one that follows the engine core's death (the
+            # drain then ends every request at once anyway, and the app's shutdown still runs).
+            self.force_exit = self._drain_requested and not self._core_dead()
             self.should_exit = True
             return
         self._drain_requested = True
@@ -87,11 +89,14 @@ class DrainingServer(uvicorn.Server):
         finally:
             self.should_exit = True
 
+    def _core_dead(self) -> bool:
+        return os.getppid() != self._core_pid or not _alive(self._core_pid)
+
     async def _core_gone(self, wait_s: float = 1.0) -> bool:
         """Whether the engine core died: a dying process's children are handed to another parent
         (or it is a zombie) within moments of the death signal; a live core stays as it is."""
         deadline = time.monotonic() + wait_s
-        while os.getppid() == self._core_pid and _alive(self._core_pid):
+        while not self._core_dead():
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.02)

@@ -333,7 +333,7 @@ def test_router_dying_while_serving_stops_the_shards(tmp_path: Path) -> None:
     os.kill(router_pid, signal.SIGKILL)
     thread.join(timeout=20)
     assert result == [ExitStatus.CHILD_FAILED]
-    assert "router exited with code -9" in logs.text
+    assert "router was killed by SIGKILL (code -9)" in logs.text
     assert "shard 0 stopped" in notes_of(notes)
 
 
