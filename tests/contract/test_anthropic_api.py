@@ -162,6 +162,8 @@ async def test_errors_in_anthropics_shape(harness: Harness, client: anthropic.As
         response = await harness.client.post("/v1/messages", json={"model": "default", "max_tokens": 5, "messages": hi,
                                                                    "top_k": 10**19, "stream": stream})
         assert response.status_code == 400 and "top_k" in response.json()["error"]["message"]
+    wrong_method = await harness.client.get("/v1/messages")  # the client's mistake, not the server's api_error
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
 
 
 async def test_a_reasoning_models_thinking_is_a_thinking_block(backend: FakeShardClient, tokenizer: Tokenizer) -> None:

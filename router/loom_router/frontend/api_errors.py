@@ -11,7 +11,8 @@ from loom_router.frontend import openai_api
 
 # Anthropic's error types by status.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   415: "invalid_request_error", 422: "invalid_request_error",
                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
