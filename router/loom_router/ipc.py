@@ -6,6 +6,7 @@ goes as soon as the socket is writable again (its file descriptor says so)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import shutil
@@ -26,45 +27,53 @@ def ipc_address(folder: str, name: str) -> str:
 
 
 FOLDER_PREFIX = "loom-router-"
-OWNER_FILE = "owner.pid"
+OWNER_LOCK = "owner.lock"
+_held_locks: dict[str, int] = {}  # this process's folders and their locks, held until removed
 
 
 def private_folder(parent: str | None = None) -> str:
     """A folder for the router's sockets, readable by this user only (short: unix socket paths
-    are limited to ~107 bytes), marked with this process's id. The folders of routers that were
-    killed (SIGKILL leaves them) are removed first."""
+    are limited to ~107 bytes), locked by this process while it lives. The folders of routers
+    that were killed (SIGKILL leaves them: their locks went with them) are removed first."""
     parent = parent or tempfile.gettempdir()
     remove_orphaned_folders(parent)
     folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent)
-    with open(os.path.join(folder, OWNER_FILE), "w") as f:
-        f.write(str(os.getpid()))
+    lock = os.open(os.path.join(folder, OWNER_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _held_locks[folder] = lock
     return folder
 
 
 def remove_orphaned_folders(parent: str) -> None:
-    """Remove the router folders under parent whose owner process is gone."""
+    """Remove the router folders under parent that no live process holds locked (a lock, unlike
+    a process id, means the same in every PID namespace that shares the folder)."""
     for name in os.listdir(parent):
         folder = os.path.join(parent, name)
-        if name.startswith(FOLDER_PREFIX) and not _owner_alive(folder):
+        if name.startswith(FOLDER_PREFIX) and _orphaned(folder):
             remove_folder(folder)
 
 
-def _owner_alive(folder: str) -> bool:
-    """False only when the folder names its owner and no such process exists (one of another
-    user's, or without the mark, is left alone)."""
+def _orphaned(folder: str) -> bool:
+    """Whether the folder's lock can be taken: its owner is gone. A folder without one (being
+    made, or not a router's of this kind) is left alone."""
     try:
-        with open(os.path.join(folder, OWNER_FILE)) as f:
-            pid = int(f.read())
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        lock = os.open(os.path.join(folder, OWNER_LOCK), os.O_RDWR)
+    except OSError:
         return False
-    except (OSError, ValueError):
-        return True
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(lock)  # releases the lock if it was taken
     return True
 
 
 def remove_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+    lock = _held_locks.pop(folder, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def pull_socket(context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
