@@ -21,7 +21,9 @@ def load_api_keys(config: RouterConfig) -> tuple[bytes, ...]:
 
 def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """The key of `Authorization: Bearer <key>`, or of Anthropic's `x-api-key: <key>`."""
-    found = {name.lower(): bytes(value) for name, value in headers if name.lower() in (b"authorization", b"x-api-key")}
+    found: dict[bytes, bytes] = {}
+    for name, value in headers:  # the first of a repeated header counts
+        found.setdefault(name.lower(), bytes(value))
     if b"authorization" in found:
         scheme, _, token = found[b"authorization"].partition(b" ")
         return token.strip() if scheme.lower() == b"bearer" else None

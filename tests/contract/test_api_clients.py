@@ -157,6 +157,9 @@ async def test_head_is_answered_as_get_without_a_body(served: Served) -> None:
             assert head.status_code == get.status_code == 200, path
             assert head.content == b"" and head.headers.get("content-type") == get.headers.get("content-type"), path
         assert (await client.head("/generate")).status_code == 405
+        metrics = (await client.get("/metrics")).text  # a HEAD is counted under its route, as the GET
+        assert 'loom_http_requests_total{route="/info",status="200"} 2.0' in metrics, metrics
+        assert 'route="unmatched",status="200"' not in metrics
 
 
 @pytest.mark.parametrize("path, body", [
@@ -168,7 +171,7 @@ async def test_a_json_body_sent_as_another_media_type_is_a_415(served: Served, p
         for media in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d's, and a mistake's
             response = await client.post(path, content=json.dumps(body), headers={"content-type": media})
             assert response.status_code == 415 and "application/json" in response.text, response.text
-        for media in ("application/json; charset=utf-8", None):  # no Content-Type: read as JSON
-            headers = {"content-type": media} if media else {}
+        for media in ("application/json; charset=utf-8", "", None):  # no Content-Type: read as JSON
+            headers = {"content-type": media} if media is not None else {}
             response = await client.post(path, content=json.dumps(body), headers=headers)
             assert response.status_code == 200, response.text

@@ -155,6 +155,14 @@ async def test_every_key_is_compared_in_constant_time(serve: Serve, monkeypatch:
     assert compared == [(KEYS[0].encode(), key.encode()) for key in KEYS]
 
 
+async def test_a_repeated_authorization_header_is_judged_by_its_first(serve: Serve) -> None:
+    client, _ = await serve(api_key=KEYS)
+    first_good = [("authorization", f"Bearer {KEYS[0]}"), ("authorization", "Bearer wrong")]
+    first_bad = [("authorization", "Bearer wrong"), ("authorization", f"Bearer {KEYS[0]}")]
+    assert (await client.get("/info", headers=first_good)).status_code == 200
+    assert (await client.get("/info", headers=first_bad)).status_code == 401
+
+
 async def test_a_request_refused_for_its_key_is_no_snapshot_failure(serve: Serve) -> None:
     client, _ = await serve(api_key=KEYS)
     assert (await client.get("/snapshots")).status_code == 401

@@ -63,7 +63,8 @@ class Guard:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "HEAD":
-            scope = {**scope, "method": "GET"}
+            await self._as_get(scope, receive, send)
+            return
         path: str = scope["path"]
         if path not in self.policy.open_paths:
             # The playground's page and files hold no secret, and a browser cannot send a key
@@ -84,6 +85,15 @@ class Guard:
                           f"--payload-limit ({self.policy.payload_limit} bytes)", "payload_too_large")
             return
         await self.app(scope, _replay(body, receive), send)
+
+    async def _as_get(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """HEAD as GET, on a copy of the scope (uvicorn's own says HEAD: it sends no body); the
+        route it matched is copied back for the metrics outside."""
+        inner = {**scope, "method": "GET"}
+        try:
+            await self(inner, receive, send)
+        finally:
+            scope.update({key: inner[key] for key in ("route", "endpoint", "path_params") if key in inner})
 
     def _authorized(self, scope: Scope) -> bool:
         return is_a_key(presented_key(scope["headers"]), self.policy.api_keys)

@@ -60,8 +60,9 @@ class UnicodeJSONRoute(APIRoute):
             scope = request.scope
             if self.body_field is not None:
                 content_type = request.headers.get("content-type")
-                if content_type is None:  # a body without a media type is read as JSON
-                    scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+                if not content_type:  # a body without a media type is read as JSON
+                    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+                    scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
                 elif not _json_media_type(content_type):
                     raise HTTPException(415, "Expected request with `Content-Type: application/json`")
             return await handler(UnicodeJSONRequest(scope, request.receive))
