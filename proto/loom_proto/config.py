@@ -294,6 +294,8 @@ class RouterFlags(ModelFlags):
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be below "
                              f"max_total_tokens ({self.max_total_tokens})")
+        if self.metrics_require_api_key and not (self.api_key or self.api_key_file):
+            raise ValueError("metrics_require_api_key needs a key to require: give --api-key or --api-key-file")
         return self
 
 

@@ -108,6 +108,17 @@ def test_compare_prints_ratios_and_second_server_logs_json(launcher: Launcher, s
     assert posts and {path for path, _ in posts} == {"/v1/traces"}
 
 
+def test_the_metrics_port_asks_for_the_key_when_metrics_require_one(start_launcher: StartLauncher) -> None:
+    metrics_port = free_port()
+    launcher = start_launcher("--prometheus-port", str(metrics_port), "--metrics-require-api-key", "true",
+                              env={"LOOM_API_KEY": "sk-metrics-key"})
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    assert httpx.get(url, timeout=10).status_code == 401
+    assert httpx.get(f"{launcher.base_url}/metrics", timeout=10).status_code == 401
+    keyed = httpx.get(url, headers={"Authorization": "Bearer sk-metrics-key"}, timeout=10)
+    assert keyed.status_code == 200 and "tgi_request_count" in keyed.text
+
+
 # ---- a real Prometheus --------------------------------------------------------------------
 
 

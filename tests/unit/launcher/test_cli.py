@@ -198,7 +198,8 @@ def test_device_auto_is_resolved_by_the_shard_not_the_launcher() -> None:
                                   ["--num-threads", "0", "--num-shard", "1"],
                                   ["--max-batch-total-tokens", "320",
                                    "--max-batch-prefill-tokens", "512"],
-                                  ["--graceful-termination-timeout", "inf"], ["--startup-timeout", "inf"]])
+                                  ["--graceful-termination-timeout", "inf"], ["--startup-timeout", "inf"],
+                                  ["--metrics-require-api-key", "true"]])  # no key to require
 def test_invalid_combinations_are_rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         settings(*argv, "--device", "cpu")
