@@ -92,11 +92,12 @@ def _open_call(fmt: ToolFormat, text: str, names: set[str]) -> int | None:
     body = text[last + len(HERMES_OPEN):].lstrip()
     if body and not body.startswith("{"):
         return None
-    name = _PARTIAL_NAME.search(body)
+    name = _FIRST_NAME.match(body)  # a call's object names its tool first
     return None if name is not None and name.group(1) not in names else last
 
 
 _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_FIRST_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _PARTIAL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 

@@ -97,6 +97,7 @@ def test_an_answer_cut_off_keeps_what_is_no_call_as_content(text: str) -> None:
     ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"ci', "Let me check.",
      [("get_weather", '{"ci')]),  # a partial call
     ('A <tool_call> in prose, then <tool_call>\n{"name": "get_ti', "A <tool_call> in prose, then", []),
+    ('Sure <tool_call>{"arguments": {"name": "Bob", "age": 3', "Sure", []),  # a "name" inside the arguments
 ])
 def test_an_answer_cut_off_in_a_call_drops_its_markup(text: str, content: str, calls: list) -> None:
     parsed = tool_parsers.parse(ToolFormat.HERMES, text, NAMES, cut_off=True)
