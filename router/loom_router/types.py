@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from loom_router.structured.spec import ConstraintSpec
 
 
+class StopText(enum.Enum):
+    """Where a choice's text ends when a stop sequence matches."""
+
+    CUT = "cut"  # before the stop sequence (OpenAI's)
+    KEEP = "keep"  # with it (vLLM's include_stop_str_in_output)
+    KEEP_TOKEN = "keep_token"  # with the rest of the token that completed it: whole tokens (TGI's)
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     EOS = "eos_token"
@@ -36,8 +44,7 @@ class GenerationParams:
     choices: list[SamplingParams]
     max_new_tokens: int
     stop_sequences: list[str] = field(default_factory=list)
-    include_stop: bool = False  # the text ends with a matched stop sequence (TGI; vLLM's include_stop_str_in_output)
-    stop_ends_token: bool = False  # with include_stop: the text goes on to the end of that token (TGI's)
+    stop_text: StopText = StopText.CUT  # where the text ends at a stop sequence
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end the choice as EOS does
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # TGI decoder_input_details / OpenAI echo with logprobs

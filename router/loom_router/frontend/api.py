@@ -124,6 +124,9 @@ def error_response(request: Request, status: int, message: str, error_type: str,
     return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
 
 
+PYTHON_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes", "literal"})
+
+
 def describe_validation_errors(errors: Any) -> tuple[str, str | None]:
     """Pydantic's errors as one readable line, and the first offending field. A value that
     fits no branch of a union is one error naming the field (not a branch per type)."""
@@ -148,9 +151,6 @@ def _is_union_branch(part: object) -> bool:
     if not isinstance(part, str):
         return False
     return any(c in part for c in "[]-(),") or part[:1].isupper() or part in PYTHON_TYPE_NAMES
-
-
-PYTHON_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes", "literal"})
 
 
 def _validation_message(message: str) -> str:

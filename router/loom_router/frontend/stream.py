@@ -52,7 +52,7 @@ class GenerationStream:
         self._on_cancel = on_cancel
         self._on_stop = on_stop
         self._choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens),
-                                 StopMatcher(params.stop_sequences, params.include_stop, params.stop_ends_token)) for _ in range(params.n)]
+                                 StopMatcher(params.stop_sequences, params.stop_text)) for _ in range(params.n)]
         # With specials kept (a tool-call marker), the EOS that ends the answer is still no text.
         self._silent_ids = frozenset() if params.skip_special_tokens or params.ignore_eos \
             else frozenset(tokenizer.eos_token_ids)

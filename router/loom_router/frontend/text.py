@@ -7,6 +7,7 @@ from collections import deque
 from typing import Any
 
 from loom_router.tokenizer import Tokenizer
+from loom_router.types import StopText
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first new ones (as vLLM and TGI do)
@@ -126,19 +127,17 @@ def _overlaps(span: tuple[int, int], stop: int) -> bool:
 
 
 class StopMatcher:
-    """Finds stop sequences in streamed text and cuts them (and all after) from the output; with
-    `keep`, the text ends with the first stop sequence to complete (vLLM's
-    include_stop_str_in_output), and with `to_token_end` too, with the rest of the token that
-    completed it (TGI's text: whole tokens).
+    """Finds stop sequences in streamed text and ends the output there, as `stop_text` says:
+    before the first to start (CUT), or after the first to complete (KEEP), or with the rest
+    of the token that completed it (KEEP_TOKEN).
 
     A tail that could still grow into a stop sequence is held back until it either
     completes one (cut, stopped) or stops matching (released).
     """
 
-    def __init__(self, stop_sequences: list[str], keep: bool = False, to_token_end: bool = False) -> None:
+    def __init__(self, stop_sequences: list[str], stop_text: StopText = StopText.CUT) -> None:
         self._stops = [s for s in dict.fromkeys(stop_sequences) if s]
-        self._keep = keep
-        self._to_token_end = keep and to_token_end
+        self._stop_text = stop_text
         self._held = ""
         self.stopped = False
 
@@ -152,7 +151,7 @@ class StopMatcher:
         match = self._match(buffer)
         if match is not None:
             self._held, self.stopped = "", True
-            return (buffer if self._to_token_end else buffer[:match]), True
+            return (buffer if self._stop_text is StopText.KEEP_TOKEN else buffer[:match]), True
         hold = self._partial_suffix_length(buffer)
         self._held = buffer[len(buffer) - hold :]
         return buffer[: len(buffer) - hold], False
@@ -163,11 +162,13 @@ class StopMatcher:
         return held
 
     def _match(self, buffer: str) -> int | None:
-        """Where the output ends: before the earliest stop sequence, or (keep) after the first to end."""
+        """Where the output ends: before the earliest stop sequence (CUT), or after the first to end."""
         found = [(p, p + len(s)) for p, s in ((buffer.find(s), s) for s in self._stops) if p >= 0]
         if not found:
             return None
-        return min(end for _, end in found) if self._keep else min(start for start, _ in found)
+        if self._stop_text is StopText.CUT:
+            return min(start for start, _ in found)
+        return min(end for _, end in found)
 
     def _partial_suffix_length(self, buffer: str) -> int:
         """Length of the longest end of `buffer` that is a proper prefix of a stop sequence."""

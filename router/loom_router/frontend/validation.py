@@ -17,7 +17,7 @@ from pydantic import ValidationError as PydanticValidationError
 from loom_proto.step import SamplingParams
 from loom_router.frontend.tools import ToolFields
 from loom_router.structured.fields import ConstraintFields, TGIGrammar
-from loom_router.types import GenerationParams, ValidationError
+from loom_router.types import GenerationParams, StopText, ValidationError
 
 SEED_LIMIT = 2**63  # seeds are 63-bit so that seed + choice index stays a valid int64
 OPENAI_MAX_TOP_LOGPROBS = 20
@@ -170,8 +170,7 @@ def tgi_generation_params(params: TGIParameters, max_new_tokens: int, limits: Li
         choices=[replace(base, seed=choice_seed(seed, i)) for i in range(n)],
         max_new_tokens=max_new_tokens,
         stop_sequences=[s for s in params.stop if s],
-        include_stop=True,  # TGI's generated_text ends with the token that completed a stop sequence
-        stop_ends_token=True,
+        stop_text=StopText.KEEP_TOKEN,  # TGI's generated_text: whole tokens, the stop sequence kept
         prompt_logprobs=params.decoder_input_details,
         adapter=params.adapter_id or None,
     )
@@ -421,7 +420,7 @@ def openai_generation_params(req: CompletionRequest | ChatCompletionRequest, max
         choices=choices,
         max_new_tokens=max_new_tokens,
         stop_sequences=req.stop_sequences,
-        include_stop=req.include_stop_str_in_output,
+        stop_text=StopText.KEEP if req.include_stop_str_in_output else StopText.CUT,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         prompt_logprobs=echo_logprobs,

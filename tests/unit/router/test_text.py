@@ -10,6 +10,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from loom_router.frontend.text import IncrementalDetokenizer, StopMatcher, token_spans, token_texts
 from loom_router.tokenizer import Tokenizer, load_tokenizer
+from loom_router.types import StopText
 
 TEXTS = [
     "The capital of France is Paris.\n\nIt has 2,148,271 inhabitants (2020).",
@@ -129,16 +130,16 @@ def test_stop_matcher_earliest_of_several_and_overlaps():
 
 
 def test_stop_matcher_keeping_the_stop_ends_with_the_first_to_complete():
-    stop = StopMatcher(["world", "lo w", "xyz"], keep=True)
+    stop = StopMatcher(["world", "lo w", "xyz"], StopText.KEEP)
     assert stop.feed("hello") == ("hel", False)
     assert stop.feed(" world and more") == ("lo w", True)  # "lo w" ends first: the text ends with it
-    held = StopMatcher(["STOP"], keep=True)
+    held = StopMatcher(["STOP"], StopText.KEEP)
     assert held.feed("abc ST") == ("abc ", False)
     assert held.feed("OP and after") == ("STOP", True)
 
 
 def test_stop_matcher_to_the_token_end_keeps_the_token_that_completed_the_stop():
-    stop = StopMatcher(["d Sta"], keep=True, to_token_end=True)  # TGI's: whole tokens
+    stop = StopMatcher(["d Sta"], StopText.KEEP_TOKEN)  # TGI's: whole tokens
     assert stop.feed(" United") == (" Unite", False)
     assert stop.feed(" States") == ("d States", True)
     assert stop.feed(" of") == ("", True)
