@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
+import safetensors.torch
 import torch
 
 from loom_proto.config import ShardConfig
@@ -128,6 +129,13 @@ def test_bad_adapters_are_refused_and_change_nothing(pair, adapters, tmp_path) -
         runner.load_lora(1, str(damaged))
     with pytest.raises(AdapterError, match="does not exist"):
         runner.load_lora(1, str(tmp_path / "missing"))
+    poisoned = write_adapter(pair.hf, tmp_path / "nan", seed=7)  # one NaN would garble every answer
+    tensors = safetensors.torch.load_file(poisoned / "adapter_model.safetensors")
+    first = sorted(name for name in tensors if "lora_B" in name)[0]
+    tensors[first][0, 0] = float("nan")
+    safetensors.torch.save_file(tensors, poisoned / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="NaN or infinity"):
+        runner.load_lora(1, str(poisoned))
     assert runner.lora.host == {} and json.loads((adapters[1] / "adapter_config.json").read_text())["r"] == 4
     with pytest.raises(ValueError, match="not loaded"):
         _run(runner, {1: (random_tokens(4, 1), 1)})
