@@ -194,10 +194,17 @@ async def test_save_from_text_and_messages(served, tokenizer: Tokenizer) -> None
     _, client, _ = served
     response = await client.post("/snapshots/text?action=save", json={"inputs": WORDS})
     assert response.json()["tokens"] == len(tokenizer.encode(WORDS))
-    messages = [{"role": "user", "content": "hi"}]
-    response = await client.post("/snapshots/chat?action=save", json={"messages": messages})
-    expected = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-    assert response.json()["tokens"] == len(expected)
+    system = [{"role": "system", "content": "You answer in one word."}]
+    response = await client.post("/snapshots/chat?action=save", json={"messages": system})
+    saved = tokenizer.encode(tokenizer.apply_chat_template(system, False), add_special_tokens=False)
+    assert response.json()["tokens"] == len(saved)
+    # what a later conversation starting with these messages begins with (not the assistant's header)
+    later = system + [{"role": "user", "content": "hi"}]
+    assert tokenizer.encode(tokenizer.apply_chat_template(later), add_special_tokens=False)[:len(saved)] == saved
+    body = {"messages": later, "add_generation_prompt": True}  # a request of these very messages
+    response = await client.post("/snapshots/ask?action=save", json=body)
+    assert response.json()["tokens"] == len(tokenizer.encode(tokenizer.apply_chat_template(later),
+                                                             add_special_tokens=False))
     for body in [{}, {"inputs": "a", "token_ids": [1]}, {"token_ids": [10**9]}]:
         assert (await client.post("/snapshots/x?action=save", json=body)).status_code == 422
 

@@ -97,6 +97,10 @@ class SaveInputs(_SaveBody):
 
 class SaveMessages(_SaveBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # false: the messages as every later conversation that starts with them renders them (the next
+    # turn's header follows, not the assistant's); true: with the assistant's header, for a
+    # request of these very messages
+    add_generation_prompt: bool = False
 
 
 class SaveTokenIds(_SaveBody):
@@ -125,7 +129,7 @@ async def _prompt_ids(state: AppState, body: SaveRequest) -> list[int]:
         return list(body.token_ids)
     if isinstance(body, SaveMessages):
         messages = [m.as_template_message() for m in body.messages]
-        prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, True)
+        prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, body.add_generation_prompt)
         return await encode(state, prompt, add_special_tokens=False)  # the template wrote the specials
     return await encode(state, body.inputs)
 
