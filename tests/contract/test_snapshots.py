@@ -227,6 +227,13 @@ async def test_refusals_leave_the_cache_unchanged(served, root: Path) -> None:
     assert await restore_status() == 422
     part.write_bytes(good_part[:-10])
     assert await restore_status() == 422
+    (listed,) = (await client.get("/snapshots")).json()["snapshots"]  # the listing says so before a restore
+    assert not listed["fits"] and "holds" in listed["reason"] and listed["adapter"] is None
+    part.unlink()  # a part gone: damaged too, not "no such snapshot"
+    response = await client.post("/snapshots/s?action=restore")
+    assert response.status_code == 422 and "rank-0.kv is missing" in response.json()["error"]
+    (listed,) = (await client.get("/snapshots")).json()["snapshots"]
+    assert not listed["fits"] and "rank-0.kv is missing" in listed["reason"]
     part.write_bytes(good_part)
     for field, value in [("weights_hash", "other"), ("dtype", "bfloat16"), ("quantization", "Q4_1 x120")]:
         manifest = json.loads(good_manifest)

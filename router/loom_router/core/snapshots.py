@@ -254,8 +254,8 @@ class Snapshots:
         for entry in entries:
             if entry.manifest is None:
                 assert entry.error is not None
-                listed.append({"name": entry.name, "tokens": None, "bytes": None, "created": None, "fits": False,
-                               "reason": entry.error.message})
+                listed.append({"name": entry.name, "tokens": None, "bytes": None, "created": None, "adapter": None,
+                               "fits": False, "reason": entry.error.message})
                 continue
             manifest, reason = entry.manifest, await self._mismatch(entry.manifest)
             identity = _identity(manifest)

@@ -259,10 +259,24 @@ class PartStore:
             if folder.name.startswith(".") or folder.is_symlink() or not folder.is_dir():
                 continue
             try:
-                listed.append(SnapshotEntry(folder.name, read_manifest(folder)))
+                listed.append(SnapshotEntry(folder.name, self._check_own_part(folder, read_manifest(folder))))
             except SnapshotError as error:
                 listed.append(SnapshotEntry(folder.name, None, error))
         return listed
+
+    def _check_own_part(self, folder: Path, manifest: Manifest) -> Manifest:
+        """The manifest, when this rank's part is there at the size it records; else DAMAGED
+        (a restore would fail: the listing says so first)."""
+        name = part_name(self.rank)
+        expected = manifest.parts.get(name)
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {name} is missing") from None
+        if expected is not None and size != expected:
+            raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {name} holds {size} bytes, "
+                                f"its manifest says {expected}")
+        return manifest
 
     def delete(self, name: str) -> list[int]:
         """Remove a snapshot folder; returns its tokens (none for another format version's).
@@ -283,7 +297,12 @@ class PartStore:
     def load(self, dir_name: str, load_id: str, fingerprint: dict[str, Any]) -> LoadedPart:
         """Read, verify and keep this rank's part under load_id."""
         path = self.folder(dir_name) / part_name(self.rank)
-        header, kv = read_part(path)
+        try:
+            header, kv = read_part(path)
+        except SnapshotError as error:
+            if error.status is SnapshotStatus.NOT_FOUND and path.parent.is_dir():  # there, but without its part
+                raise SnapshotError(SnapshotStatus.DAMAGED, f"part file {path.name} is missing") from None
+            raise
         check_part(header, fingerprint, self.rank, self.world_size)
         loaded = LoadedPart(header, kv, path.stat().st_size)
         with self._lock:
