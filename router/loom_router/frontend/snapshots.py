@@ -36,7 +36,7 @@ INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, for
 ROUTE_PREFIX = "/snapshots"
 DISABLED_MESSAGE = "snapshots are off: start the server with --snapshot-dir DIR to enable them"
 # A path from the root ("/tmp/x/snaps", not "a/b" or a URL's "//host/x"); group 1 is its last part.
-ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s'\"/]+/)*([^\s'\"/]*)")
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s'\"/]+/)*([^\s'\"/]+)")  # a lone / is no path
 
 
 def _bad_name(reason: str) -> SnapshotHTTPError:

@@ -63,6 +63,7 @@ def test_bad_names_are_400(case: str) -> None:
      "[Errno 39] Directory not empty: 's' -> '.trash-1'"),
     ("part file rank-0.kv is damaged: checksum mismatch", "part file rank-0.kv is damaged: checksum mismatch"),
     ("see http://host/docs and a/b", "see http://host/docs and a/b"),
+    ("invalid snapshot name: '/' is not allowed", "invalid snapshot name: '/' is not allowed"),  # no path
 ])
 def test_absolute_paths_are_cut_to_their_last_part(message: str, redacted: str) -> None:
     assert redact_paths(message) == redacted
