@@ -62,14 +62,17 @@ def test_stop_sequence_stops_and_ends_the_text_as_in_tgi(server: Launcher) -> No
 
 
 def test_unset_max_new_tokens_runs_to_the_end_of_the_context(server: Launcher) -> None:
+    """TGI's and chat's unset limit is the rest of the context; legacy completions' is OpenAI's 16."""
     info = httpx.get(f"{server.base_url}/info", timeout=10).json()
     max_total = info["max_total_tokens"]
     prompt = "Count slowly from one to one thousand: one, two, three,"
     num_input = len(httpx.post(f"{server.base_url}/tokenize", json={"inputs": prompt}, timeout=10).json())
+    body = {"model": "loom", "messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True}
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=300).json()
+    assert chat["usage"]["total_tokens"] == max_total and chat["choices"][0]["finish_reason"] == "length"
     body = {"model": "loom", "prompt": prompt, "temperature": 0, "ignore_eos": True}
     choice = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300).json()
-    assert choice["usage"]["completion_tokens"] == max_total - num_input
-    assert choice["choices"][0]["finish_reason"] == "length"
+    assert choice["usage"]["completion_tokens"] == 16 and choice["choices"][0]["finish_reason"] == "length"
     # TGI's client always sends max_new_tokens, so call the route directly.
     tgi = httpx.post(f"{server.base_url}/generate", json={"inputs": prompt, "parameters": {"details": True}},
                      timeout=300).json()["details"]
