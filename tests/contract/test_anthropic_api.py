@@ -131,6 +131,10 @@ async def test_streaming_text_with_anthropics_events(harness: Harness, client: a
     assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(kinds)
     assert final.content[0].text == "Hello there, friend." and final.stop_reason == "end_turn"
     assert final.usage.output_tokens == len(harness.backend.script) + 1
+    raw = await harness.client.post("/v1/messages", json={"model": "default", "max_tokens": 5, "stream": True,
+                                                         "messages": [{"role": "user", "content": "Hi"}]})
+    names = [line.removeprefix("event: ") for line in raw.text.splitlines() if line.startswith("event: ")]
+    assert names[:2] == ["message_start", "ping"]  # as Anthropic's API opens a stream (the SDK skips pings)
 
 
 async def test_streaming_a_tool_use(harness: Harness, client: anthropic.AsyncAnthropic) -> None:

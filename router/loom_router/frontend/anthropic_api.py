@@ -299,11 +299,12 @@ class _Blocks:
 
 async def _events(body: MessagesRequest, job: ChatJob,
                   deltas: AsyncIterator[tuple[int, list[Delta]]]) -> AsyncIterator[bytes]:
-    """Anthropic's stream: message_start, content blocks (start, deltas, stop), message_delta
-    with the stop reason and usage, message_stop; an `error` event when the generation fails."""
+    """Anthropic's stream: message_start, a ping (as Anthropic's API sends one), content blocks
+    (start, deltas, stop), message_delta with the stop reason and usage, message_stop; an `error`
+    event when the generation fails."""
     head = {**_message_head(body), "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(job.ids), "output_tokens": 0}}
-    yield _event("message_start", {"type": "message_start", "message": head})
+    yield _event("message_start", {"type": "message_start", "message": head}) + _event("ping", {"type": "ping"})
     blocks, num_tokens = _Blocks(), 0
     stop: dict[str, Any] = {"stop_reason": "end_turn", "stop_sequence": None}
     try:
