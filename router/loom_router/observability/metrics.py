@@ -114,7 +114,7 @@ class FrontendMetrics:
         path = scope.get("path", "")
         if _is_generation(scope):
             self._count_generation(record, status)
-        elif path.startswith(SNAPSHOT_PREFIX) and "route" in scope:  # reached a snapshot route (not refused at the door)
+        elif path.startswith(SNAPSHOT_PREFIX) and "route" in scope:  # a snapshot route (not refused at the door)
             op = _snapshot_op(scope)
             self.snapshot_operations.labels(op=op, result="ok" if status < 400 else "error").inc()
             if status >= 400:
@@ -271,9 +271,10 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_and_record)
         finally:
             _current_http.reset(token)
-            self.metrics.requests.labels(route=_route_label(scope, status["code"]), status=str(status["code"])).inc()
+            code = status["code"]
+            self.metrics.requests.labels(route=_route_label(scope, code), status=str(code)).inc()
             try:
-                self.metrics.on_http_end(scope, record, status["code"])
+                self.metrics.on_http_end(scope, record, code)
             except Exception:  # metrics must never fail a request
                 log.exception("recording the metrics of %s failed", scope.get("path"))
 

@@ -125,7 +125,8 @@ def _read_factors(raw: bytes, base: ModuleShapes, rank: int) -> dict[tuple[int, 
             raise AdapterError(f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
                                f"the base model (expected ({rank}, {in_features}) / ({out_features}, {rank}))")
         if not (a.is_floating_point() and b.is_floating_point()):
-            raise AdapterError(f"layer {layer} {module}: LoRA weights must be floating point, not {a.dtype} / {b.dtype}")
+            raise AdapterError(f"layer {layer} {module}: LoRA weights must be floating point, "
+                               f"not {a.dtype} / {b.dtype}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"layer {layer} {module}: the weights hold NaN or infinity (a damaged adapter?)")
         factors[(layer, module)] = (a, b)
