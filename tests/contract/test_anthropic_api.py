@@ -97,6 +97,12 @@ async def test_tool_use_and_tool_result_round_trip(harness: Harness, client: ant
     assert out.content[0].text == "It is sunny." and out.stop_reason == "end_turn"
     prompt = last_prompt(harness)
     assert "sunny, 21 C" in prompt and '"city": "Paris"' in prompt and "get_weather" in prompt
+    orphan = [ask, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]}]
+    with pytest.raises(anthropic.BadRequestError, match="answer no tool_use block"):
+        await client.messages.create(model="default", max_tokens=5, messages=orphan, tools=[WEATHER])
+    unanswered = [ask, turn[1], {"role": "user", "content": "and?"}]  # the tool_use, never answered
+    with pytest.raises(anthropic.BadRequestError, match="have no tool_result"):
+        await client.messages.create(model="default", max_tokens=5, messages=unanswered, tools=[WEATHER])
 
 
 async def test_a_forced_tool_is_one_tool_use(harness: Harness, client: anthropic.AsyncAnthropic) -> None:

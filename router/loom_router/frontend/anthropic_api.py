@@ -145,6 +145,7 @@ def as_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
         messages.append({"role": "system", "content": system})
+    _check_tool_pairs(body.messages)
     for message in body.messages:
         messages += _chat_messages(message)
     chat: dict[str, Any] = {"messages": messages, "max_tokens": body.max_tokens, "stop": body.stop_sequences,
@@ -167,6 +168,22 @@ def _is_prefill(final: dict[str, Any]) -> bool:
     if text != text.rstrip():
         raise ValidationError("messages: final assistant content cannot end with trailing whitespace")
     return True
+
+
+def _check_tool_pairs(messages: list[Message]) -> None:
+    """As Anthropic's API: every tool_use is answered by a tool_result in the next message, and
+    every tool_result answers a tool_use of the message before. Raises ValidationError."""
+    asked: set[str] = set()
+    for i, message in enumerate(messages):
+        blocks = message.content if isinstance(message.content, list) else []
+        answered = {b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)}
+        if answered - asked:
+            raise ValidationError(f"messages.{i}: tool_result block(s) for {sorted(answered - asked)} answer no "
+                                  "tool_use block of the previous message")
+        if asked - answered:
+            raise ValidationError(f"messages.{i}: tool_use ids {sorted(asked - answered)} have no tool_result "
+                                  "block in the message after them")
+        asked = {b.id for b in blocks if isinstance(b, ToolUseBlock)}
 
 
 def _chat_messages(message: Message) -> list[dict[str, Any]]:
