@@ -17,6 +17,7 @@ preemption (swap or recompute) and a prefix-cache hit unchanged: neither alters 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -151,10 +152,13 @@ class GrammarCompiler:
         return grammar
 
     def _build(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
+        """llguidance's matcher of spec; its grammar checked against the limits."""
         kind = spec.kind.value
         try:
             if spec.kind is ConstraintKind.JSON_SCHEMA:
                 source = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
+            elif spec.kind is ConstraintKind.CHOICE:
+                source = llguidance.grammar_from("grammar", choice_grammar(json.loads(spec.source)))
             else:  # llguidance's "grammar" reads Lark, and GBNF (llama.cpp's) converted to Lark
                 source = llguidance.grammar_from("grammar" if spec.kind is ConstraintKind.LARK else kind, spec.source)
             tokenizer = self.ll_tokenizer
@@ -257,3 +261,9 @@ def allowed_ids(mask: bytes) -> np.ndarray:
     """The token ids a packed mask allows (for tests and fakes)."""
     bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
     return np.flatnonzero(bits)
+
+
+def choice_grammar(options: list[str]) -> str:
+    """A Lark grammar whose output is exactly one of options, as one terminal: the lexer matches
+    it (a parser rule of more than 2,000 alternatives is past llguidance's parser)."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(option) for option in options) + "\n"

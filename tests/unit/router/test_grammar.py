@@ -20,6 +20,7 @@ from loom_router.frontend.tools import (
     template_inputs,
 )
 from loom_router.structured.grammar import ConstraintKind, ConstraintSpec, GrammarCompiler, MaskFiller, allowed_ids
+from loom_router.structured.spec import MAX_CHOICES
 from loom_router.tokenizer import Tokenizer, load_tokenizer
 from loom_router.types import ChoiceEvent, FinishReason, GeneratedToken, ValidationError
 
@@ -57,6 +58,19 @@ def test_a_grammar_that_cannot_compile_names_the_reason(compiler: GrammarCompile
                                                         reason: str) -> None:
     with pytest.raises(ValidationError, match=reason):
         compiler.compile(spec)
+
+
+@pytest.mark.parametrize("num_options", [3, 2_500, MAX_CHOICES])  # past 2,000, one parser rule of them failed
+def test_a_choice_of_up_to_max_choices_options_is_exactly_one_of_them(compiler: GrammarCompiler,
+                                                                    tokenizer: Tokenizer, num_options: int) -> None:
+    options = [f"option {i}" for i in range(num_options)] + ["option 1 and more"]
+    grammar = compiler.compile(ConstraintSpec.choice(options[-MAX_CHOICES:]))
+    for chosen in (options[-2], options[-1]):
+        matcher = grammar.new_matcher()
+        assert all(matcher.consume(t) for t in tokenizer.encode(chosen, add_special_tokens=False))
+        assert matcher.consume(tokenizer.eos_token_ids[0]) and matcher.is_finished, chosen
+    wrong = grammar.new_matcher()
+    assert not all(wrong.consume(t) for t in tokenizer.encode("option x", add_special_tokens=False))
 
 
 def test_masks_follow_each_matcher(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
