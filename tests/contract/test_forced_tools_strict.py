@@ -70,6 +70,48 @@ async def test_forced_choices_end_with_exactly_one_call(client: openai.AsyncOpen
         jsonschema.validate(json.loads(call.function.arguments), TOOL_PARAMS[call.function.name])
 
 
+# What pydantic writes for nested models: $defs and $ref (two tools' `Place`s differ: their
+# definitions must not meet), one recursive; and a function of no parameters.
+PLACE_TOOLS = {
+    "book": {"$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                                 "required": ["city"]}},
+             "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"]},
+    "find": {"definitions": {"Place": {"type": "object", "properties": {"zip": {"enum": ["75001", "0150"]},
+                                                                        "near": {"$ref": "#"}},
+                                       "required": ["zip"]}},
+             "type": "object", "properties": {"at": {"$ref": "#/definitions/Place"}}, "required": ["at"]},
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "find"}}])
+async def test_forced_calls_follow_schemas_with_definitions_and_references(client: openai.AsyncOpenAI,
+                                                                          tool_choice: object) -> None:
+    tools = [{"type": "function", "function": {"name": name, "parameters": params}}
+             for name, params in PLACE_TOOLS.items()]
+    names = []
+    for seed in range(6):
+        out = await client.chat.completions.create(model="default", messages=MESSAGES, tools=tools, seed=seed,
+                                                   tool_choice=tool_choice, max_tokens=200)
+        choice = out.choices[0]
+        if choice.finish_reason != "tool_calls":  # a recursive `near` may run past max_tokens
+            continue
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, PLACE_TOOLS[call.function.name])
+        assert set(arguments) == set(PLACE_TOOLS[call.function.name]["properties"])  # strict: listed keys only
+        names.append(call.function.name)
+    assert len(names) >= 3, names
+
+
+async def test_a_forced_function_without_parameters_takes_no_arguments(client: openai.AsyncOpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    for seed in range(3):
+        out = await client.chat.completions.create(model="default", messages=MESSAGES, tools=tools, seed=seed,
+                                                   tool_choice="required", max_tokens=40)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+
+
 async def test_required_with_parallel_calls_may_end_after_any_call(client: openai.AsyncOpenAI) -> None:
     counts = set()
     for seed in range(6):

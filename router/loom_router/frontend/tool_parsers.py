@@ -96,6 +96,55 @@ def _open_call(fmt: ToolFormat, text: str, names: set[str]) -> int | None:
     return None if name is not None and name.group(1) not in names else last
 
 
+def nested(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
+    """`schema` as a part of another: its definitions ($defs, draft 7's definitions) move into
+    `defs` (the outer schema's $defs) as prefix + name, with itself as prefix + "root" when it
+    refers to itself, and its local `$ref`s are rewritten to point there (a pointer is relative
+    to the document's root: nested as is, `#/$defs/x` would point into the outer schema)."""
+    if not isinstance(schema, dict):
+        return schema
+    inner = {key: value for key, value in schema.items() if key not in ("$defs", "definitions")}
+    for name, sub in {**schema.get("definitions", {}), **schema.get("$defs", {})}.items():
+        defs[prefix + name] = _rewrite_refs(sub, prefix)
+    rewritten = _rewrite_refs(inner, prefix)
+    if _refers_to_root(schema):  # from itself or from a definition
+        defs[prefix + "root"] = rewritten
+        return {"$ref": f"#/$defs/{prefix}root"}
+    return rewritten
+
+
+def _rewrite_refs(node: Any, prefix: str) -> Any:
+    if isinstance(node, list):
+        return [_rewrite_refs(item, prefix) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rewrite_refs(value, prefix) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = _local_pointer(ref[1:], prefix)
+    return out
+
+
+def _local_pointer(pointer: str, prefix: str) -> str:
+    """A pointer into the nested schema, as a pointer into the outer one's $defs."""
+    for container in ("/$defs/", "/definitions/"):
+        if pointer.startswith(container):
+            return f"#/$defs/{prefix}{pointer[len(container):]}"
+    return f"#/$defs/{prefix}root{pointer}"
+
+
+def _refers_to_root(node: Any) -> bool:
+    """Whether a local $ref in node points at the schema's root or into it (not a definition)."""
+    if isinstance(node, list):
+        return any(_refers_to_root(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+        return True
+    return any(_refers_to_root(value) for value in node.values())
+
+
 _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _FIRST_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _PARTIAL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
@@ -142,9 +191,13 @@ def grammar(fmt: ToolFormat, schemas: list[tuple[str, dict[str, Any]]], parallel
     schemas lists (name, parameters schema); the arguments admit only the keys a schema lists
     (`strict_schema`), as OpenAI's strict function calling."""
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
-    variants = [{"type": "object", "properties": {"name": {"const": name}, key: strict_schema(params)},
-                 "required": ["name", key], "additionalProperties": False} for name, params in schemas]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    defs: dict[str, Any] = {}
+    variants = [{"type": "object", "properties": {"name": {"const": name}, key: nested(strict_schema(params),
+                                                                                      f"tool{i}_", defs)},
+                 "required": ["name", key], "additionalProperties": False} for i, (name, params) in enumerate(schemas)]
+    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    if defs:
+        schema = {**schema, "$defs": defs}
     call_json = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
     if fmt is ToolFormat.HERMES:
         call = f"call: {json.dumps(HERMES_OPEN + chr(10))} {call_json} {json.dumps(chr(10) + HERMES_CLOSE)}"

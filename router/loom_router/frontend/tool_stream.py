@@ -117,7 +117,7 @@ def _final_deltas(state: _ChoiceText, plan: ToolPlan, index: int, reason: Finish
     if plan.mode is ToolMode.NONE:
         pieces = [Delta(index, {"content": rest})] if rest else []
         return pieces + [Delta(index, {}, reason.openai, reason)]
-    parsed = parse_output(rest, plan.tools, plan.format, reason)
+    parsed = parse_output(rest, plan, reason)
     pieces = []
     if parsed.content:
         pieces.append(Delta(index, {"content": parsed.content}))

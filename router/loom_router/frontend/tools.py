@@ -84,6 +84,7 @@ class ToolPlan:
     tools: list[Tool] = field(default_factory=list)
     spec: ConstraintSpec | None = None  # the grammar of a forced call
     format: ToolFormat = ToolFormat.HERMES
+    one_call: bool = False  # auto with parallel_tool_calls false: calls past the first are dropped
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
@@ -106,13 +107,14 @@ def plan_tools(fields: ToolFields, fmt: ToolFormat = ToolFormat.HERMES) -> ToolP
     if len(set(names)) != len(names):
         raise ValidationError("`tools` has two functions with the same name")
     if choice == "auto":
-        return ToolPlan(ToolMode.AUTO, tools, format=fmt)
+        return ToolPlan(ToolMode.AUTO, tools, format=fmt, one_call=fields.parallel_tool_calls is False)
     chosen = tools
     if isinstance(choice, NamedToolChoice):
         chosen = [tool for tool in tools if tool.function.name == choice.function.name]
         if not chosen:
             raise ValidationError(f"`tool_choice` names {choice.function.name!r}, which is not in `tools`")
-    schemas = [(t.function.name, t.function.parameters or {"type": "object"}) for t in chosen]
+    # no `parameters`: a function of no parameters (OpenAI's reading), whose arguments are {}
+    schemas = [(t.function.name, t.function.parameters or {"type": "object", "properties": {}}) for t in chosen]
     # A named function is called once; "required" writes more calls only when asked to, since a
     # model free to go on after a complete call often does, until max_tokens.
     parallel = choice == "required" and fields.parallel_tool_calls is True
@@ -181,13 +183,15 @@ def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
 # ---- the answer ---------------------------------------------------------------------------
 
 
-def parse_output(text: str, tools: list[Tool], fmt: ToolFormat = ToolFormat.HERMES,
-                 reason: FinishReason | None = None) -> ParsedOutput:
-    """Split an answer into content and tool calls (to known tools, with a JSON object of
-    arguments). With no valid call the whole text stays content, except a call cut off by
-    max_tokens (`reason` LENGTH): that one is a partial call."""
-    cut_off = reason is FinishReason.LENGTH
-    return tool_parsers.parse(fmt, text, {tool.function.name for tool in tools}, cut_off)
+def parse_output(text: str, plan: ToolPlan, reason: FinishReason | None = None) -> ParsedOutput:
+    """Split an answer into content and tool calls (to the plan's tools, with a JSON object of
+    arguments; the first only when the plan allows one, as vLLM keeps it). With no valid call
+    the whole text stays content, except a call cut off by max_tokens (`reason` LENGTH): that
+    one is a partial call."""
+    parsed = tool_parsers.parse(plan.format, text, plan.names, reason is FinishReason.LENGTH)
+    if plan.one_call and len(parsed.tool_calls) > 1:
+        parsed.tool_calls = parsed.tool_calls[:1]
+    return parsed
 
 
 def finish_reason(parsed: ParsedOutput, reason: FinishReason | None) -> str | None:
@@ -253,7 +257,7 @@ def chat_message(answer: AnswerFormat | ToolPlan, text: str,
     if plan.mode is ToolMode.NONE:
         message["content"] = text if text or reasoning_text is None else None
         return message, reason.openai if reason else None
-    parsed = parse_output(text, plan.tools, plan.format, reason)
+    parsed = parse_output(text, plan, reason)
     message["content"] = parsed.content
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls

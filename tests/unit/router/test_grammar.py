@@ -96,14 +96,17 @@ def test_masks_follow_each_matcher(compiler: GrammarCompiler, tokenizer: Tokeniz
 
 
 def test_parse_hermes_calls_and_content() -> None:
-    tools = ToolFields.model_validate({"tools": [WEATHER]}).tools
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    parsed = parse_output(text, tools)
+    plan = plan_tools(ToolFields.model_validate({"tools": [WEATHER]}))
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    parsed = parse_output("Let me check.\n" + call_text, plan)
     assert parsed.content == "Let me check."
     (call,) = parsed.tool_calls
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
-    assert parse_output(unknown, tools).tool_calls == [] and parse_output(unknown, tools).content == unknown
+    assert parse_output(unknown, plan).tool_calls == [] and parse_output(unknown, plan).content == unknown
+    assert len(parse_output(call_text + "\n" + call_text, plan).tool_calls) == 2
+    one = plan_tools(ToolFields.model_validate({"tools": [WEATHER], "parallel_tool_calls": False}))
+    assert len(parse_output(call_text + "\n" + call_text, one).tool_calls) == 1  # the first only, as vLLM
 
 
 def test_tool_plans_and_messages() -> None:
