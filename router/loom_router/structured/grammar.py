@@ -153,7 +153,7 @@ class GrammarCompiler:
 
     def _build(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
         """llguidance's matcher of spec; its grammar checked against the limits."""
-        kind = spec.kind.value
+        kind = "grammar (Lark or GBNF)" if spec.kind is ConstraintKind.LARK else spec.kind.value
         try:
             if spec.kind is ConstraintKind.JSON_SCHEMA:
                 source = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
