@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from api_fakes import FakeShardClient
+from api_fakes import WORDS, FakeShardClient
 from router_harness import InProcessRouter, start_router
 
 from loom_proto.config import RouterConfig
@@ -591,3 +591,19 @@ async def test_openapi_docs(harness: Harness) -> None:
     paths = (await harness.client.get("/openapi.json")).json()["paths"]
     assert {"/generate", "/generate_stream", "/", "/info", "/health", "/tokenize", "/metrics", "/v1/models",
             "/v1/completions", "/v1/chat/completions"} <= set(paths)
+
+
+async def test_a_default_context_past_the_kv_cache_is_lowered_to_fit_it(tokenizer: Tokenizer) -> None:
+    """The model's context (256) past what the KV cache holds for one request (32 blocks of 4):
+    requests without a token limit run to what fits instead of being refused."""
+    backend = FakeShardClient(tokenizer.encode(WORDS), tokenizer.vocab_size, eos_id=tokenizer.eos_token_ids[0],
+                              num_blocks=32)
+    router = await start_router(router_config(max_total_tokens=None), backend, tokenizer)
+    try:
+        info = (await router.http.get("/info")).json()
+        capacity = router.engine.limits.num_usable_blocks * 4
+        assert info["max_total_tokens"] == capacity < 256 and info["max_input_tokens"] == capacity - 1
+        chat = await router.http.post("/v1/chat/completions", json={"messages": CHAT})
+        assert chat.status_code == 200 and chat.json()["usage"]["total_tokens"] == capacity, chat.text
+    finally:
+        await router.stop()

@@ -72,6 +72,21 @@ def context_limits(config: RouterConfig, model_context: int) -> tuple[int, int]:
     return total, max_input
 
 
+def fit_kv_cache(config: RouterConfig, total: int, max_input: int, capacity: int) -> tuple[int, int]:
+    """(max total, max input) tokens a request may hold, within what the KV cache holds for one
+    request (`capacity`): a default past it is lowered to it (a request without a token limit
+    runs to the end of the context, and must fit); limits a flag set are kept, with a warning."""
+    if total <= capacity:
+        return total, max_input
+    if config.max_total_tokens is not None or config.max_input_tokens is not None:
+        log.warning("a request may hold %d tokens (--max-total-tokens) but the KV cache holds %d for one: "
+                    "a request asking for more is refused (raise --max-batch-total-tokens)", total, capacity)
+        return total, max_input
+    log.warning("the context is %d tokens, the KV cache holds %d for one request: requests may hold %d "
+                "(--max-batch-total-tokens, or the memory, sets the cache)", total, capacity, capacity)
+    return capacity, min(max_input, capacity - 1)
+
+
 def overlaps(config: RouterConfig, device: str) -> bool:
     """--overlap-steps, or by default: on where the shards compute on a GPU (the engine core plans
     step n+1 while the GPU runs step n) and nothing is drafted; off where they share the CPU with
@@ -154,6 +169,9 @@ class Engine(RequestBook):
             max_loras_per_batch=self.config.max_loras_per_batch,
         )
         self.scheduler = Scheduler(scheduler_config)
+        one_request = scheduler_config.num_usable_blocks // info.num_kv_groups * warm.block_size
+        self.max_total_tokens, self.max_input_tokens = fit_kv_cache(
+            self.config, self.max_total_tokens, self.max_input_tokens, one_request)
         self.limits = Limits(self.max_total_tokens, self.max_input_tokens, self.max_batch_total_tokens,
                              self.max_batch_prefill_tokens, warm.block_size, scheduler_config.num_usable_blocks,
                              scheduler_config.max_num_seqs, info.num_kv_groups)
