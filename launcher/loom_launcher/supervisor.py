@@ -10,6 +10,7 @@ import contextlib
 import enum
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,12 +121,16 @@ def json_line(message: str) -> str:
 
 
 def _level(text: str) -> str:
-    """A plain line's level, from how Loom's processes (and Python) start such lines."""
-    if text.startswith(("error:", "Traceback (most recent call last)")):
+    """A plain line's level, from how Loom's processes (and Python) start such lines: a
+    traceback's header, its frames and its exception's line (which says why) are errors."""
+    if text.startswith(("error:", "Traceback (most recent call last)", '  File "')) or EXCEPTION_LINE.match(text):
         return "ERROR"
     if text.startswith("warning:"):
         return "WARNING"
     return "INFO"
+
+
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)")  # ValueError: ...
 
 
 class ForceStop(Exception):

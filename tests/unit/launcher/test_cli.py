@@ -491,6 +491,10 @@ def test_json_output_lines_carry_the_level_a_plain_line_starts_with() -> None:
     assert (failed["level"], failed["process"], failed["target"]) == ("ERROR", "shard 0", "loom.shard")
     assert line("[launcher] error: shard 0 exited with code 2; its last lines:\n...")["level"] == "ERROR"
     assert line("[router] Traceback (most recent call last):")["level"] == "ERROR"
+    assert line('[router]   File "/x/loom_router/main.py", line 3, in serve')["level"] == "ERROR"
+    assert line("[router] ValueError: --max-input-tokens (9000) must be below ...")["level"] == "ERROR"
+    assert line("[router] asyncio.exceptions.CancelledError")["level"] == "ERROR"
+    assert line("[router] INFO:     Started server process [3]")["level"] == "INFO"
     assert line("[shard 1] warning: no C++ compiler")["level"] == "WARNING"
     assert line("[launcher] started shard 0")["level"] == "INFO"
     kept = line('[router] {"level": "ERROR", "message": "x"}')  # a child's own JSON keeps its level
