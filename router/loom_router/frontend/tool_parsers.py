@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec, strict_schema
+from loom_router.structured.spec import JSON_LAYOUT, ConstraintKind, ConstraintSpec, nested_schema, strict_schema
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -96,55 +96,6 @@ def _open_call(fmt: ToolFormat, text: str, names: set[str]) -> int | None:
     return None if name is not None and name.group(1) not in names else last
 
 
-def nested(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
-    """`schema` as a part of another: its definitions ($defs, draft 7's definitions) move into
-    `defs` (the outer schema's $defs) as prefix + name, with itself as prefix + "root" when it
-    refers to itself, and its local `$ref`s are rewritten to point there (a pointer is relative
-    to the document's root: nested as is, `#/$defs/x` would point into the outer schema)."""
-    if not isinstance(schema, dict):
-        return schema
-    inner = {key: value for key, value in schema.items() if key not in ("$defs", "definitions")}
-    for name, sub in {**schema.get("definitions", {}), **schema.get("$defs", {})}.items():
-        defs[prefix + name] = _rewrite_refs(sub, prefix)
-    rewritten = _rewrite_refs(inner, prefix)
-    if _refers_to_root(schema):  # from itself or from a definition
-        defs[prefix + "root"] = rewritten
-        return {"$ref": f"#/$defs/{prefix}root"}
-    return rewritten
-
-
-def _rewrite_refs(node: Any, prefix: str) -> Any:
-    if isinstance(node, list):
-        return [_rewrite_refs(item, prefix) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out = {key: _rewrite_refs(value, prefix) for key, value in node.items()}
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = _local_pointer(ref[1:], prefix)
-    return out
-
-
-def _local_pointer(pointer: str, prefix: str) -> str:
-    """A pointer into the nested schema, as a pointer into the outer one's $defs."""
-    for container in ("/$defs/", "/definitions/"):
-        if pointer.startswith(container):
-            return f"#/$defs/{prefix}{pointer[len(container):]}"
-    return f"#/$defs/{prefix}root{pointer}"
-
-
-def _refers_to_root(node: Any) -> bool:
-    """Whether a local $ref in node points at the schema's root or into it (not a definition)."""
-    if isinstance(node, list):
-        return any(_refers_to_root(item) for item in node)
-    if not isinstance(node, dict):
-        return False
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
-        return True
-    return any(_refers_to_root(value) for value in node.values())
-
-
 _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _FIRST_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _PARTIAL_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
@@ -192,8 +143,8 @@ def grammar(fmt: ToolFormat, schemas: list[tuple[str, dict[str, Any]]], parallel
     (`strict_schema`), as OpenAI's strict function calling."""
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     defs: dict[str, Any] = {}
-    variants = [{"type": "object", "properties": {"name": {"const": name}, key: nested(strict_schema(params),
-                                                                                      f"tool{i}_", defs)},
+    variants = [{"type": "object", "properties": {"name": {"const": name}, key: nested_schema(strict_schema(params),
+                                                                                             f"tool{i}_", defs)},
                  "required": ["name", key], "additionalProperties": False} for i, (name, params) in enumerate(schemas)]
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     if defs:

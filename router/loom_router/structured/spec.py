@@ -49,6 +49,44 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
+def nested_schema(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
+    """`schema` as a part of another: its definitions ($defs, draft 7's definitions) move into
+    `defs` (the outer schema's $defs) as prefix + name, and itself too (prefix + "root") when a
+    reference points into it; its local `$ref`s are rewritten to point there (a pointer is
+    relative to the document's root: nested as is, `#/$defs/x` would point into the outer one)."""
+    if not isinstance(schema, dict):
+        return schema
+    targets: set[str] = set()  # the definitions the rewritten references name
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: rewrite(value) for key, value in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = _pointer_into_defs(ref[1:], prefix)
+            targets.add(out["$ref"].split("/")[2])
+        return out
+
+    for name, sub in {**schema.get("definitions", {}), **schema.get("$defs", {})}.items():
+        defs[prefix + name] = rewrite(sub)
+    own = rewrite({key: value for key, value in schema.items() if key not in ("$defs", "definitions")})
+    if prefix + "root" not in targets:
+        return own
+    defs[prefix + "root"] = own
+    return {"$ref": f"#/$defs/{prefix}root"}
+
+
+def _pointer_into_defs(pointer: str, prefix: str) -> str:
+    """A pointer into the nested schema, as a pointer into the outer one's $defs."""
+    for container in ("/$defs/", "/definitions/"):
+        if pointer.startswith(container):
+            return f"#/$defs/{prefix}{pointer[len(container):]}"
+    return f"#/$defs/{prefix}root{pointer}"
+
+
 class ConstraintKind(enum.Enum):
     JSON_SCHEMA = "json_schema"  # source: the schema as JSON text
     REGEX = "regex"
