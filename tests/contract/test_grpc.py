@@ -191,6 +191,27 @@ async def test_wait_ready_notices_a_shard_that_starts_late(tmp_path):
     servicer.close()
 
 
+async def test_a_serving_shard_freezes_its_heap_once_loaded_and_again_after_warmup(tmp_path, monkeypatch):
+    """What a shard keeps for its life (torch, the model; after warmup its pools and graphs) is
+    moved out of the cyclic collector's reach, whose full scans of it stalled every stream."""
+    from loom_proto.config import ShardConfig
+    from loom_shard import server
+
+    runner = FakeRunner()
+    frozen: list[tuple[int, int | None] | None] = []  # the runner's warmup arguments at each freeze
+    monkeypatch.setattr(server, "freeze_startup_heap", lambda: frozen.append(runner.warmup_args))
+    config = ShardConfig(uds_path=str(tmp_path / "shard.sock"))
+    serving = asyncio.create_task(server.serve(runner, config))
+    client = ShardClient([config.uds_path])
+    await client.wait_ready(timeout_s=5.0)
+    assert frozen == [None]  # loaded and serving, not warmed up yet
+    await client.warmup(64, None)
+    assert frozen == [None, (64, None)]
+    await client.close()
+    os.kill(os.getpid(), signal.SIGTERM)  # serve() handles it on this loop: a clean stop
+    await asyncio.wait_for(serving, timeout=10.0)
+
+
 def run_shard_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "loom_shard.server", *args],
