@@ -11,7 +11,10 @@ that one client's event loop is not what limits. It reports output tokens/s, the
 per streamed token (utime + stime from /proc of every process the launcher started except the
 shard: the router, or its engine core and frontends), TTFT and the gap between a stream's events
 (p50, p99), and how many tokens an event carried on average (above 1: the server coalesced tokens
-of a stream that fell behind). CPU times of the shard and of the clients are shown too.
+of a stream that fell behind). CPU times of the shard and of the clients are shown too. From the
+server's own /metrics over the run: its decode and prefill steps, how long the shard spent in
+them (mean ms a step) and what share of the run's wall time the shard was busy (well under 100%:
+the shard waited for the router; near it: the shard's step is what limits).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
@@ -32,6 +36,7 @@ from statistics import median
 
 import aiohttp
 from common import cpu_s, descendants, free_port, machine, percentile, serving, sustained_rate
+from prometheus_client.parser import text_string_to_metric_families
 
 BENCH = Path(__file__).resolve().parent
 SHARD_MODULE = "zero_cost_shard"
@@ -172,6 +177,32 @@ class RunResult:
     itl_p50_ms: float
     itl_p99_ms: float
     errors: list[str]
+    steps: dict[str, float]  # step_summary: the server's steps over the run
+
+
+def step_totals(url: str) -> dict[str, float]:
+    """The server's step counters: `count` and `sum` of the shard's step times (TGI's batch forward
+    duration: the runner's forward, sampling and outputs) by method, e.g. {"decode.count": 310.0}."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10.0) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "tgi_batch_forward_duration":
+            for sample in family.samples:
+                kind = sample.name.rpartition("_")[2]
+                if kind in ("count", "sum"):
+                    totals[f"{sample.labels['method']}.{kind}"] = sample.value
+    return totals
+
+
+def step_summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """A run's decode and prefill steps, the shard's mean step and the share of the wall time it
+    spent in steps."""
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    steps = delta.get("decode.count", 0.0) + delta.get("prefill.count", 0.0)
+    busy = delta.get("decode.sum", 0.0) + delta.get("prefill.sum", 0.0)
+    return {"decode_steps": delta.get("decode.count", 0.0), "prefill_steps": delta.get("prefill.count", 0.0),
+            "shard_step_ms": busy * 1e3 / max(steps, 1.0), "shard_busy": busy / wall_s}
 
 
 def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: int, new_tokens: int,
@@ -186,10 +217,11 @@ def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: 
     for worker in workers:
         worker.start()
     time.sleep(max(0.0, start_at - time.time()))
-    before, wall = cpu_by_label(launcher_pid), time.perf_counter()
+    before, steps_before, wall = cpu_by_label(launcher_pid), step_totals(url), time.perf_counter()
     outputs = [queue.get() for _ in workers]
     wall = time.perf_counter() - wall
     after = cpu_by_label(launcher_pid)
+    steps = step_summary(steps_before, step_totals(url), wall)
     for worker in workers:
         worker.join()
     stats = [RequestStats(**r) for rs, _ in outputs for r in rs]
@@ -206,7 +238,7 @@ def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: 
                      per_token, tokens / max(1, sum(s.events for s in ok)),
                      percentile(ttfts, 0.5) * 1e3, percentile(ttfts, 0.99) * 1e3,
                      percentile(gaps, 0.5) * 1e3, percentile(gaps, 0.99) * 1e3,
-                     sorted({s.error for s in stats if not s.ok})[:3])
+                     sorted({s.error for s in stats if not s.ok})[:3], steps)
 
 
 def event_arrivals(s: RequestStats) -> list[tuple[float, float]]:
@@ -245,11 +277,17 @@ def row(r: RunResult) -> str:
     return (f"| {r.endpoint} | {r.streams} | {r.tokens_per_s:,.0f}{failed} | {r.sustained_tokens_per_s:,.0f} | "
             f"**{r.router_cpu_us_per_token:.1f}** | "
             f"{r.ttft_p50_ms:.1f} / {r.ttft_p99_ms:.1f} | {r.itl_p50_ms:.2f} / {r.itl_p99_ms:.2f} | "
-            f"{r.tokens_per_event:.2f} | {others} |")
+            f"{r.tokens_per_event:.2f} | {steps_cell(r.steps)} | {others} |")
+
+
+def steps_cell(steps: dict[str, float]) -> str:
+    return (f"{steps['decode_steps']:.0f} / {steps['prefill_steps']:.0f}, {steps['shard_step_ms']:.2f} ms, "
+            f"{steps['shard_busy']:.0%}")
 
 
 HEADER = ("| endpoint | streams | tokens/s | sustained tokens/s (p10-p90) | router CPU µs/token | TTFT p50 / p99 ms | "
-          "event gap p50 / p99 ms | tokens/event | CPU µs/token by process |\n|---|---|---|---|---|---|---|---|---|")
+          "event gap p50 / p99 ms | tokens/event | steps decode / prefill, shard's mean step, shard busy | "
+          "CPU µs/token by process |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
 @dataclass(slots=True)
