@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -205,8 +208,28 @@ def step_summary(before: dict[str, float], after: dict[str, float], wall_s: floa
             "shard_step_ms": busy * 1e3 / max(steps, 1.0), "shard_busy": busy / wall_s}
 
 
+PROFILED = ("loom_shard.server", "loom_router.main", "loom_router.frontend.main")  # one of each
+
+
+def start_profiles(launcher_pid: int, out: Path, tag: str, seconds: int) -> list[subprocess.Popen]:
+    """py-spy samples of the shard, the engine core and a frontend for `seconds` (collapsed stacks,
+    out/TAG-LABEL.txt), without pausing them (--nonblocking)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--py-spy-out needs py-spy on PATH (pip install py-spy)")
+    out.mkdir(parents=True, exist_ok=True)
+    pids = {}
+    for pid in descendants(launcher_pid):
+        with contextlib.suppress(OSError):
+            pids.setdefault(process_label(pid), pid)
+    return [subprocess.Popen([spy, "record", "--pid", str(pids[label]), "--duration", str(seconds), "--rate", "250",
+                              "--nonblocking", "--format", "raw", "--output", str(out / f"{tag}-{label}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for label in PROFILED if label in pids]
+
+
 def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: int, new_tokens: int,
-        client_procs: int) -> RunResult:
+        client_procs: int, profile: tuple[Path, int] | None = None) -> RunResult:
     procs = max(1, min(client_procs, streams))
     ctx = mp.get_context("fork")
     queue: mp.Queue = ctx.Queue()
@@ -218,12 +241,13 @@ def run(url: str, launcher_pid: int, endpoint: str, streams: int, num_requests: 
         worker.start()
     time.sleep(max(0.0, start_at - time.time()))
     before, steps_before, wall = cpu_by_label(launcher_pid), step_totals(url), time.perf_counter()
+    spies = start_profiles(launcher_pid, profile[0], f"{endpoint}-{streams}", profile[1]) if profile else []
     outputs = [queue.get() for _ in workers]
     wall = time.perf_counter() - wall
     after = cpu_by_label(launcher_pid)
     steps = step_summary(steps_before, step_totals(url), wall)
-    for worker in workers:
-        worker.join()
+    for worker in [*workers, *spies]:
+        worker.wait() if isinstance(worker, subprocess.Popen) else worker.join()
     stats = [RequestStats(**r) for rs, _ in outputs for r in rs]
     ok = [s for s in stats if s.ok]
     tokens = sum(s.tokens for s in ok)
@@ -336,7 +360,9 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]
                 warm_up(url, endpoint)
                 for streams in args.streams:
                     num_requests = args.requests or requests_per_stream(streams, args.new_tokens)
-                    result = run(url, pid, endpoint, streams, num_requests, args.new_tokens, args.client_procs)
+                    profile = (args.py_spy_out, args.py_spy_seconds) if args.py_spy_out else None
+                    result = run(url, pid, endpoint, streams, num_requests, args.new_tokens, args.client_procs,
+                                 profile)
                     results.append(result)
                     print(row(result) + f"  (load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
@@ -360,6 +386,9 @@ def main() -> None:
     parser.add_argument("--real-shard", action="store_true", help="the real shard and model in place of the "
                         "zero-cost one (with --launcher-flag=--device=cuda: what HTTP leaves of a GPU's rate)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--py-spy-out", type=Path, help="a folder for py-spy samples of the shard, the engine "
+                        "core and a frontend during each run (collapsed stacks)")
+    parser.add_argument("--py-spy-seconds", type=int, default=3, help="how long each run is sampled")
     args = parser.parse_args()
     endpoints = args.endpoint or list(ENDPOINTS)
     variants = args.variant or [Variant("default", {}, [])]

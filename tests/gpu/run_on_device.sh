@@ -24,12 +24,16 @@ MODEL_TESTS=${MODEL_TESTS-"tests/gpu/test_batch_invariance_cuda.py tests/gpu/tes
 MODEL_UNIT=${MODEL_UNIT-"test_embedded_parity test_loader test_loader_gguf test_quantized_model test_server_cli test_smollm2_greedy"}
 CPU_ONLY="test_cpu_kernels test_cpu_paged_attention test_cpu_paged_backend test_kernel_builds test_packed_linear"
 export PYTHONUNBUFFERED=1
-# .whl: what the image lacks; .whl4: the tests' transformers 4.x (the image has 5.x, which the benches use).
+# .whl: what the image lacks; .whl4: the tests' transformers 4.x (the image has 5.x, which the benches use);
+# .whl-more: wheels a later call brings (py-spy for the serving's profiles), installed whenever carried.
+PIP=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
 if [[ ! -f /tmp/site/.installed ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site4 .whl4/*.whl || exit 1
+  "${PIP[@]}" --target /tmp/site .whl/*.whl || exit 1
+  if [[ -d .whl4 ]]; then "${PIP[@]}" --target /tmp/site4 .whl4/*.whl || exit 1; fi
   touch /tmp/site/.installed
 fi
+if [[ -d .whl-more ]]; then "${PIP[@]}" --target /tmp/site .whl-more/*.whl || exit 1; fi
+export PATH=/tmp/site/bin:$PATH
 LOOM=$PWD/proto:$PWD/router:$PWD/shard:$PWD/launcher:$PWD:$PWD/bench
 export PYTHONPATH=/tmp/site:$LOOM
 TESTS_PATH=/tmp/site4:/tmp/site:$LOOM
@@ -91,5 +95,7 @@ if [[ $MODE == *,serving,* ]]; then  # HTTP through the real launcher on CUDA: c
     --new-tokens 128 --requests 4 --variant "overlap-off --overlap-steps false" --variant "overlap-on --overlap-steps true"} \
     > "$OUT/serving.log" 2>&1 || status=1
   tail -30 "$OUT/serving.log"
+  # py-spy's samples (SERVING_ARGS with --py-spy-out $OUT/prof): one archive, as few files come back
+  if [[ -d $OUT/prof ]]; then tar -czf "$OUT/prof.tgz" -C "$OUT" prof && rm -r "$OUT/prof"; fi
 fi
 exit $status
