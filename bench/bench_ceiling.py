@@ -14,7 +14,8 @@ shard: the router, or its engine core and frontends), TTFT and the gap between a
 of a stream that fell behind). CPU times of the shard and of the clients are shown too. From the
 server's own /metrics over the run: its decode and prefill steps, how long the shard spent in
 them (mean ms a step) and what share of the run's wall time the shard was busy (well under 100%:
-the shard waited for the router; near it: the shard's step is what limits).
+the shard waited for the router; near it: the shard's step is what limits; the zero-cost shard
+reports no step time).
 """
 
 from __future__ import annotations
