@@ -194,6 +194,7 @@ def _step_result_to_pb(r: StepResult) -> pb.StepResult:
         outputs=[_seq_output_to_pb(o) for o in others],
         forward_ms=r.forward_ms,
         total_ms=r.total_ms,
+        idle_ms=r.idle_ms,
         sampled_request_ids=[o.request_id for o in sampled],
         sampled_token_ids=[o.token_id for o in sampled],
         sampled_logprobs=[o.logprob for o in sampled],
@@ -297,7 +298,7 @@ def _step_result_from_pb(m: pb.StepResult) -> StepResult:
     outputs = list(map(SeqOutput, m.sampled_request_ids, m.sampled_token_ids, m.sampled_logprobs))
     if m.outputs:
         outputs += [_seq_output_from_pb(o) for o in m.outputs]
-    return StepResult(outputs=outputs, forward_ms=m.forward_ms, total_ms=m.total_ms)
+    return StepResult(outputs=outputs, forward_ms=m.forward_ms, total_ms=m.total_ms, idle_ms=m.idle_ms)
 
 
 _FROM_PB: dict[type, Callable[[Any], Any]] = {

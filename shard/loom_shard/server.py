@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -83,6 +84,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
         self.step_server: asyncio.AbstractServer | None = None  # the step socket, once served
         self.on_warm: Callable[[], None] | None = None  # after each Warmup (the process's GC freeze)
+        self._idle_since = time.perf_counter()  # when the worker's last step ended
 
     def close(self) -> None:
         if self.step_server is not None:
@@ -135,15 +137,26 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         loop = asyncio.get_running_loop()
         try:
             if self._tracer is None:
-                return await loop.run_in_executor(self._worker, self._runner.step, plan)
+                return await loop.run_in_executor(self._worker, self._timed_step, plan)
             with self._tracer.step(metadata, plan) as phases:
-                return await loop.run_in_executor(self._worker, self._runner.step, plan, phases)
+                return await loop.run_in_executor(self._worker, self._timed_step, plan, phases)
         except ValueError as error:
             log.warning("step rejected: %s", describe(error))
             raise
         except Exception:
             log.exception("step failed")
             raise
+
+    def _timed_step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult:
+        """The runner's step (on the worker), with how long the worker waited for it since its
+        previous step ended."""
+        start = time.perf_counter()
+        try:
+            result = self._runner.step(plan, phases)
+        finally:
+            idle_s, self._idle_since = start - self._idle_since, time.perf_counter()
+        result.idle_ms = idle_s * 1e3
+        return result
 
     async def step_frame(self, plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
         """A request on the step socket (loom_proto.step_channel): the reply's status and payload."""

@@ -8,19 +8,25 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from grpc_fakes import BLOCK_SIZE, FakeRunner
 
 from loom_proto.config import RouterConfig, public_json
-from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan
+from loom_proto.step import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
 from loom_router.core.shard_client import ShardClient, ShardError
 from loom_router.types import ShardDivergence
 from loom_shard.server import start_server
 from tests.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def without_wait(result: StepResult) -> StepResult:
+    """The answer without the shard's wait before the step (a time, not part of the answer)."""
+    return replace(result, idle_ms=0.0)
 
 
 def decode_plan(request_id: int = 1, last_token: int = 5) -> StepPlan:
@@ -74,12 +80,24 @@ async def test_info_warmup_step_release_round_trip(shards):
     plan = decode_plan()
     result = await client.step(plan)
     assert runner.plans == [plan]
-    assert result == runner.step(plan)
+    assert without_wait(result) == runner.step(plan)
+    assert result.idle_ms > 0  # the shard's wait for this plan, since it started
 
     await client.release([3, 4])
     await client.clear_cache()
     assert runner.released == [[3, 4]]
     assert runner.num_clears == 1
+
+
+async def test_a_step_tells_how_long_the_shard_waited_for_it(shards):
+    _, client = await shards(step_delay_s=0.05)
+    await client.step(decode_plan())
+    await asyncio.sleep(0.3)
+    waited = await client.step(decode_plan(request_id=2))
+    assert 250 <= waited.idle_ms < 3000
+    # Sent while the step before it ran: it waited in the shard's queue, not the shard for it.
+    _, queued = await asyncio.gather(client.step(decode_plan(request_id=3)), client.step(decode_plan(request_id=4)))
+    assert queued.idle_ms < 25
 
 
 async def test_health_and_info_answer_while_a_slow_step_runs(shards):
@@ -125,7 +143,7 @@ async def test_every_rank_gets_the_same_plan_and_rank0_answers(shards):
     result = await client.step(plan)
     assert runners[0].plans == [plan]
     assert runners[1].plans == [plan]
-    assert result == runners[0].step(plan)  # rank 1 would answer token 7, not 6
+    assert without_wait(result) == runners[0].step(plan)  # rank 1 would answer token 7, not 6
     assert result.outputs[0].token_id == 6
 
     warm = await client.warmup(max_prefill_tokens=64, max_batch_total_tokens=None)
@@ -337,13 +355,13 @@ def test_cli_two_ranks_join_one_process_group(tmp_path):
 async def test_steps_take_the_step_socket_and_gRPC_stays_a_full_contract(shards, tmp_path):
     (runner,), client = await shards()
     plan = decode_plan()
-    assert await client.step(plan) == runner.step(plan)
+    assert without_wait(await client.step(plan)) == runner.step(plan)
     assert client._step_channels, "every rank serves a step socket: steps go over it"
     # A plain gRPC client (any other one) still gets the same answer from gRPC's Step.
     grpc_only = ShardClient([str(tmp_path / "shard-0.sock")])
     grpc_only._step_channels = []
     try:
-        assert await grpc_only.step(plan) == runner.step(plan)
+        assert without_wait(await grpc_only.step(plan)) == runner.step(plan)
     finally:
         await grpc_only.close()
 
@@ -354,7 +372,7 @@ async def test_without_a_step_socket_steps_go_over_gRPC(shards, tmp_path):
     plan = decode_plan()
     result = await client.step(plan)
     assert client._step_channels == [] and runner.plans == [plan]
-    assert result == runner.step(plan)
+    assert without_wait(result) == runner.step(plan)
 
 
 async def test_a_step_socket_that_closes_fails_the_step_as_unavailable_and_the_next_reconnects(shards):

@@ -89,6 +89,7 @@ async def test_tgi_and_loom_counts_match_the_traffic(harness: Harness) -> None: 
     assert (ok, failed) == (batches["ok"], batches["failed"]) and failed == 1 and steps == ok + failed
     assert s["loom_steps_total"] == harness.backend.num_steps > ok  # loom_steps counts block-only steps too
     assert s['tgi_batch_forward_duration_count{method="prefill"}'] >= 4
+    assert s["loom_shard_idle_seconds_count"] == ok  # the shard's wait before each step that ran
     assert s["tgi_queue_size"] == 0 and s["tgi_batch_current_size"] == 0
     assert s["tgi_batch_max_total_tokens"] == harness.engine.max_batch_total_tokens
     assert s['loom_requests_finished_total{reason="length"}'] == 4

@@ -95,7 +95,7 @@ def round_trip(obj):
             top_tokens=[TokenLogprob(0, 0.0), TokenLogprob(5, -3.75)], prompt_logprobs=[-1.5, -0.3],
             prompt_top_tokens=[[TokenLogprob(3, -0.5), TokenLogprob(9, -1.5)], [TokenLogprob(1, -0.25)]],
         ),
-        StepResult(outputs=[SeqOutput(1, 4, -0.5)], forward_ms=12.25, total_ms=13.5),
+        StepResult(outputs=[SeqOutput(1, 4, -0.5)], forward_ms=12.25, total_ms=13.5, idle_ms=0.75),
         StepResult(outputs=[], forward_ms=0.0, total_ms=0.0),
         ModelInfo(
             architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,

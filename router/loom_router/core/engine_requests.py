@@ -96,6 +96,7 @@ class RequestBook:
             method="prefill" if prefill else "decode", ok=result is not None, duration_s=duration_s,
             forward_s=result.forward_ms / 1000.0 if result is not None else None,
             rank_total_s=[ms / 1000.0 for ms in getattr(self.client, "last_step_ms_by_rank", [])] if result else [],
+            idle_s=result.idle_ms / 1000.0 if result is not None else None,
         )
         for observe in self.step_observers:
             observe(record)

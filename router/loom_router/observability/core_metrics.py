@@ -103,6 +103,9 @@ class CoreMetrics:
         self.shard_step = Histogram("loom_shard_step_seconds", "One step on one shard rank, as the router waits",
                                     ["rank"], buckets=TOKEN_LATENCY_BUCKETS + (10.24, 30.0), registry=r)
         self._shard_step_by_rank: list[Any] = []
+        self.shard_idle = Histogram("loom_shard_idle_seconds", "How long rank 0's worker waited between two "
+                                    "steps: near zero while the router keeps the device fed",
+                                    buckets=(0.0001, 0.00025, 0.0005, *TOKEN_LATENCY_BUCKETS, 10.24, 30.0), registry=r)
         self.tgi = TgiBatchMetrics(r)
         # Requests a frontend took with it when it died: TGI's failures, counted here (summed with
         # the frontends' own at render).
@@ -126,6 +129,8 @@ class CoreMetrics:
             by_rank.append(self.shard_step.labels(rank=str(len(by_rank))))
         for child, seconds in zip(by_rank, step.rank_total_s):
             child.observe(seconds)
+        if step.idle_s is not None:
+            self.shard_idle.observe(step.idle_s)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition of every process's metrics and its content type."""
