@@ -13,9 +13,9 @@ shard: the router, or its engine core and frontends), TTFT and the gap between a
 (p50, p99), and how many tokens an event carried on average (above 1: the server coalesced tokens
 of a stream that fell behind). CPU times of the shard and of the clients are shown too. From the
 server's own /metrics over the run: its decode and prefill steps, how long the shard spent in
-them (mean ms a step) and what share of the run's wall time the shard was busy (well under 100%:
-the shard waited for the router; near it: the shard's step is what limits; the zero-cost shard
-reports no step time).
+them (mean ms a step; the zero-cost shard's is its simulated device time), and what share of the
+run's wall time the shard was in a step and how much it waited between steps (near 0%: the router
+keeps it fed).
 """
 
 from __future__ import annotations
@@ -186,27 +186,30 @@ class RunResult:
 
 def step_totals(url: str) -> dict[str, float]:
     """The server's step counters: `count` and `sum` of the shard's step times (TGI's batch forward
-    duration: the runner's forward, sampling and outputs) by method, e.g. {"decode.count": 310.0}."""
+    duration: the runner's forward, sampling and outputs) by method, and of the shard's waits
+    between steps, e.g. {"decode.count": 310.0, "idle.sum": 0.02}."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10.0) as response:
         text = response.read().decode()
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "tgi_batch_forward_duration":
-            for sample in family.samples:
-                kind = sample.name.rpartition("_")[2]
-                if kind in ("count", "sum"):
-                    totals[f"{sample.labels['method']}.{kind}"] = sample.value
+        if family.name not in ("tgi_batch_forward_duration", "loom_shard_idle_seconds"):
+            continue
+        for sample in family.samples:
+            kind = sample.name.rpartition("_")[2]
+            if kind in ("count", "sum"):
+                totals[f"{sample.labels.get('method', 'idle')}.{kind}"] = sample.value
     return totals
 
 
 def step_summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """A run's decode and prefill steps, the shard's mean step and the share of the wall time it
-    spent in steps."""
+    """A run's decode and prefill steps, the shard's mean step, and the shares of the wall time it
+    spent in steps and waiting between them."""
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     steps = delta.get("decode.count", 0.0) + delta.get("prefill.count", 0.0)
     busy = delta.get("decode.sum", 0.0) + delta.get("prefill.sum", 0.0)
     return {"decode_steps": delta.get("decode.count", 0.0), "prefill_steps": delta.get("prefill.count", 0.0),
-            "shard_step_ms": busy * 1e3 / max(steps, 1.0), "shard_busy": busy / wall_s}
+            "shard_step_ms": busy * 1e3 / max(steps, 1.0), "shard_busy": busy / wall_s,
+            "shard_idle": delta.get("idle.sum", 0.0) / wall_s}
 
 
 PROFILED = ("loom_shard.server", "loom_router.main", "loom_router.frontend.main")  # one of each
@@ -307,11 +310,11 @@ def row(r: RunResult) -> str:
 
 def steps_cell(steps: dict[str, float]) -> str:
     return (f"{steps['decode_steps']:.0f} / {steps['prefill_steps']:.0f}, {steps['shard_step_ms']:.2f} ms, "
-            f"{steps['shard_busy']:.0%}")
+            f"{steps['shard_busy']:.0%} / {steps['shard_idle']:.0%}")
 
 
 HEADER = ("| endpoint | streams | tokens/s | sustained tokens/s (p10-p90) | router CPU µs/token | TTFT p50 / p99 ms | "
-          "event gap p50 / p99 ms | tokens/event | steps decode / prefill, shard's mean step, shard busy | "
+          "event gap p50 / p99 ms | tokens/event | steps decode / prefill, shard's mean step, shard in steps / idle | "
           "CPU µs/token by process |\n|---|---|---|---|---|---|---|---|---|---|")
 
 

@@ -19,6 +19,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,9 +57,12 @@ class _Sampled:
         self.token_ids.append(FIRST_TOKEN + (request_id * 7 + seq.num_known) % NUM_TOKENS)
         seq.num_known += 1
 
-    def encode(self) -> bytes:
+    def encode(self, idle_ms: float) -> bytes:
+        """The answer, with the simulated device time as the step's time and how long the shard
+        waited for the plan since its previous step."""
         return pb.StepResult(sampled_request_ids=self.request_ids, sampled_token_ids=self.token_ids,
-                             sampled_logprobs=[LOGPROB] * len(self.token_ids)).SerializeToString()
+                             sampled_logprobs=[LOGPROB] * len(self.token_ids), forward_ms=STEP_S * 1e3,
+                             total_ms=STEP_S * 1e3, idle_ms=idle_ms).SerializeToString()
 
 
 @dataclass(slots=True)
@@ -68,7 +72,7 @@ class ZeroCostShard:
     world_size: int = 1
     seqs: dict[int, _Seq] = field(default_factory=dict)
 
-    def step(self, data: bytes) -> bytes:
+    def step(self, data: bytes, idle_ms: float = 0.0) -> bytes:
         plan = pb.StepPlan.FromString(data)
         for request_id in plan.released_ids:
             self.seqs.pop(request_id, None)
@@ -84,7 +88,7 @@ class ZeroCostShard:
             self._fork(running.forks, seq, out)
         for request_id in plan.decode_ids:
             self._compute(self.seqs[request_id], request_id, 1, out)
-        return out.encode()
+        return out.encode(idle_ms)
 
     @staticmethod
     def _compute(seq: _Seq, request_id: int, num_compute: int, out: _Sampled) -> None:
@@ -108,12 +112,17 @@ class ZeroCostShard:
 
 def timed(shard: ZeroCostShard):  # noqa: ANN201 - the Step answer, after STEP_S of device time
     device = asyncio.Lock()  # steps run one at a time, as on one GPU
+    idle_since = time.perf_counter()  # when the last step ended
 
     async def step(data: bytes) -> bytes:
+        nonlocal idle_since
         async with device:
+            idle_ms = (time.perf_counter() - idle_since) * 1e3
             if STEP_S:
                 await asyncio.sleep(STEP_S)
-            return shard.step(data)
+            answer = shard.step(data, idle_ms)
+            idle_since = time.perf_counter()
+            return answer
 
     return step
 
