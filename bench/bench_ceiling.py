@@ -14,8 +14,8 @@ shard: the router, or its engine core and frontends), TTFT and the gap between a
 of a stream that fell behind). CPU times of the shard and of the clients are shown too. From the
 server's own /metrics over the run: its decode and prefill steps, how long the shard spent in
 them (mean ms a step; the zero-cost shard's is its simulated device time), and what share of the
-run's wall time the shard was in a step and how much it waited between steps (near 0%: the router
-keeps it fed).
+run's wall time the shard was in a step and how much it waited between steps while the router had
+work (near 0%: the router keeps it fed).
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class StepRecord:
     duration_s: float  # as the router waited for it
     forward_s: float | None  # rank 0's forward pass, None when the step failed
     rank_total_s: list[float] = field(default_factory=list)  # each rank's whole step
-    idle_s: float | None = None  # rank 0's worker waiting before the step (StepResult.idle_ms)
+    idle_s: float | None = None  # rank 0's wait for the step while the router had work (StepResult.idle_ms)
 
 
 class ValidationError(ValueError):

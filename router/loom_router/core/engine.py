@@ -128,6 +128,9 @@ class Engine(RequestBook):
         self._between_steps: list[tuple[Callable[[Scheduler], object], asyncio.Future[object]]] = []
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
+        # The next step follows a time with nothing to run: the shards' wait before it is nobody's
+        # delay (not counted in loom_shard_idle_seconds). True at start: they waited since warmup.
+        self._after_no_work = True
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
         # down: new requests get 503, no step runs
@@ -378,6 +381,7 @@ class Engine(RequestBook):
                     if plan is None:
                         self._wakeup.clear()
                         if not (self._pending_adds or self._pending_aborts or self._pending_stops or self._between_steps):
+                            self._after_no_work = True
                             await self._wakeup.wait()
                         continue
                     if not self._prepare(plan):
@@ -522,6 +526,7 @@ class Engine(RequestBook):
     async def _call(self, plan: StepPlan) -> StepResult | Exception:
         """Run plan on the shards; a failure comes back as a value (ShardDivergence propagates)."""
         start = time.perf_counter()
+        after_no_work, self._after_no_work = self._after_no_work, False
         self._watch.step_started()
         try:
             with self._step_span(plan):
@@ -534,7 +539,7 @@ class Engine(RequestBook):
         finally:
             self._watch.step_ended()
         self._counters.steps += 1
-        self._observe_step(plan, time.perf_counter() - start, result)
+        self._observe_step(plan, time.perf_counter() - start, result, after_no_work)
         return result
 
     def _step_span(self, plan: StepPlan) -> AbstractContextManager[None]:

@@ -87,7 +87,10 @@ class RequestBook:
             if active is not None and active.scheduled_at is None:
                 active.scheduled_at = now
 
-    def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None) -> None:
+    def _observe_step(self, plan: StepPlan, duration_s: float, result: StepResult | None,
+                      after_no_work: bool = False) -> None:
+        """Tell the metrics of a step; after_no_work: the shards' wait before it was for work to
+        arrive, not for the router (their idle time is left out)."""
         if not self.step_observers or plan.num_requests == 0:  # block operations only: no batch ran
             return
         prefill = bool(plan.new_requests) or any(r.num_compute > 1 + len(r.draft_token_ids)
@@ -96,7 +99,7 @@ class RequestBook:
             method="prefill" if prefill else "decode", ok=result is not None, duration_s=duration_s,
             forward_s=result.forward_ms / 1000.0 if result is not None else None,
             rank_total_s=[ms / 1000.0 for ms in getattr(self.client, "last_step_ms_by_rank", [])] if result else [],
-            idle_s=result.idle_ms / 1000.0 if result is not None else None,
+            idle_s=result.idle_ms / 1000.0 if result is not None and not after_no_work else None,
         )
         for observe in self.step_observers:
             observe(record)
