@@ -3,11 +3,12 @@ manager, the plan's bytes, the result's parsing, each token's postprocessing and
 Outbox batch, encoded) in front of the zero-cost shard called in process, so what is timed is the
 core's own Python per decoding sequence (on a GPU it runs once per step for every sequence).
 
-    python bench/bench_core_step.py [--streams 32 256] [--new-tokens 256] [--rounds 3]
+    python bench/bench_core_step.py [--streams 32 256] [--new-tokens 256] [--rounds 3] [--overlap-steps]
 
 For each stream count it runs that many greedy requests of `--new-tokens` tokens at once and
 reports this process's CPU time per generated token less the zero-cost shard's own (the best of
-`--rounds`), and steps per second.
+`--rounds`), and steps per second. `--overlap-steps`: the engine plans each step while the one
+before runs (loom_router.core.lookahead), as it does in front of GPU shards.
 """
 
 from __future__ import annotations
@@ -99,9 +100,10 @@ class FinishWatch(Outbox):
                 self.all_done.set()
 
 
-async def run(streams: int, new_tokens: int) -> tuple[float, float]:
+async def run(streams: int, new_tokens: int, overlap: bool) -> tuple[float, float]:
     """(CPU µs per generated token, steps per second) for `streams` requests decoding at once."""
-    config = RouterConfig(model_id="", shard_uds_paths=("in-process",), max_concurrent_requests=max(512, streams))
+    config = RouterConfig(model_id="", shard_uds_paths=("in-process",), max_concurrent_requests=max(512, streams),
+                          overlap_steps=overlap)
     shard = InProcessShard()
     engine = Engine(config, shard, load_tokenizer(""))
     await engine.start()
@@ -122,10 +124,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--overlap-steps", action="store_true", help="plan each step while the one before runs")
     args = parser.parse_args()
     print(f"{machine()}; load {os.getloadavg()[0]:.1f}")
     for streams in args.streams:
-        results = [asyncio.run(run(streams, args.new_tokens)) for _ in range(args.rounds)]
+        results = [asyncio.run(run(streams, args.new_tokens, args.overlap_steps)) for _ in range(args.rounds)]
         best = min(results)
         print(f"{streams:4d} streams: {best[0]:6.2f} µs of engine-core CPU per token (best of {args.rounds}: "
               f"{', '.join(f'{r[0]:.2f}' for r in results)}), {best[1]:,.0f} steps/s", flush=True)
