@@ -457,6 +457,14 @@ class BlockManager:
         covered = self._covered(seq.num_tokens, seq.num_computed, num_compute) + ahead
         return max(0, self.entries_for(covered) - len(seq.block_table))
 
+    def needs_ahead(self, seqs: list[Sequence]) -> list[int]:
+        """`num_slot_blocks(seq, ahead=1)` of each sequence (0 or less: none), for a step planned
+        before the one in flight has answered."""
+        if self.per_step:
+            return [self.num_slot_blocks(seq, ahead=1) for seq in seqs]
+        size = self.block_size  # every decoding sequence, every step: inlined
+        return [-(-(len(seq.prompt_ids) + len(seq.output_ids) + 1) // size) - len(seq.block_table) for seq in seqs]
+
     def can_append_slot(self, seq: Sequence) -> bool:
         return self.num_slot_blocks(seq) <= self.num_free_blocks
 

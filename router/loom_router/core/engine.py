@@ -474,7 +474,7 @@ class Engine(RequestBook):
 
     def _ahead_role(self, seq: Sequence) -> AheadRole:
         active = self._active.get(seq.group.group_id)
-        if any(late is seq for late in self._late):
+        if self._late and any(late is seq for late in self._late):
             return AheadRole.SKIP  # finished; its step-late release is pending
         if active is None or active.hold_blocks or active.matchers or active.group.pooling is not Pooling.NONE:
             return AheadRole.BLOCK  # held blocks must not hold an extra token; grammars need each token

@@ -73,9 +73,11 @@ def plan_ahead(scheduler: Scheduler, plan: StepPlan, role: Callable[[Sequence], 
         if seq_role is AheadRole.RUN:
             seqs.append(seq)
     blocks = scheduler.block_manager
-    if not seqs or sum(blocks.num_slot_blocks(seq, ahead=1) for seq in seqs) > blocks.num_free_blocks:
+    needs = blocks.needs_ahead(seqs)
+    if not seqs or sum(n for n in needs if n > 0) > blocks.num_free_blocks:
         return None  # out of blocks: the ordinary schedule() preempts, after N's outputs
-    running = [RunningRequest(seq.seq_id, 1, blocks.append_slot(seq, ahead=1)) for seq in seqs]
+    running = [RunningRequest(seq.seq_id, 1, blocks.append_slot(seq, ahead=1) if need > 0 else [])
+               for seq, need in zip(seqs, needs)]
     ahead = StepPlan(running_requests=running, released_ids=scheduler.take_releases())
     scheduler.admit_waiting(ahead, len(seqs))  # a request arriving now runs its prompt in this step
     return ahead

@@ -143,6 +143,17 @@ class SequenceGroup:
         finished = SeqStatus.FINISHED  # compared inline: this runs for every sequence every step
         return [seq for seq in self.seqs if seq.status is not finished]
 
+    @property
+    def num_active(self) -> int:
+        """len(active_seqs()) without building the list (the lookahead asks it of every group,
+        every step)."""
+        seqs = self.seqs
+        if not self.forked:
+            return 1
+        if len(seqs) == 1:
+            return int(seqs[0].status is not SeqStatus.FINISHED)
+        return len(self.unfinished_seqs())
+
     def active_seqs(self) -> list[Sequence]:
         """The unfinished sequences the shard runs now (only the first before the fork)."""
         if not self.forked:

@@ -154,7 +154,7 @@ class Scheduler:
 
     def num_running_seqs(self) -> int:
         """Sequences of running groups that still compute (O(running))."""
-        return sum(len(group.active_seqs()) for group in self._running.values())
+        return sum(group.num_active for group in self._running.values())
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)

@@ -150,6 +150,18 @@ def test_append_slot_grows_one_block_at_a_boundary():
     assert seq.block_table == [0, 1, 2]
 
 
+def test_needs_ahead_is_num_slot_blocks_one_token_ahead_with_and_without_sliding_groups():
+    for windows in ((None,), (None, 8)):
+        bm = BlockManager(block_size=4, num_blocks=64, group_windows=windows)
+        seqs = [make_seq(list(range(n))) for n in (3, 4, 5, 7, 8)]
+        for seq in seqs:
+            bm.allocate(seq)
+        seqs[0].output_ids = [1, 2]  # 5 tokens in a 4-token table: a block short already
+        expected = [bm.num_slot_blocks(seq, ahead=1) for seq in seqs]
+        assert [max(0, n) for n in bm.needs_ahead(seqs)] == expected, windows
+        assert expected == [len(windows) * n for n in (1, 1, 0, 0, 1)]  # one block (per group) at a boundary
+
+
 def test_fork_shares_full_blocks_and_copies_partial_last():
     bm = BlockManager(block_size=4, num_blocks=8)
     group = SequenceGroup.create(100, list(range(6)), [SamplingParams(seed=s) for s in range(3)],
