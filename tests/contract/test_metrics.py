@@ -3,6 +3,7 @@ what was sent; the request log line; the JSON log format; --prometheus-port's se
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -64,6 +65,7 @@ async def test_the_shards_wait_counts_only_while_the_router_had_work(harness: Ha
 
     harness.backend.step = waiting_step  # type: ignore[method-assign]
     for _ in range(2):  # each a prefill and 3 decodes, after a time with nothing to run
+        await asyncio.sleep(0.05)  # the engine has finished the request before and waits for work
         body = {"inputs": "x", "parameters": {"max_new_tokens": 4}}
         assert (await harness.client.post("/generate", json=body)).status_code == 200
     s = samples((await harness.client.get("/metrics")).text)
