@@ -196,8 +196,9 @@ def step_totals(url: str) -> dict[str, float]:
             continue
         for sample in family.samples:
             kind = sample.name.rpartition("_")[2]
+            name = "idle" if family.name == "loom_shard_idle_seconds" else sample.labels["method"]
             if kind in ("count", "sum"):
-                totals[f"{sample.labels.get('method', 'idle')}.{kind}"] = sample.value
+                totals[f"{name}.{kind}"] = sample.value
     return totals
 
 
@@ -360,11 +361,11 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]
             pid = launcher_pid(port)
             print(f"\n{variant.name}: {' '.join([*args.launcher_flag, *variant.flags]) or '(default flags)'}")
             print(HEADER, flush=True)
+            profile = (args.py_spy_out, args.py_spy_seconds) if args.py_spy_out else None
             for endpoint in endpoints:
                 warm_up(url, endpoint)
                 for streams in args.streams:
                     num_requests = args.requests or requests_per_stream(streams, args.new_tokens)
-                    profile = (args.py_spy_out, args.py_spy_seconds) if args.py_spy_out else None
                     result = run(url, pid, endpoint, streams, num_requests, args.new_tokens, args.client_procs,
                                  profile)
                     results.append(result)

@@ -147,11 +147,10 @@ class SequenceGroup:
     def num_active(self) -> int:
         """len(active_seqs()) without building the list (the lookahead asks it of every group,
         every step)."""
-        seqs = self.seqs
         if not self.forked:
             return 1
-        if len(seqs) == 1:
-            return int(seqs[0].status is not SeqStatus.FINISHED)
+        if len(self.seqs) == 1:
+            return int(self.seqs[0].status is not SeqStatus.FINISHED)
         return len(self.unfinished_seqs())
 
     def active_seqs(self) -> list[Sequence]:
