@@ -4,8 +4,11 @@ through captured graphs, with TRITON_INTERPRET=1 on the CPU with the interpreted
 replay an eager forward over the graph's static inputs (tests/unit/shard/test_step_graphs.py runs
 the same cases with the C++ kernel). Padding writes nothing outside the scratch block.
 
-The graph runs the bucket's token count and the eager step its own, so their GEMMs may differ in
-the last bits on CUDA: rows are compared within float32 rounding here, bit for bit on the CPU."""
+The graph runs the bucket's token count and the eager step its own, and this model's linears are
+torch's, which are not row-invariant on every device (cuBLAS; on an AMD EPYC torch's CPU GEMM gave
+a row among 5 one bit apart from the same row among 8): rows, and the K/V the step rewrites for
+its own tokens, are compared within float32 rounding here; the C++ kernel's test, on the runner's
+row-invariant linears, compares both bit for bit."""
 
 from __future__ import annotations
 
@@ -34,5 +37,5 @@ def setup() -> Setup:
 
 @pytest.mark.parametrize("name", list(STEPS))
 def test_a_padded_step_gives_the_eager_rows(setup: Setup, name: str) -> None:
-    got, expected = replay_and_eager(setup, STEPS[name])
+    got, expected = replay_and_eager(setup, STEPS[name], same_kv=torch.testing.assert_close)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
