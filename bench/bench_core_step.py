@@ -7,7 +7,7 @@ core's own Python per decoding sequence (on a GPU it runs once per step for ever
 
 For each stream count it runs that many greedy requests of `--new-tokens` tokens at once and
 reports this process's CPU time per generated token less the zero-cost shard's own (the best of
-`--rounds`), and steps per second. `--overlap-steps`: the engine plans each step while the one
+`--rounds`), and steps per second; the heap is frozen first, as the engine core's is when it serves. `--overlap-steps`: the engine plans each step while the one
 before runs (loom_router.core.lookahead), as it does in front of GPU shards.
 """
 
@@ -28,6 +28,7 @@ from zero_cost_shard import NUM_BLOCKS, ZeroCostShard  # noqa: E402
 
 from loom_proto.codec import from_pb, pb  # noqa: E402
 from loom_proto.config import RouterConfig  # noqa: E402
+from loom_proto.event_loop import freeze_startup_heap  # noqa: E402
 from loom_proto.step import ModelInfo, SamplingParams, StepPlan, StepResult, WarmupResult  # noqa: E402
 from loom_proto.wire import encode_plan  # noqa: E402
 from loom_router.contract import PromptInfo, Submit  # noqa: E402
@@ -107,6 +108,7 @@ async def run(streams: int, new_tokens: int, overlap: bool) -> tuple[float, floa
     shard = InProcessShard()
     engine = Engine(config, shard, load_tokenizer(""))
     await engine.start()
+    freeze_startup_heap()  # as the engine core does once it serves: collections scan what steps allocate
     outbox = FinishWatch(streams)
     submits = [Submit(0, i, PROMPT, [SamplingParams(seed=i)], new_tokens, ignore_eos=True) for i in range(streams)]
     start_cpu, start_wall, start_steps = time.process_time(), time.perf_counter(), shard.steps
