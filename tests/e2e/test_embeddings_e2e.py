@@ -44,8 +44,8 @@ def save_plain(folder: Path) -> transformers.PreTrainedModel:
 
 @pytest.fixture(scope="module")
 def sentence_model(e2e_dir: Path):
-    # Not in the test extras: the only local release (6.0.1) needs transformers >= 5, which the
-    # extras pin below 5; install it beside them (`pip install --no-deps sentence-transformers`).
+    # Not in the test extras: the only local release (6.0.1) declares transformers >= 5, which the
+    # extras keep below 5; `make setup` installs it beside them without its requirements.
     pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
     from sentence_transformers import SentenceTransformer, models
 
