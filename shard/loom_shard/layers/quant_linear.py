@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized, bf16 or float32 activations.
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 as Q4_1), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
@@ -11,6 +11,7 @@ activations' dtype, so a shard without a compiler still serves the same model.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,3 +126,27 @@ def _int4pack(source: QuantSource) -> tuple[torch.Tensor, torch.Tensor]:
 def raw_source(kind: QuantKind, raw: np.ndarray, in_features: int) -> QuantSource:
     """A QuantSource owning a copy of the GGUF bytes (the file's memory map stays read-only)."""
     return QuantSource(kind, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features)
+
+
+def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF Q4_0 blocks (fp16 d, 16 bytes of nibbles: w = d (q - 8)) as Q4_1 blocks (fp16 d, fp16
+    m = -8 d, the same nibbles): the same weights exactly (-8 d is d's exponent plus 3, and d q + m
+    equals d (q - 8) in float32), so Q4_0 files run on Q4_1's kernels. None where some -8 d
+    overflows fp16 (|d| > 8,188): such a weight is dequantized instead."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 18)
+    with np.errstate(over="ignore"):  # an overflow is answered below
+        m = blocks[:, 0:2].copy().view(np.float16) * np.float16(-8)
+    if not np.isfinite(m).all():
+        return None
+    out = np.empty((blocks.shape[0], QuantKind.Q4_1.value), dtype=np.uint8)
+    out[:, 0:2] = blocks[:, 0:2]
+    out[:, 2:4] = m.view(np.uint8)
+    out[:, 4:] = blocks[:, 2:]
+    return out.reshape(rows, -1)
+
+
+# GGUF formats run as a kept one, converted at load without changing a weight (None: not this one).
+KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] = {
+    "Q4_0": (QuantKind.Q4_1, q4_0_as_q4_1),
+}

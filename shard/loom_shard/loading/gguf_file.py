@@ -12,7 +12,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from loom_shard.layers.quant_linear import QuantKind, QuantSource, raw_source
+from loom_shard.layers.quant_linear import KEPT_AS, QuantKind, QuantSource, raw_source
 from loom_shard.loading import gguf_arch
 from loom_shard.loading.common import (
     LoadProgress,
@@ -159,7 +159,7 @@ def load_gguf_weights(
     """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory;
     where `part` names a part of a tensor, only that part's blocks are read and dequantized.
 
-    quantized: when given, projection weights in a kept format (Q4_1, Q8_0), experts' too, go there
+    quantized: when given, projection weights in a kept format (Q4_1, Q8_0; Q4_0 as Q4_1), experts' too, go there
     as raw blocks instead (Q/K rows unpermuted), and a tied embedding also goes there as
     "lm_head.weight".
     """
@@ -173,8 +173,9 @@ def load_gguf_weights(
         if recipe.combine is Combine.ONE:
             tensor = reader.tensors[recipe.sources[0]]
             check_shape(path, name, _hf_shape(tensor, recipe), shape)
-            source = quant_source(tensor, reader, recipe.expert) if quantized is not None and not recipe.shift else None
-            if source is not None and _keeps_quantized(name, config):
+            keep = quantized is not None and not recipe.shift and _keeps_quantized(name, config)
+            source = quant_source(tensor, reader, recipe.expert) if keep else None
+            if source is not None:
                 target = "lm_head.weight" if name == "model.embed_tokens.weight" else name
                 quantized[target] = _unpermute_source(recipe, source, config)
                 if target == name:
@@ -238,15 +239,18 @@ def _combine(recipe: Recipe, parts: list[torch.Tensor]) -> torch.Tensor:
 
 def quant_source(tensor: TensorInfo, reader: GGUFFile, expert: int | None = None) -> QuantSource | None:
     """The tensor's raw blocks (one expert's, of a stacked tensor) when its format is one QuantLinear
-    runs, else None."""
-    kind = QuantKind.__members__.get(tensor.tensor_type.name)
+    runs (or converts to one exactly: KEPT_AS), else None."""
+    name = tensor.tensor_type.name
+    kind, convert = KEPT_AS.get(name, (QuantKind.__members__.get(name), None))
     if kind is None or len(tensor.shape) != (2 if expert is None else 3):
         return None
     raw = reader.raw_data(tensor)
     if expert is not None:
         rows = int(tensor.shape[1])
         raw = raw[expert * rows : (expert + 1) * rows]
-    return raw_source(kind, raw, int(tensor.shape[0]))
+    if convert is not None:
+        raw = convert(raw)
+    return None if raw is None else raw_source(kind, raw, int(tensor.shape[0]))
 
 
 def _keeps_quantized(name: str, config: ModelConfig) -> bool:

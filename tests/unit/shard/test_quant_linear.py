@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from loom_shard.layers.quant_linear import BLOCK, QuantKind, QuantLinear, QuantSource, raw_source
+from loom_shard.layers.quant_linear import BLOCK, QuantKind, QuantLinear, QuantSource, q4_0_as_q4_1, raw_source
 
 needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 KINDS = [QuantKind.Q4_1, QuantKind.Q8_0]
@@ -46,6 +46,24 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 def test_source_dequantizes_like_gguf_py(kind: QuantKind) -> None:
     source, reference = make_source(kind, 48, 96)
     assert torch.equal(source.dequantize().double(), reference)
+
+
+def test_q4_0_runs_as_q4_1_with_the_same_weights() -> None:
+    # Q4_0's d is often negative (gguf-py's quantizer divides the signed largest value by -8), and
+    # some blocks are all zeros (d = 0): both convert to m = -8 d exactly.
+    rng = np.random.default_rng(3)
+    weights = (rng.standard_normal((40, 128)) * 0.05).astype(np.float32)
+    weights[3, 32:64] = 0
+    weights[4] *= 1e3
+    raw = quantize(weights, GGMLQuantizationType.Q4_0)
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0))
+    converted = q4_0_as_q4_1(raw)
+    assert converted.shape == (40, 128 // BLOCK * QuantKind.Q4_1.value)
+    source = raw_source(QuantKind.Q4_1, converted, 128)
+    assert torch.equal(source.dequantize(), reference)  # bit for bit
+    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(converted, GGMLQuantizationType.Q4_1)))
+    raw[7, 0:2] = np.array([9000.0], dtype=np.float16).view(np.uint8)  # -8 d would overflow fp16
+    assert q4_0_as_q4_1(raw) is None  # that weight is dequantized instead
 
 
 @needs_kernels

@@ -27,7 +27,7 @@ from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+Q4_0, Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
 
@@ -37,8 +37,9 @@ def tiny_model(model_class: type, config_class: type, tied: bool) -> torch.nn.Mo
     return model_class(config_class(**TINY, tie_word_embeddings=tied)).eval()
 
 
-def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bool) -> None:
-    """The tiny model as a Q4_1 GGUF like the embedded one: projections Q4_1, embedding/head Q8_0."""
+def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bool,
+                         projections: gguf.GGMLQuantizationType = Q4_1) -> None:
+    """The tiny model as a GGUF like the embedded one: projections Q4_1 (or `projections`), embedding/head Q8_0."""
     plain = path.with_suffix(".f32.gguf")
     write_tiny_gguf(plain, arch, TINY, model, tied)
     reader = gguf.GGUFReader(plain)
@@ -49,7 +50,7 @@ def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bo
                                  if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     for tensor in reader.tensors:
         array = np.asarray(tensor.data).reshape([int(d) for d in reversed(tensor.shape)])
-        kind = Q8_0 if tensor.name in ("token_embd.weight", "output.weight") else Q4_1
+        kind = Q8_0 if tensor.name in ("token_embd.weight", "output.weight") else projections
         if array.ndim == 2 and "norm" not in tensor.name:
             writer.add_tensor(tensor.name, quantize(array, kind), raw_dtype=kind)
         else:
@@ -99,6 +100,22 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     # The same quantized weights; the kernels quantize the activations to int8 per block of 32 as
     # llama.cpp does: measured 0.39% (llama) and 0.65% (qwen2) of the largest logit.
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
+
+
+def test_a_q4_0_gguf_runs_on_the_q4_1_kernels(tmp_path: Path) -> None:
+    model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, "llama", model, tied=True, projections=Q4_0)
+
+    quantized, reference = runner_model(path, "auto"), runner_model(path, "none")
+
+    layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * TINY["num_hidden_layers"] + 1  # kept quantized, not dequantized at load
+    assert quantized.layers[0].self_attn.qkv_proj.kind is QuantKind.Q4_1  # its blocks converted, weights unchanged
+    assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
+    tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
+    got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
+    assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # the activations' int8, as for Q4_1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
