@@ -7,8 +7,9 @@ core's own Python per decoding sequence (on a GPU it runs once per step for ever
 
 For each stream count it runs that many greedy requests of `--new-tokens` tokens at once and
 reports this process's CPU time per generated token less the zero-cost shard's own (the best of
-`--rounds`), and steps per second; the heap is frozen first, as the engine core's is when it serves. `--overlap-steps`: the engine plans each step while the one
-before runs (loom_router.core.lookahead), as it does in front of GPU shards.
+`--rounds`), and steps per second; the heap is frozen first, as the engine core's is when it
+serves. `--overlap-steps`: the engine plans each step while the one before runs
+(loom_router.core.lookahead), as it does in front of GPU shards.
 """
 
 from __future__ import annotations
