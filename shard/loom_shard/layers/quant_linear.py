@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 as Q4_1), bf16 or float32 activations.
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 as Q4_1, Q5_0 as Q8_0), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
@@ -146,7 +146,22 @@ def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     return out.reshape(rows, -1)
 
 
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q5_0 blocks (fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles: w = d (q - 16), q in
+    0..31) as Q8_0 blocks (fp16 d, int8 q - 16): the same weights exactly, so Q5_0 files run on
+    Q8_0's kernels (34 bytes a block of 32 against the file's 22 and bfloat16's 64)."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 22)
+    fifth = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # [blocks, 32]
+    nibbles = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1)  # element j, then j + 16
+    out = np.empty((blocks.shape[0], QuantKind.Q8_0.value), dtype=np.uint8)
+    out[:, 0:2] = blocks[:, 0:2]
+    out[:, 2:] = (nibbles.astype(np.int16) + (fifth.astype(np.int16) << 4) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
 # GGUF formats run as a kept one, converted at load without changing a weight (None: not this one).
 KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] = {
     "Q4_0": (QuantKind.Q4_1, q4_0_as_q4_1),
+    "Q5_0": (QuantKind.Q8_0, q5_0_as_q8_0),
 }

@@ -51,7 +51,8 @@ def test_family_gguf_matches_transformers(tmp_path: Path, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize(("kind_of_experts", "runs_as"), [(gguf.GGMLQuantizationType.Q8_0, "Q8_0"),
                                                          (gguf.GGMLQuantizationType.Q4_1, "Q4_1"),
-                                                         (gguf.GGMLQuantizationType.Q4_0, "Q4_1")])
+                                                         (gguf.GGMLQuantizationType.Q4_0, "Q4_1"),
+                                                         (gguf.GGMLQuantizationType.Q5_0, "Q8_0")])
 def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, kind: str,
                                                               kind_of_experts: gguf.GGMLQuantizationType,
                                                               runs_as: str) -> None:

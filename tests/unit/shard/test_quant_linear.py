@@ -12,7 +12,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from loom_shard.layers.quant_linear import BLOCK, QuantKind, QuantLinear, QuantSource, q4_0_as_q4_1, raw_source
+from loom_shard.layers.quant_linear import (
+    BLOCK,
+    QuantKind,
+    QuantLinear,
+    QuantSource,
+    q4_0_as_q4_1,
+    q5_0_as_q8_0,
+    raw_source,
+)
 
 needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 KINDS = [QuantKind.Q4_1, QuantKind.Q8_0]
@@ -64,6 +72,17 @@ def test_q4_0_runs_as_q4_1_with_the_same_weights() -> None:
     assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(converted, GGMLQuantizationType.Q4_1)))
     raw[7, 0:2] = np.array([9000.0], dtype=np.float16).view(np.uint8)  # -8 d would overflow fp16
     assert q4_0_as_q4_1(raw) is None  # that weight is dequantized instead
+
+
+def test_q5_0_runs_as_q8_0_with_the_same_weights() -> None:
+    rng = np.random.default_rng(5)
+    weights = (rng.standard_normal((24, 96)) * 0.05).astype(np.float32)
+    weights[2, :32] = 0
+    raw = quantize(weights, GGMLQuantizationType.Q5_0)
+    converted = q5_0_as_q8_0(raw)
+    assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_0.value)
+    source = raw_source(QuantKind.Q8_0, converted, 96)
+    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0)))  # bit for bit
 
 
 @needs_kernels

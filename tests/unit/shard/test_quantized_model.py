@@ -27,7 +27,8 @@ from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-Q4_0, Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+Q4_0, Q4_1, Q5_0, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                          gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0)
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
 
@@ -102,20 +103,21 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-def test_a_q4_0_gguf_runs_on_the_q4_1_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("projections", "runs_as"), [(Q4_0, QuantKind.Q4_1), (Q5_0, QuantKind.Q8_0)])
+def test_q4_0_and_q5_0_ggufs_run_on_the_kept_formats_kernels(
+        tmp_path: Path, projections: gguf.GGMLQuantizationType, runs_as: QuantKind) -> None:
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
     path = tmp_path / "tiny.gguf"
-    write_quantized_gguf(path, "llama", model, tied=True, projections=Q4_0)
+    write_quantized_gguf(path, "llama", model, tied=True, projections=projections)
 
     quantized, reference = runner_model(path, "auto"), runner_model(path, "none")
 
     layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * TINY["num_hidden_layers"] + 1  # kept quantized, not dequantized at load
-    assert quantized.layers[0].self_attn.qkv_proj.kind is QuantKind.Q4_1  # its blocks converted, weights unchanged
-    assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
+    assert quantized.layers[0].self_attn.qkv_proj.kind is runs_as  # its blocks converted, weights unchanged
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
-    assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # the activations' int8, as for Q4_1
+    assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # the activations quantized to int8, as for every kept format
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
