@@ -38,6 +38,7 @@ class QuantSource:
     kind: QuantKind
     raw: torch.Tensor  # uint8 [out_features, in_features / 32 * bytes per block]
     in_features: int
+    file_kind: str = ""  # the file's format where it was converted to `kind` (KEPT_AS), else ""
 
     @property
     def out_features(self) -> int:
@@ -49,10 +50,11 @@ class QuantSource:
         first = parts[0]
         if any(p.kind is not first.kind or p.in_features != first.in_features for p in parts):
             raise ValueError("cannot fuse quantized weights of different kinds or widths")
-        return QuantSource(first.kind, torch.cat([p.raw for p in parts]), first.in_features)
+        file_kind = first.file_kind if all(p.file_kind == first.file_kind for p in parts) else ""
+        return QuantSource(first.kind, torch.cat([p.raw for p in parts]), first.in_features, file_kind)
 
     def rows(self, index: torch.Tensor | slice) -> QuantSource:
-        return QuantSource(self.kind, self.raw[index].contiguous(), self.in_features)
+        return QuantSource(self.kind, self.raw[index].contiguous(), self.in_features, self.file_kind)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q as int16 [N, K], d float32 [N, K/32], m float32 [N, K/32] or None) from the raw blocks."""
@@ -82,6 +84,7 @@ class QuantLinear(nn.Module):
                  use_kernels: bool | None = None) -> None:
         super().__init__()
         self.kind = source.kind
+        self.file_kind = source.file_kind or source.kind.name  # what the GGUF holds (Q4_0 runs as Q4_1)
         self.in_features, self.out_features = source.in_features, source.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.uses_kernels = kernels.available() if use_kernels is None else use_kernels
@@ -123,9 +126,9 @@ def _int4pack(source: QuantSource) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_zeros
 
 
-def raw_source(kind: QuantKind, raw: np.ndarray, in_features: int) -> QuantSource:
+def raw_source(kind: QuantKind, raw: np.ndarray, in_features: int, file_kind: str = "") -> QuantSource:
     """A QuantSource owning a copy of the GGUF bytes (the file's memory map stays read-only)."""
-    return QuantSource(kind, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features)
+    return QuantSource(kind, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features, file_kind)
 
 
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:

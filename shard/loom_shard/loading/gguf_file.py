@@ -248,9 +248,10 @@ def quant_source(tensor: TensorInfo, reader: GGUFFile, expert: int | None = None
     if expert is not None:
         rows = int(tensor.shape[1])
         raw = raw[expert * rows : (expert + 1) * rows]
-    if convert is not None:
-        raw = convert(raw)
-    return None if raw is None else raw_source(kind, raw, int(tensor.shape[0]))
+    if convert is None:
+        return raw_source(kind, raw, int(tensor.shape[0]))
+    converted = convert(raw)
+    return None if converted is None else raw_source(kind, converted, int(tensor.shape[0]), file_kind=name)
 
 
 def _keeps_quantized(name: str, config: ModelConfig) -> bool:
@@ -265,7 +266,7 @@ def _unpermute_source(recipe: Recipe, source: QuantSource, config: ModelConfig) 
     if not recipe.unpermute:
         return source
     # Whole rows of blocks move, so the row permutation applies to the raw bytes unchanged.
-    return QuantSource(source.kind, _unpermute_qk(source.raw, config).contiguous(), source.in_features)
+    return QuantSource(source.kind, _unpermute_qk(source.raw, config).contiguous(), source.in_features, source.file_kind)
 
 
 def _to_torch(path: Path, reader: GGUFFile, tensor: TensorInfo, dtype: torch.dtype, cut: Part | None,

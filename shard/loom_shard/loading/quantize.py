@@ -10,6 +10,7 @@ parts are not all quantized alike is dequantized back into the state dict, so an
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -97,10 +98,11 @@ def _swap(model: nn.Module, path: str, source: QuantSource, dtype: torch.dtype) 
 
 
 def quantized_summary(model: nn.Module) -> str:
-    """"Q4_1 x120, Q8_0 x1 (loom kernels)" or "none": what model info reports."""
+    """"Q4_1 x120, Q8_0 x1 (loom kernels)", "Q4_0 x120 as Q4_1, Q8_0 x1 (loom kernels)" for a
+    converted format, or "none": what model info reports."""
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not mods:
         return "none"
-    kinds = sorted({m.kind.name for m in mods})
-    counts = ", ".join(f"{k} x{sum(m.kind.name == k for m in mods)}" for k in kinds)
+    groups = Counter((m.file_kind, m.kind.name) for m in mods)
+    counts = ", ".join(f"{held} x{n}" + (f" as {runs}" if held != runs else "") for (held, runs), n in sorted(groups.items()))
     return f"{counts} ({'loom kernels' if mods[0].uses_kernels else 'torch int4pack'})"

@@ -115,6 +115,7 @@ def test_q4_0_and_q5_0_ggufs_run_on_the_kept_formats_kernels(
     layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * TINY["num_hidden_layers"] + 1  # kept quantized, not dequantized at load
     assert quantized.layers[0].self_attn.qkv_proj.kind is runs_as  # its blocks converted, weights unchanged
+    assert quantized_summary(quantized).startswith(f"{projections.name} x{len(layers) - 1} as {runs_as.name}, Q8_0 x1")
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # the activations quantized to int8, as for every kept format
