@@ -131,36 +131,38 @@ def raw_source(kind: QuantKind, raw: np.ndarray, in_features: int, file_kind: st
     return QuantSource(kind, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), in_features, file_kind)
 
 
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    """A tensor's raw rows as one row per block."""
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+
+
+def _rows(raw: np.ndarray, *columns: np.ndarray) -> np.ndarray:
+    """Rewritten blocks (their columns of bytes side by side) back in raw's rows."""
+    return np.concatenate(columns, axis=1).reshape(raw.shape[0], -1)
+
+
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     """GGUF Q4_0 blocks (fp16 d, 16 bytes of nibbles: w = d (q - 8)) as Q4_1 blocks (fp16 d, fp16
     m = -8 d, the same nibbles): the same weights exactly (-8 d is d's exponent plus 3, and d q + m
     equals d (q - 8) in float32), so Q4_0 files run on Q4_1's kernels. None where some -8 d
     overflows fp16 (|d| > 8,188): such a weight is dequantized instead."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 18)
+    blocks = _blocks(raw, 18)
     with np.errstate(over="ignore"):  # an overflow is answered below
         m = blocks[:, 0:2].copy().view(np.float16) * np.float16(-8)
     if not np.isfinite(m).all():
         return None
-    out = np.empty((blocks.shape[0], QuantKind.Q4_1.value), dtype=np.uint8)
-    out[:, 0:2] = blocks[:, 0:2]
-    out[:, 2:4] = m.view(np.uint8)
-    out[:, 4:] = blocks[:, 2:]
-    return out.reshape(rows, -1)
+    return _rows(raw, blocks[:, 0:2], m.view(np.uint8), blocks[:, 2:])
 
 
 def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
     """GGUF Q5_0 blocks (fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles: w = d (q - 16), q in
     0..31) as Q8_0 blocks (fp16 d, int8 q - 16): the same weights exactly, so Q5_0 files run on
     Q8_0's kernels (34 bytes a block of 32 against the file's 22 and bfloat16's 64)."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 22)
+    blocks = _blocks(raw, 22)
     fifth = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # [blocks, 32]
     nibbles = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1)  # element j, then j + 16
-    out = np.empty((blocks.shape[0], QuantKind.Q8_0.value), dtype=np.uint8)
-    out[:, 0:2] = blocks[:, 0:2]
-    out[:, 2:] = (nibbles.astype(np.int16) + (fifth.astype(np.int16) << 4) - 16).astype(np.int8).view(np.uint8)
-    return out.reshape(rows, -1)
+    q = (nibbles.astype(np.int16) + (fifth.astype(np.int16) << 4) - 16).astype(np.int8)
+    return _rows(raw, blocks[:, 0:2], q.view(np.uint8))
 
 
 # GGUF formats run as a kept one, converted at load without changing a weight (None: not this one).
