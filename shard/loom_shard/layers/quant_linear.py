@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 as Q4_1, Q5_0 as Q8_0), bf16 or float32 activations.
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf.quants import Q4_K
 from torch import nn
 
 from loom_shard import kernels
@@ -165,8 +166,32 @@ def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
     return _rows(raw, blocks[:, 0:2], q.view(np.uint8))
 
 
-# GGUF formats run as a kept one, converted at load without changing a weight (None: not this one).
+def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF Q4_K super-blocks of 256 (fp16 d and dmin, 6-bit scale sc and min mn per 32, 128 bytes
+    of nibbles: w = d sc q - dmin mn) as eight Q4_1 blocks each (fp16 d sc, fp16 -dmin mn, the same
+    nibbles), so Q4_K files run on Q4_1's kernels. The nibbles are the file's; each block's scale
+    and min, exact in float32, are rounded to fp16 (11 significant bits: a relative 2^-11 at most,
+    where a weight dequantized to bfloat16 moves by up to 2^-8). None where one would leave fp16's
+    normal range (overflow, or a subnormal that loses bits): such a weight is dequantized instead."""
+    blocks = _blocks(raw, 144)
+    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    exact = np.stack([d * sc, -(dmin * mn)]).reshape(2, -1)  # [scale, min] x every block of 32
+    with np.errstate(over="ignore"):  # an overflow is answered below
+        rounded = exact.astype(np.float16)
+    if np.any(np.abs(rounded.astype(np.float32) - exact) > np.abs(exact) * 2.0**-11):
+        return None
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # byte i of chunk j: block 2j's q_i low, block 2j + 1's high
+    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [super-blocks, 4, 2, 32]
+    q = q.reshape(-1, 32)
+    nibbles = q[:, :16] | (q[:, 16:] << 4)  # Q4_1's byte j: q_j low, q_{j+16} high
+    return _rows(raw, rounded[0].view(np.uint8).reshape(-1, 2), rounded[1].view(np.uint8).reshape(-1, 2), nibbles)
+
+
+# GGUF formats run as a kept one, converted at load (None: not this one): Q4_0 and Q5_0 without
+# changing a weight, Q4_K with its block scales in fp16.
 KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] = {
     "Q4_0": (QuantKind.Q4_1, q4_0_as_q4_1),
     "Q5_0": (QuantKind.Q8_0, q5_0_as_q8_0),
+    "Q4_K": (QuantKind.Q4_1, q4_k_as_q4_1),
 }

@@ -18,9 +18,11 @@ from loom_shard.layers.quant_linear import (
     QuantLinear,
     QuantSource,
     q4_0_as_q4_1,
+    q4_k_as_q4_1,
     q5_0_as_q8_0,
     raw_source,
 )
+from tests.unit.shard.k_quants import quantize_q4_k
 
 needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 KINDS = [QuantKind.Q4_1, QuantKind.Q8_0]
@@ -83,6 +85,26 @@ def test_q5_0_runs_as_q8_0_with_the_same_weights() -> None:
     assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_0.value)
     source = raw_source(QuantKind.Q8_0, converted, 96)
     assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0)))  # bit for bit
+
+
+def test_q4_k_runs_as_q4_1_with_its_block_scales_rounded_to_fp16() -> None:
+    rng = np.random.default_rng(6)
+    weights = (rng.standard_normal((12, 512)) * 0.05 + 0.01).astype(np.float32)
+    weights[2, 256:] = 0  # a zero super-block: d = dmin = 0
+    weights[5] *= 300  # scales far from the others' exponents
+    raw = quantize_q4_k(weights)
+    reference = dequantize(raw, GGMLQuantizationType.Q4_K)
+    converted = q4_k_as_q4_1(raw)
+    assert converted.shape == (12, 512 // BLOCK * QuantKind.Q4_1.value)
+    source = raw_source(QuantKind.Q4_1, converted, 512)
+    q, d, m = source.blocks()
+    # The file's nibbles; each block's scale and min within fp16's rounding of their exact value.
+    bound = 2.0**-11 * (d.abs()[..., None] * q.reshape(12, -1, BLOCK) + m.abs()[..., None]).reshape(12, 512)
+    error = (source.dequantize() - torch.from_numpy(reference)).abs()
+    assert (error <= bound * 1.01).all() and error.max() > 0
+    assert torch.equal(source.dequantize()[2, 256:], torch.zeros(256))
+    raw[7, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d sc overflows fp16
+    assert q4_k_as_q4_1(raw) is None  # that weight is dequantized instead
 
 
 @needs_kernels

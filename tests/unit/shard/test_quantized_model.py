@@ -22,27 +22,31 @@ from loom_shard.layers.quant_linear import QuantKind, QuantLinear
 from loom_shard.loading.quantize import quantized_summary
 from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
+from tests.unit.shard.k_quants import quantize_q4_k
 from tests.unit.shard.lora_adapters import write_adapter
 from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-Q4_0, Q4_1, Q5_0, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-                          gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0)
+Q4_0, Q4_1, Q4_K, Q5_0, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                                gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_0,
+                                gguf.GGMLQuantizationType.Q8_0)
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
+# K-quants' super-blocks hold 256 inputs: every projection's width a multiple of 256.
+TINY_K = {**TINY, "hidden_size": 256, "intermediate_size": 512}
 
 
-def tiny_model(model_class: type, config_class: type, tied: bool) -> torch.nn.Module:
+def tiny_model(model_class: type, config_class: type, tied: bool, config: dict = TINY) -> torch.nn.Module:
     torch.manual_seed(0)
-    return model_class(config_class(**TINY, tie_word_embeddings=tied)).eval()
+    return model_class(config_class(**config, tie_word_embeddings=tied)).eval()
 
 
 def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bool,
-                         projections: gguf.GGMLQuantizationType = Q4_1) -> None:
+                         projections: gguf.GGMLQuantizationType = Q4_1, config: dict = TINY) -> None:
     """The tiny model as a GGUF like the embedded one: projections Q4_1 (or `projections`), embedding/head Q8_0."""
     plain = path.with_suffix(".f32.gguf")
-    write_tiny_gguf(plain, arch, TINY, model, tied)
+    write_tiny_gguf(plain, arch, config, model, tied)
     reader = gguf.GGUFReader(plain)
     writer = gguf.GGUFWriter(path, arch)
     for field in reader.fields.values():
@@ -53,7 +57,8 @@ def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bo
         array = np.asarray(tensor.data).reshape([int(d) for d in reversed(tensor.shape)])
         kind = Q8_0 if tensor.name in ("token_embd.weight", "output.weight") else projections
         if array.ndim == 2 and "norm" not in tensor.name:
-            writer.add_tensor(tensor.name, quantize(array, kind), raw_dtype=kind)
+            blocks = quantize_q4_k(array) if kind is Q4_K else quantize(array, kind)
+            writer.add_tensor(tensor.name, blocks, raw_dtype=kind)
         else:
             writer.add_tensor(tensor.name, array)
     writer.write_header_to_file()
@@ -119,6 +124,24 @@ def test_q4_0_and_q5_0_ggufs_run_on_the_kept_formats_kernels(
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # the activations quantized to int8, as for every kept format
+
+
+def test_q4_k_gguf_runs_on_q4_1s_kernels(tmp_path: Path) -> None:
+    model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True, config=TINY_K)
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, "llama", model, tied=True, projections=Q4_K, config=TINY_K)
+
+    quantized, reference = runner_model(path, "auto"), runner_model(path, "none")
+
+    layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * TINY_K["num_hidden_layers"] + 1  # kept quantized, not dequantized at load
+    assert quantized.layers[0].mlp.down_proj.kind is QuantKind.Q4_1
+    assert quantized_summary(quantized).startswith(f"Q4_K x{len(layers) - 1} as Q4_1, Q8_0 x1")
+    weights, _ = quantized.fused_layers.args(quantized.layers, plain_model=True)
+    assert len(weights) == 10 * TINY_K["num_hidden_layers"]  # the one-call decoder layers run them
+    tokens = random_tokens(40, seed=4, vocab=TINY_K["vocab_size"])
+    got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
+    assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # scales in fp16, activations in int8
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,45 @@
+"""GGUF Q4_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
+
+A plain min/max quantizer in llama.cpp's block layout (not its error-minimizing search): every
+block it writes is a valid Q4_K block, which is all a loader test needs; gguf-py's dequantization
+stays the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SUPER = 256  # weights per Q4_K super-block: 8 blocks of 32
+
+
+def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] (columns a multiple of 256) -> Q4_K raw blocks [rows, columns / 256 * 144]."""
+    rows, columns = weights.shape
+    x = weights.astype(np.float32).reshape(-1, 8, 32)
+    offset = np.maximum(-x.min(axis=-1), 0)  # w = d sc q - dmin mn with mn >= 0
+    scale = (x.max(axis=-1) + offset) / 15
+    d = (scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = (offset.max(axis=-1) / 63).astype(np.float16)
+    sc = _six_bits(scale, d)
+    mn = _six_bits(offset, dmin)
+    block_scale = d.astype(np.float32)[:, None] * sc
+    block_min = dmin.astype(np.float32)[:, None] * mn
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(block_scale[..., None] > 0, np.rint((x + block_min[..., None]) / block_scale[..., None]), 0)
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)  # chunk j: block 2j low, 2j + 1 high
+    packed = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), _pack_scales(sc, mn), nibbles],
+                            axis=1)
+    return packed.reshape(rows, columns // SUPER * 144)
+
+
+def _six_bits(values: np.ndarray, step: np.ndarray) -> np.ndarray:
+    step32 = step.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(step32 > 0, np.clip(np.rint(values / step32), 0, 63), 0).astype(np.uint8)
+
+
+def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """llama.cpp's 12 bytes of eight 6-bit scales and mins (gguf.quants.Q4_K.get_scale_min reads them)."""
+    low = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6)], axis=1)
+    return np.concatenate([low, (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=1).astype(np.uint8)
