@@ -1,8 +1,8 @@
 """Every decoder layer of a step in one C++ call, `loom::decoder_layers` (kernels/csrc/decoder.cpp),
-where the model is a plain Llama whose projections are QuantLinears on Loom's kernels (LoRA
-deltas included when the step names adapters): the same kernels and ops as the modules, in the
-same order, so bit-identical to them, without the Python around each op (about 2 ms of a batch-1
-decode step, 4.6 ms of a batch-32 one)."""
+where the model is a plain Llama whose projections run on Loom's kernels (QuantLinears, and
+PackedLinears on loom::linear; LoRA deltas included when the step names adapters): the same
+kernels and ops as the modules, in the same order, so bit-identical to them, without the Python
+around each op (about 2 ms of a batch-1 decode step, 4.6 ms of a batch-32 one)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from loom_shard.attention.cpu import paged_attention_cpu
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata
 from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.mlp import GatedMLP
+from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.quant_linear import QuantLinear
 from loom_shard.layers.rotary import KernelRope, Rope
+from loom_shard.layers.row_invariance import Gemm
 from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 from loom_shard.model_config import Activation
 
@@ -51,8 +53,8 @@ class FusedLayers:
         return self._lora
 
     def args(self, layers: nn.ModuleList, plain_model: bool) -> FusedArgs:
-        """Empty unless every layer is a plain Llama layer whose projections are QuantLinears on
-        Loom's kernels, bias-free but for qkv's (Qwen2), and the model adds nothing around them
+        """Empty unless every layer is a plain Llama layer whose projections run on Loom's kernels
+        (_on_kernels), bias-free but for qkv's (Qwen2), and the model adds nothing around them
         (`plain_model`); not under tensor parallelism, whose projections are nn.Linear."""
         if not self.enabled:
             return [], []
@@ -100,16 +102,26 @@ def _fusable(layer: DecoderLayer) -> bool:
     if not layer.is_plain or not isinstance(layer.mlp, GatedMLP) or layer.mlp.activation is not Activation.SILU:
         return False
     projections = _projections(layer)
-    on_kernels = all(type(p) is QuantLinear and p.uses_kernels for p in projections)
-    return on_kernels and all(p.bias is None for p in projections[1:])  # only qkv may have a bias (Qwen2)
+    return all(map(_on_kernels, projections)) and all(p.bias is None for p in projections[1:])  # qkv's: Qwen2
+
+
+def _on_kernels(linear: nn.Module) -> bool:
+    """A QuantLinear on Loom's kernels, or a PackedLinear on loom::linear (a GGUF weight in a format
+    not kept quantized, dequantized at load)."""
+    if type(linear) is QuantLinear:
+        return linear.uses_kernels
+    return type(linear) is PackedLinear and linear.runs_loom_linear()
 
 
 def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's tensors in loom::decoder_layers' order."""
-    qkv, o, gate_up, down = (_qtensors(p) for p in _projections(layer))
+    qkv, o, gate_up, down = (_kernel_tensors(p) for p in _projections(layer))
     return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
 
 
-def _qtensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    assert isinstance(linear, QuantLinear)
-    return linear.packed, linear.scales.view(torch.float16)
+def _kernel_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales) as loom::decoder_layers takes a projection: no scales for loom::linear."""
+    if isinstance(linear, QuantLinear):
+        return linear.packed, linear.scales.view(torch.float16)
+    assert isinstance(linear, PackedLinear)
+    return linear.packed_weights(Gemm.LOOM)[0], torch.empty(0, dtype=torch.float16)

@@ -41,6 +41,12 @@ class PackedLinear(nn.Module):
     def chosen_gemm(self, dtype: torch.dtype) -> Gemm:
         return self.gemm or row_invariance.choose(self.in_features, self.out_features, dtype)
 
+    def runs_loom_linear(self) -> bool:
+        """Whether forward runs loom::linear on inputs of the weight's dtype."""
+        weight = self.weight
+        return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+                and self.chosen_gemm(weight.dtype) is Gemm.LOOM)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype:
@@ -48,7 +54,7 @@ class PackedLinear(nn.Module):
         gemm = self.chosen_gemm(weight.dtype)
         if gemm is Gemm.TORCH:
             return F.linear(x, weight, self.bias)
-        packed = self._packed_weight(gemm)
+        packed = self.packed_weights(gemm)
         if gemm is Gemm.LOOM:
             return kernels.ops().linear(x, packed[0], self.out_features, self.bias)
         if len(packed) > 1:
@@ -76,7 +82,8 @@ class PackedLinear(nn.Module):
             out = total.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
-    def _packed_weight(self, gemm: Gemm) -> list[torch.Tensor]:
+    def packed_weights(self, gemm: Gemm) -> list[torch.Tensor]:
+        """The weight as `gemm` reads it (oneDNN in K chunks: one per chunk), packed again whenever it changed."""
         weight = self.weight
         version = 0 if weight.is_inference() else weight._version  # inference tensors have no counter
         key = (weight.data_ptr(), weight.dtype, version, gemm)

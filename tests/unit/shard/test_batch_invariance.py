@@ -171,7 +171,7 @@ def test_every_gemm_agrees_with_the_float_reference() -> None:
     layers = [_linear(1536, 576, torch.bfloat16, gemm) for gemm in (Gemm.ONEDNN, Gemm.ONEDNN_K_CHUNKS, Gemm.LOOM)]
     with torch.inference_mode():
         reference = F.linear(x.float(), layers[0].weight.float(), layers[0].bias.float())
-        assert len(layers[1]._packed_weight(Gemm.ONEDNN_K_CHUNKS)) == 2
+        assert len(layers[1].packed_weights(Gemm.ONEDNN_K_CHUNKS)) == 2
         for layer in layers:
             out = layer(x)
             assert out.dtype == torch.bfloat16

@@ -1,6 +1,6 @@
-// The decoder layers of a Llama-family model whose projections are Loom's quantized linears (with
-// the LoRA deltas of a batch that names adapters), in one call from Python: the same kernels
-// (loom::rms_norm, add_rms_norm, qlinear, rotary, paged_attention, silu_mul, lora_shrink,
+// The decoder layers of a Llama-family model whose projections are Loom's quantized (or dense) linears
+// (with the LoRA deltas of a batch that names adapters), in one call from Python: the same kernels
+// (loom::rms_norm, add_rms_norm, qlinear, linear, rotary, paged_attention, silu_mul, lora_shrink,
 // lora_expand_) and ATen ops, in the same order and on the same shapes, as the modules
 // (layers/decoder.py, lora/linear.py), so the result is bit-identical to them. What goes is the
 // Python between the ~15 ops of each layer (module calls, views, dispatch), which a second thread
@@ -28,6 +28,21 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("qlinear"), "").typed<at::Tensor(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
   return op.call(x, packed, scales, out_features, bias);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(LOOM_OP("linear"), "").typed<at::Tensor(
+      const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
+  return op.call(x, packed, out_features, bias);
+}
+
+// A projection as its module runs it: QuantLinear's loom::qlinear, or where `scales` is empty
+// PackedLinear's loom::linear (a weight the GGUF holds in a format not kept quantized).
+at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
+                   const c10::optional<at::Tensor>& bias = c10::nullopt) {
+  if (scales.numel() == 0) return linear(x, packed, out_features, bias);
+  return qlinear(x, packed, scales, out_features, bias);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -100,7 +115,7 @@ void write_kv(const at::Tensor& flat, const at::Tensor& k, const at::Tensor& v, 
 
 // x [num_tokens, hidden] (the embeddings); weights: per layer input_layernorm.weight, qkv packed,
 // qkv scales, o packed, o scales, post_attention_layernorm.weight, gate_up packed, gate_up scales,
-// down packed, down scales; qkv_biases: per layer its qkv projection's bias (Qwen2) or none;
+// down packed, down scales (a projection with empty scales runs loom::linear); qkv_biases: per layer its qkv projection's bias (Qwen2) or none;
 // kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
 // lora: empty, or per layer the LoRA slots of qkv (A, B_q, B_k, B_v), o (A, B), gate_up (A, B_gate,
 // B_up) and down (A, B), with token_slot each token's adapter slot (-1: the base model) and
@@ -134,7 +149,7 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     auto factors = [&](int64_t first, int64_t count) { return l.empty() ? l : l.slice(first, count); };
     const at::Tensor& kv_layer = kv_cache[i];
     // Attention (Attention.forward, paged_attention).
-    at::Tensor qkv = with_lora(qlinear(normed, w[1], w[2], qkv_features, qkv_biases.get(i)), normed, factors(0, 4),
+    at::Tensor qkv = with_lora(project(normed, w[1], w[2], qkv_features, qkv_biases.get(i)), normed, factors(0, 4),
                                lora_slots)
                          .view({num_tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), positions, cos, sin);
@@ -145,12 +160,12 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
         paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
     at::Tensor normed_mlp;
     std::tie(x, normed_mlp) =
-        add_rms_norm(x, with_lora(qlinear(attended, w[3], w[4], hidden), attended, factors(4, 2), lora_slots), w[5], eps);
+        add_rms_norm(x, with_lora(project(attended, w[3], w[4], hidden), attended, factors(4, 2), lora_slots), w[5], eps);
     // Feed-forward (GatedMLP.forward).
-    at::Tensor gate_up = with_lora(qlinear(normed_mlp, w[6], w[7], 2 * intermediate_size), normed_mlp, factors(6, 3),
+    at::Tensor gate_up = with_lora(project(normed_mlp, w[6], w[7], 2 * intermediate_size), normed_mlp, factors(6, 3),
                                    lora_slots);
     const at::Tensor act = loom::silu_mul(gate_up, intermediate_size);
-    const at::Tensor down = with_lora(qlinear(act, w[8], w[9], hidden), act, factors(9, 2), lora_slots);
+    const at::Tensor down = with_lora(project(act, w[8], w[9], hidden), act, factors(9, 2), lora_slots);
     if (i + 1 == num_layers)
       x = x + down;
     else
