@@ -1,0 +1,143 @@
+"""A GGUF of another format kept quantized (--quantize auto) against dequantized (none): the embedded
+SmolLM2-135M-Instruct requantized by llama.cpp's own quantizer (libllama's llama_model_quantize,
+the peer's build in ../shared/peers), then decode steps of the two loadings, each with its layers
+in one C++ call and module by module, taking turns.
+
+Run: python bench/bench_gguf_formats.py [--ftype Q4_K_M] [--batches 1 8] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_engine import bench_decode, make_runner
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
+
+from loom_shard.loading.loader import load_model_weights, resolve_model_path
+from loom_shard.loading.quantize import install_quant_linears, quantized_summary
+from loom_shard.models import build_model
+
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+PEER_LIBS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "llama.cpp" / "bin"
+
+
+class QuantizeParams(ctypes.Structure):
+    """llama_model_quantize_params: its first two fields (stable across llama.cpp releases), then
+    room for the rest, which llama_model_quantize_default_params fills."""
+
+    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int32), ("rest", ctypes.c_uint8 * 504)]
+
+
+def write_f32(source: Path, target: Path) -> None:
+    """The GGUF with every tensor dequantized to float32 (what llama-quantize starts from)."""
+    reader = GGUFReader(source)
+    writer = GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        shape = [int(d) for d in reversed(tensor.shape)]
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        writer.add_tensor(tensor.name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama_quantize(source: Path, target: Path, ftype: str, libs: Path) -> None:
+    for name in ("libggml-base.so.0", "libggml.so.0"):
+        ctypes.CDLL(str(libs / name), mode=ctypes.RTLD_GLOBAL)
+    llama = ctypes.CDLL(str(libs / "libllama.so.0"))
+    llama.llama_model_quantize_default_params.restype = QuantizeParams
+    llama.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(QuantizeParams)]
+    llama.llama_model_quantize.restype = ctypes.c_uint32
+    params = llama.llama_model_quantize_default_params()
+    params.nthread, params.ftype = os.cpu_count() or 1, FTYPES[ftype]
+    if llama.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {ftype}")
+
+
+def formats(path: Path) -> str:
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        if len(tensor.shape) == 2:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return ", ".join(f"{kind} x{count}" for kind, count in sorted(counts.items()))
+
+
+def load(path: Path, quantize: str):
+    quantized: dict | None = {} if quantize == "auto" else None
+    config, weights = load_model_weights(str(path), torch.float32, progress=None, quantized=quantized)
+    model = build_model(config)
+    if quantized:
+        install_quant_linears(model, quantized, weights, torch.float32)
+    model.load_weights(weights)
+    return model
+
+
+def cpu_line() -> str:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return f"{name}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; {' '.join(simd)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ftype", default="Q4_K_M", choices=sorted(FTYPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--llama-libs", type=Path, default=PEER_LIBS)
+    parser.add_argument("--layers", nargs="+", default=["fused", "modules"], choices=["fused", "modules"],
+                        help="the layers in one C++ call where they can be, or module by module; interleaved")
+    args = parser.parse_args()
+    print(f"machine: {cpu_line()}")
+    with tempfile.TemporaryDirectory() as folder:
+        f32, target = Path(folder) / "f32.gguf", Path(folder) / f"{args.ftype}.gguf"
+        print("writing the embedded model in float32 ...", flush=True)
+        write_f32(resolve_model_path(""), f32)
+        print(f"quantizing to {args.ftype} with llama.cpp ...", flush=True)
+        llama_quantize(f32, target, args.ftype, args.llama_libs)
+        print(f"{args.ftype} file: {formats(target)}")
+        runners = {}
+        for quantize in ("auto", "none"):
+            model = load(target, quantize)
+            print(f"--quantize {quantize}: {quantized_summary(model)}")
+            runners[quantize] = make_runner(model, args.dtype, num_blocks=2048)
+        variants = [(quantize, layers) for quantize in runners for layers in args.layers]
+        for batch in args.batches:
+            times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+            for round_ in range(args.rounds):
+                for quantize, layers in variants if round_ % 2 == 0 else reversed(variants):
+                    runner = runners[quantize]
+                    runner.model.fused_layers.enabled = layers == "fused"
+                    times[quantize, layers].append(bench_decode(runner, batch, args.steps).step_ms)
+            base = min(times["none", args.layers[-1]])
+            for (quantize, layers), steps in times.items():
+                fused = runner_fuses(runners[quantize]) if layers == "fused" else False
+                print(f"batch {batch:3d} --quantize {quantize} {layers:7s} (one call: {fused!s:5}): "
+                      f"{min(steps):6.2f} ms/step (rounds {', '.join(f'{t:.2f}' for t in steps)}), "
+                      f"{base / min(steps):.2f}x none/{args.layers[-1]}")
+
+
+def runner_fuses(runner) -> bool:
+    model = runner.model
+    return bool(model.fused_layers.args(model.layers, plain_model=True)[0])
+
+
+if __name__ == "__main__":
+    main()
