@@ -4,6 +4,7 @@ the peer's build in ../shared/peers), then decode steps of the two loadings, eac
 in one C++ call and module by module, taking turns.
 
 Run: python bench/bench_gguf_formats.py [--ftype Q4_K_M] [--batches 1 8] [--rounds 4]
+     [--random 1024 4096 16]  (a random Llama of K-quant widths instead of SmolLM2's 576)
 """
 
 from __future__ import annotations
@@ -49,6 +50,42 @@ def write_f32(source: Path, target: Path) -> None:
         shape = [int(d) for d in reversed(tensor.shape)]
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
         writer.add_tensor(tensor.name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_random_f32(target: Path, hidden: int, intermediate: int, layers: int, vocab: int = 32000) -> None:
+    """A random Llama of the given widths (heads of 64, a quarter as many kv heads, tied embeddings)
+    as a float32 GGUF: a K-quant file's shapes, where every width is a multiple of 256."""
+    heads = hidden // 64
+    writer = GGUFWriter(target, "llama")
+    writer.add_name("random")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads // 4)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+
+    def weight(rows: int, columns: int) -> np.ndarray:
+        return (rng.standard_normal((rows, columns), dtype=np.float32) * columns**-0.5).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    kv = heads // 4 * 64
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (intermediate, hidden)),
+                            ("ffn_up", (intermediate, hidden)), ("ffn_down", (hidden, intermediate))):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -102,14 +139,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--llama-libs", type=Path, default=PEER_LIBS)
+    parser.add_argument("--random", type=int, nargs=3, metavar=("HIDDEN", "INTERMEDIATE", "LAYERS"),
+                        help="a random Llama of these widths instead of the embedded model (multiples of 256: "
+                             "K-quants throughout)")
     parser.add_argument("--layers", nargs="+", default=["fused", "modules"], choices=["fused", "modules"],
                         help="the layers in one C++ call where they can be, or module by module; interleaved")
     args = parser.parse_args()
     print(f"machine: {cpu_line()}")
     with tempfile.TemporaryDirectory() as folder:
         f32, target = Path(folder) / "f32.gguf", Path(folder) / f"{args.ftype}.gguf"
-        print("writing the embedded model in float32 ...", flush=True)
-        write_f32(resolve_model_path(""), f32)
+        if args.random:
+            hidden, intermediate, layers = args.random
+            print(f"writing a random Llama ({hidden} wide, {intermediate} MLP, {layers} layers) in float32 ...",
+                  flush=True)
+            write_random_f32(f32, hidden, intermediate, layers)
+        else:
+            print("writing the embedded model in float32 ...", flush=True)
+            write_f32(resolve_model_path(""), f32)
         print(f"quantizing to {args.ftype} with llama.cpp ...", flush=True)
         llama_quantize(f32, target, args.ftype, args.llama_libs)
         print(f"{args.ftype} file: {formats(target)}")

@@ -106,8 +106,8 @@ def _fusable(layer: DecoderLayer) -> bool:
 
 
 def _on_kernels(linear: nn.Module) -> bool:
-    """A QuantLinear on Loom's kernels, or a PackedLinear on loom::linear (a GGUF weight in a format
-    not kept quantized, dequantized at load)."""
+    """A QuantLinear on Loom's kernels, or a PackedLinear on loom::linear (a dense weight where that
+    is its GEMM: safetensors models, a GGUF's formats not kept quantized)."""
     if type(linear) is QuantLinear:
         return linear.uses_kernels
     return type(linear) is PackedLinear and linear.runs_loom_linear()

@@ -1,4 +1,4 @@
-// The decoder layers of a Llama-family model whose projections are Loom's quantized (or dense) linears
+// The decoder layers of a Llama-family model whose projections are Loom's quantized or dense linears
 // (with the LoRA deltas of a batch that names adapters), in one call from Python: the same kernels
 // (loom::rms_norm, add_rms_norm, qlinear, linear, rotary, paged_attention, silu_mul, lora_shrink,
 // lora_expand_) and ATen ops, in the same order and on the same shapes, as the modules
@@ -38,7 +38,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 }
 
 // A projection as its module runs it: QuantLinear's loom::qlinear, or where `scales` is empty
-// PackedLinear's loom::linear (a weight the GGUF holds in a format not kept quantized).
+// PackedLinear's loom::linear (a dense weight: safetensors, or a GGUF format not kept quantized).
 at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
                    const c10::optional<at::Tensor>& bias = c10::nullopt) {
   if (scales.numel() == 0) return linear(x, packed, out_features, bias);
@@ -115,8 +115,9 @@ void write_kv(const at::Tensor& flat, const at::Tensor& k, const at::Tensor& v, 
 
 // x [num_tokens, hidden] (the embeddings); weights: per layer input_layernorm.weight, qkv packed,
 // qkv scales, o packed, o scales, post_attention_layernorm.weight, gate_up packed, gate_up scales,
-// down packed, down scales (a projection with empty scales runs loom::linear); qkv_biases: per layer its qkv projection's bias (Qwen2) or none;
-// kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim].
+// down packed, down scales (a projection with empty scales runs loom::linear); qkv_biases: per
+// layer its qkv projection's bias (Qwen2) or none; kv_cache [layers, 2, blocks, block_size,
+// kv_heads, head_dim].
 // lora: empty, or per layer the LoRA slots of qkv (A, B_q, B_k, B_v), o (A, B), gate_up (A, B_gate,
 // B_up) and down (A, B), with token_slot each token's adapter slot (-1: the base model) and
 // slot_ranks each slot's adapter's rank.
