@@ -12,16 +12,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import platform
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from bench_engine import bench_decode, make_runner
+from common import machine
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
+from loom_shard.cpu import cpu_flags
 from loom_shard.loading.loader import load_model_weights, resolve_model_path
 from loom_shard.loading.quantize import install_quant_linears, quantized_summary
 from loom_shard.models import build_model
@@ -124,11 +125,8 @@ def load(path: Path, quantize: str):
 
 
 def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
-    return f"{name}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; {' '.join(simd)}"
+    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    return f"{machine()}, torch {torch.__version__}; SIMD flags {' '.join(simd)}"
 
 
 def main() -> None:
