@@ -9,6 +9,8 @@ table and whether its targets are met.
 
     .venv/bin/python bench/bench_vs_llamacpp.py ../shared/peers/llama-server --result-file vs.json
 
+`--model PATH` has both load another GGUF (e.g. a Q4_K_M file) instead of the embedded one.
+
 `--as-avx2` measures both as an AVX2-only CPU (an AVX2 EPYC) runs them, on a CPU with more:
 Loom reading the CPU as AVX2-only, as oneDNN and ATen do (`loom_shard.cpu.as_cpu_env`), llama-server
 from a temporary copy of its folder that holds only its `haswell` CPU variant (AVX2 + FMA + F16C).
@@ -57,16 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-args", default="-t 2 -np 32 -c 16384", help="llama-server flags besides model/port")
     p.add_argument("--loom-args", default="", help="loom-launcher flags (default: none, its defaults)")
     p.add_argument("--result-file", type=Path, help="write every measure as JSON")
+    p.add_argument("--model", type=Path, help="a GGUF both servers load (default: the embedded Q4_1 one)")
     p.add_argument("--as-avx2", action="store_true",
                    help="both servers as on an AVX2-only CPU (Loom's avx2 build, llama.cpp's haswell variant)")
     return p
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, args: list[str], timeout_s: float = 300.0) -> Iterator[ServerURL]:
-    """Start llama-server with the embedded GGUF on a free port; yield its base URL once healthy."""
+def llama_server(binary: Path, model: Path, args: list[str], timeout_s: float = 300.0) -> Iterator[ServerURL]:
+    """Start llama-server with the GGUF on a free port; yield its base URL once healthy."""
     port = free_port()
-    cmd = [str(binary), "-m", str(embedded_model_path()), *args, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [str(binary), "-m", str(model), *args, "--host", "127.0.0.1", "--port", str(port)]
     with serving(cmd, port, "llama-server", timeout_s) as url:
         yield url
 
@@ -154,20 +157,22 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         peer = stack.enter_context(only_variant(args.llama_server, "haswell")) if args.as_avx2 else args.llama_server
         server_versions = {PEER: peer_version(peer)}
-        peer_url = stack.enter_context(llama_server(peer, args.peer_args.split()))
-        loom_url = stack.enter_context(launcher(*args.loom_args.split(), env=loom_env))
+        model = args.model or embedded_model_path()
+        peer_url = stack.enter_context(llama_server(peer, model, args.peer_args.split()))
+        loom_flags = [*args.loom_args.split(), *(["--model-id", str(args.model)] if args.model else [])]
+        loom_url = stack.enter_context(launcher(*loom_flags, env=loom_env))
         urls = {LOOM: loom_url, PEER: peer_url}
         server_versions[LOOM] = loom_version(loom_url)
         pairs, log = asyncio.run(compare(args, urls))
     table, checks = render_table(pairs), verdicts(pairs)
     as_avx2 = " (as an AVX2-only CPU: Loom's avx2 build, llama.cpp's haswell variant)" if args.as_avx2 else ""
-    print(f"\n{started}; {machine()}{as_avx2}; load average after {os.getloadavg()}")
+    print(f"\n{started}; {machine()}{as_avx2}; model {model.name}; load average after {os.getloadavg()}")
     print("\n".join(f"{name}: {version}" for name, version in server_versions.items()))
     print(f"\n{table}\n\n{render_verdicts(checks)}")
     if args.result_file:
         args.result_file.write_text(json.dumps({
             "date": started, "machine": machine(), "versions": server_versions, "config": vars(args) | {
-                "llama_server": str(args.llama_server), "result_file": str(args.result_file)},
+                "llama_server": str(args.llama_server), "result_file": str(args.result_file), "model": str(model)},
             "pairs": [{"loom": asdict(p.loom), "peer": asdict(p.peer)} for p in pairs], "runs": log,
             "verdicts": [asdict(v) for v in checks], "table": table}, indent=2))
     return 0
