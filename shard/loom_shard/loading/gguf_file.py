@@ -3,7 +3,9 @@ with Hugging Face names and shapes (`gguf_arch` says where each lies and what to
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,9 @@ from loom_shard.model_config import Llama3Scaling, LongRopeScaling, ModelConfig
 
 ROPE_FREQS_NAME = "rope_freqs.weight"  # llama.cpp's form of Llama-3 rope scaling
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE
+_PLAIN = frozenset({"F32", "F16", "BF16", "F64"})  # unquantized tensor formats
+
+log = logging.getLogger(__name__)
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -159,7 +164,7 @@ def load_gguf_weights(
     """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory;
     where `part` names a part of a tensor, only that part's blocks are read and dequantized.
 
-    quantized: when given, projection weights in a kept format (Q4_1, Q8_0; Q4_0, Q5_0 converted), experts' too, go there
+    quantized: when given, projection weights in a kept format (Q4_1, Q8_0; Q4_0, Q4_K, Q5_0 converted), experts' too, go there
     as raw blocks instead (Q/K rows unpermuted), and a tied embedding also goes there as
     "lm_head.weight".
     """
@@ -168,6 +173,7 @@ def load_gguf_weights(
     recipes = _recipes(path, reader, arch, shapes)
     report = LoadProgress(path, len(shapes), progress)
     tensors: dict[str, torch.Tensor] = {}
+    not_kept: Counter[str] = Counter()  # quantized projections in a format QuantLinear does not run
     for done, (name, shape) in enumerate(shapes.items(), start=1):
         recipe = recipes[name]
         if recipe.combine is Combine.ONE:
@@ -181,10 +187,15 @@ def load_gguf_weights(
                 if target == name:
                     report.tensor_done(done)
                     continue
+            elif keep and tensor.tensor_type.name not in _PLAIN:
+                not_kept[tensor.tensor_type.name] += 1
         cut = part(name, shape) if part else None
         tensors[name] = _read(path, reader, recipe, shape, dtype, cut, config)
         report.tensor_done(done)
     report.finish(tensors)
+    if not_kept:
+        log.info("%s: %s dequantized to %s (formats the quantized kernels do not run)", path.name,
+                 ", ".join(f"{kind} x{count}" for kind, count in sorted(not_kept.items())), str(dtype).removeprefix("torch."))
     return tensors
 
 

@@ -5,6 +5,7 @@ also where a GPU is present."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -29,9 +30,8 @@ from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-Q4_0, Q4_1, Q4_K, Q5_0, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-                                gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_0,
-                                gguf.GGMLQuantizationType.Q8_0)
+F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0 = (gguf.GGMLQuantizationType[name] for name in
+                                          ("F32", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0"))
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
 # K-quants' super-blocks hold 256 inputs: every projection's width a multiple of 256.
@@ -45,9 +45,9 @@ def tiny_model(model_class: type, config_class: type, tied: bool, config: dict =
 
 def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bool,
                          projections: gguf.GGMLQuantizationType = Q4_1, config: dict = TINY,
-                         plain: tuple[str, ...] = ()) -> None:
-    """The tiny model as a GGUF like the embedded one: projections Q4_1 (or `projections`) but those
-    named in `plain` (F32), embedding/head Q8_0."""
+                         formats: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+    """The tiny model as a GGUF like the embedded one: projections Q4_1 (or `projections`),
+    embedding/head Q8_0, but the GGUF tensors named in `formats` in the format given there."""
     f32 = path.with_suffix(".f32.gguf")
     write_tiny_gguf(f32, arch, config, model, tied)
     reader = gguf.GGUFReader(f32)
@@ -58,8 +58,9 @@ def write_quantized_gguf(path: Path, arch: str, model: torch.nn.Module, tied: bo
                                  if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     for tensor in reader.tensors:
         array = np.asarray(tensor.data).reshape([int(d) for d in reversed(tensor.shape)])
-        kind = Q8_0 if tensor.name in ("token_embd.weight", "output.weight") else projections
-        if array.ndim == 2 and "norm" not in tensor.name and tensor.name not in plain:
+        kind = (formats or {}).get(tensor.name, Q8_0 if tensor.name in ("token_embd.weight", "output.weight")
+                                   else projections)
+        if array.ndim == 2 and "norm" not in tensor.name and kind is not F32:
             blocks = quantize_q4_k(array) if kind is Q4_K else quantize(array, kind)
             writer.add_tensor(tensor.name, blocks, raw_dtype=kind)
         else:
@@ -147,13 +148,25 @@ def test_q4_k_gguf_runs_on_q4_1s_kernels(tmp_path: Path) -> None:
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()  # scales in fp16, activations in int8
 
 
+def test_projections_in_formats_not_kept_are_dequantized_and_said_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(path, "llama", model, tied=True, formats={f"blk.{i}.ffn_down.weight": Q5_1 for i in (0, 1)})
+    with caplog.at_level(logging.INFO, logger="loom_shard.loading.gguf_file"):
+        quantized = runner_model(path, "auto")
+    assert "tiny.gguf: Q5_1 x2 dequantized to float32" in caplog.text
+    assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in quantized.layers)
+    assert quantized_summary(quantized).startswith(f"Q4_1 x{3 * TINY['num_hidden_layers']}, Q8_0 x1")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("arch", "model_class", "config_class", "plain"),
-                         [("llama", LlamaForCausalLM, LlamaConfig, ()), ("qwen2", Qwen2ForCausalLM, Qwen2Config, ()),
+@pytest.mark.parametrize(("arch", "model_class", "config_class", "dense"),
+                         [("llama", LlamaForCausalLM, LlamaConfig, False), ("qwen2", Qwen2ForCausalLM, Qwen2Config, False),
                           # a projection the GGUF holds in a format not kept quantized (Q4_K_M's Q6_K ones)
-                          ("llama", LlamaForCausalLM, LlamaConfig, ("blk.1.ffn_down.weight",))])
+                          ("llama", LlamaForCausalLM, LlamaConfig, True)])
 def test_fused_decoder_layers_match_the_modules_bit_for_bit(
-        tmp_path: Path, dtype: str, arch: str, model_class: type, config_class: type, plain: tuple[str, ...],
+        tmp_path: Path, dtype: str, arch: str, model_class: type, config_class: type, dense: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "tiny.gguf"
     reference = tiny_model(model_class, config_class, tied=True)
@@ -161,11 +174,11 @@ def test_fused_decoder_layers_match_the_modules_bit_for_bit(
         for name, param in reference.named_parameters():
             if name.endswith("bias"):
                 param.normal_(generator=torch.Generator().manual_seed(1))
-    write_quantized_gguf(path, arch, reference, tied=True, plain=plain)
+    write_quantized_gguf(path, arch, reference, tied=True, formats={"blk.1.ffn_down.weight": F32} if dense else None)
     runner = ModelRunner(ShardConfig(model_id=str(path), uds_path="", device="cpu", dtype=dtype, quantize="auto",
                                          block_size=16))
     model = runner.model
-    if plain:
+    if dense:
         down = model.layers[1].mlp.down_proj
         assert isinstance(down, PackedLinear)
         if not down.runs_loom_linear():  # oneDNN's GEMM here (float32, or no bfloat16 dot products): modules run
