@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import transformers
 
+from tests.unit.shard.k_quants import quantize_q4_k
+
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "gpt_oss": "gpt-oss"}
 _MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -24,13 +26,20 @@ def write_family_gguf(path: Path, kind: str, hf: transformers.PreTrainedModel,
     _metadata(writer, kind, hf.config)
     for name, array in _tensors(kind, arch, hf).items():
         if experts_as is not None and "_exps.weight" in name:
-            writer.add_tensor(name, gguf.quants.quantize(array, experts_as), raw_dtype=experts_as)
+            writer.add_tensor(name, _quantize(array, experts_as), raw_dtype=experts_as)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _quantize(array: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    if kind is not gguf.GGMLQuantizationType.Q4_K:
+        return gguf.quants.quantize(array, kind)
+    rows = quantize_q4_k(array.reshape(-1, array.shape[-1]))  # gguf-py does not write K-quants
+    return rows.reshape(*array.shape[:-1], rows.shape[-1])
 
 
 def _metadata(writer: gguf.GGUFWriter, kind: str, c: transformers.PretrainedConfig) -> None:

@@ -48,16 +48,22 @@ def test_family_gguf_matches_transformers(tmp_path: Path, kind: str) -> None:
     assert_close(_logits(model.eval(), tokens), hf_logits(hf, tokens))
 
 
+K_WIDTHS = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256}  # K-quants: 256 a block
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize(("kind_of_experts", "runs_as"), [(gguf.GGMLQuantizationType.Q8_0, "Q8_0"),
                                                          (gguf.GGMLQuantizationType.Q4_1, "Q4_1"),
                                                          (gguf.GGMLQuantizationType.Q4_0, "Q4_1"),
-                                                         (gguf.GGMLQuantizationType.Q5_0, "Q8_0")])
+                                                         (gguf.GGMLQuantizationType.Q5_0, "Q8_0"),
+                                                         (gguf.GGMLQuantizationType.Q4_K, "Q4_1")])
 def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, kind: str,
                                                               kind_of_experts: gguf.GGMLQuantizationType,
                                                               runs_as: str) -> None:
     path = tmp_path / f"{kind}.gguf"
-    write_family_gguf(path, kind, families.hf_model(kind, **GGUF_OVERRIDES.get(kind, {})), experts_as=kind_of_experts)
+    widths = K_WIDTHS if kind_of_experts is gguf.GGMLQuantizationType.Q4_K else {}
+    hf = families.hf_model(kind, **GGUF_OVERRIDES.get(kind, {}), **widths)
+    write_family_gguf(path, kind, hf, experts_as=kind_of_experts)
     models = {}
     for flag in ("auto", "none"):
         config = ShardConfig(model_id=str(path), uds_path="", dtype="float32", quantize=flag, block_size=16)
@@ -73,8 +79,10 @@ def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, ki
     # llama.cpp does: measured 0.7-2.7% of the largest logit on these heavy-tailed random models,
     # but for a token whose router picks another expert (a near-tie) now and then. A wrong expert
     # or a misplaced gate/up gives errors of the logits' own size on every token.
+    # The 256-wide models (K-quants) sum 4x the terms a logit: medians 1.3-2.1% for Q4_1, Q8_0 and
+    # Q4_K experts alike, more tokens near a tie.
     row_errors = (got - expected).abs().max(-1).values / expected.abs().max()
-    assert (row_errors < 3e-2).float().mean() >= 0.9, row_errors
+    assert (row_errors < (5e-2 if widths else 3e-2)).float().mean() >= 0.9, row_errors
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
