@@ -73,20 +73,22 @@ def load_model(random_model: bool, quantize: str = "none") -> tuple[DecoderModel
     """quantize "auto": the GGUF's Q4_1/Q8_0 projections stay quantized (QuantLinear), as a shard's default."""
     if not random_model:
         try:
-            from loom_shard.loading.loader import load_model_weights
-            from loom_shard.loading.quantize import install_quant_linears, quantized_summary
+            from loom_shard.loading.quantize import quantized_summary
 
-            quantized: dict | None = {} if quantize == "auto" else None
-            config, weights = load_model_weights("", torch.float32, progress=None, quantized=quantized)
-            model = build_model(config)
-            if quantized:
-                install_quant_linears(model, quantized, weights, torch.float32)
-            model.load_weights(weights)
+            model = load_gguf("", quantize)
             return model, f"embedded SmolLM2-135M-Instruct (quantized: {quantized_summary(model)})"
         except Exception as error:  # the bench still runs on a random model of the same shape
             print(f"embedded model unavailable ({error}); using a random model of its shape")
     torch.manual_seed(0)
     return build_model(SMOLLM2_SHAPE), "random model of SmolLM2-135M's shape"
+
+
+def load_gguf(model_id: str, quantize: str) -> DecoderModel:
+    """The model as a one-rank CPU shard loads it (model_setup.load_model), in float32."""
+    from loom_shard.runtime.model_setup import load_model as shard_load_model
+
+    config = ShardConfig(model_id=model_id, uds_path="", quantize=quantize)
+    return shard_load_model(config, torch.float32, torch.device("cpu"))[0]
 
 
 def make_runner(model: DecoderModel, dtype: str, num_blocks: int, cpu_kernels: str = "auto") -> ModelRunner:

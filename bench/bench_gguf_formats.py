@@ -13,19 +13,19 @@ import argparse
 import ctypes
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
-from bench_engine import bench_decode, make_runner
+from bench_engine import bench_decode, load_gguf, make_runner
 from common import machine
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
 from loom_shard.cpu import cpu_flags
-from loom_shard.loading.loader import load_model_weights, resolve_model_path
-from loom_shard.loading.quantize import install_quant_linears, quantized_summary
-from loom_shard.models import build_model
+from loom_shard.loading.loader import resolve_model_path
+from loom_shard.loading.quantize import quantized_summary
 
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 PEER_LIBS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "llama.cpp" / "bin"
@@ -107,21 +107,8 @@ def llama_quantize(source: Path, target: Path, ftype: str, libs: Path) -> None:
 
 
 def formats(path: Path) -> str:
-    counts: dict[str, int] = {}
-    for tensor in GGUFReader(path).tensors:
-        if len(tensor.shape) == 2:
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    counts = Counter(t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2)
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(counts.items()))
-
-
-def load(path: Path, quantize: str):
-    quantized: dict | None = {} if quantize == "auto" else None
-    config, weights = load_model_weights(str(path), torch.float32, progress=None, quantized=quantized)
-    model = build_model(config)
-    if quantized:
-        install_quant_linears(model, quantized, weights, torch.float32)
-    model.load_weights(weights)
-    return model
 
 
 def cpu_line() -> str:
@@ -159,7 +146,7 @@ def main() -> None:
         print(f"{args.ftype} file: {formats(target)}")
         runners = {}
         for quantize in ("auto", "none"):
-            model = load(target, quantize)
+            model = load_gguf(str(target), quantize)
             print(f"--quantize {quantize}: {quantized_summary(model)}")
             runners[quantize] = make_runner(model, args.dtype, num_blocks=2048)
         variants = [(quantize, layers) for quantize in runners for layers in args.layers]

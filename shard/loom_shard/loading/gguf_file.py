@@ -31,7 +31,6 @@ from loom_shard.model_config import Llama3Scaling, LongRopeScaling, ModelConfig
 
 ROPE_FREQS_NAME = "rope_freqs.weight"  # llama.cpp's form of Llama-3 rope scaling
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE
-_PLAIN = frozenset({"F32", "F16", "BF16", "F64"})  # unquantized tensor formats
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +186,7 @@ def load_gguf_weights(
                 if target == name:
                     report.tensor_done(done)
                     continue
-            elif keep and tensor.tensor_type.name not in _PLAIN:
+            elif keep and GGML_QUANT_SIZES[tensor.tensor_type][0] > 1:  # a block format, not F32/F16/BF16
                 not_kept[tensor.tensor_type.name] += 1
         cut = part(name, shape) if part else None
         tensors[name] = _read(path, reader, recipe, shape, dtype, cut, config)
