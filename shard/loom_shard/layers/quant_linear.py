@@ -1,11 +1,11 @@
-"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0), bf16 or float32 activations.
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0, Q6_K as Q8_16), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
 with AVX-512 VNNI int8 dot products, float32 accumulation in a fixed order per output (rows are
 batch-invariant; one arithmetic for every row count). Without them, Q4_1 runs on torch's int4pack CPU
-kernel (groups of 32, unquantized activations; also batch-invariant) and Q8_0 is dequantized to the
-activations' dtype, so a shard without a compiler still serves the same model.
+kernel (groups of 32, unquantized activations; also batch-invariant) and Q8_0 / Q8_16 are dequantized to
+the activations' dtype, so a shard without a compiler still serves the same model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf.quants import Q4_K
+from gguf.quants import Q4_K, Q6_K
 from torch import nn
 
 from loom_shard import kernels
@@ -30,6 +30,12 @@ class QuantKind(enum.Enum):
 
     Q4_1 = 20  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
     Q8_0 = 34  # fp16 d, 32 int8: w = d q
+    Q8_16 = 36  # fp16 d0, fp16 d1, 32 int8: w = d0 q for inputs 0..15, d1 q for 16..31 (Q6_K's sub-blocks)
+
+    @property
+    def scales(self) -> int:
+        """fp16 scales (d, then m for Q4_1) at the start of a block."""
+        return 1 if self is QuantKind.Q8_0 else 2
 
 
 @dataclass(slots=True)
@@ -58,12 +64,15 @@ class QuantSource:
         return QuantSource(self.kind, self.raw[index].contiguous(), self.in_features, self.file_kind)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q as int16 [N, K], d float32 [N, K/32], m float32 [N, K/32] or None) from the raw blocks."""
+        """(q as int16 [N, K], d float32 [N, K/32] (Q8_16: [N, K/16]), m float32 [N, K/32] or None)
+        from the raw blocks."""
         n, nb = self.out_features, self.in_features // BLOCK
         blocks = self.raw.reshape(n, nb, self.kind.value)
+        if self.kind is not QuantKind.Q4_1:
+            head = 2 * self.kind.scales
+            d = blocks[..., :head].contiguous().view(torch.float16).float().reshape(n, -1)
+            return blocks[..., head:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1), d, None
         d = blocks[..., 0:2].contiguous().view(torch.float16).float().reshape(n, nb)
-        if self.kind is QuantKind.Q8_0:
-            return blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1), d, None
         m = blocks[..., 2:4].contiguous().view(torch.float16).float().reshape(n, nb)
         nibbles = blocks[..., 4:].to(torch.int16)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # element j low nibble, j + 16 high
@@ -72,7 +81,7 @@ class QuantSource:
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features], as gguf-py's dequantize computes it."""
         q, d, m = self.blocks()
-        w = q.float().reshape(self.out_features, -1, BLOCK) * d[..., None]
+        w = q.float().reshape(*d.shape, -1) * d[..., None]
         if m is not None:
             w = w + m[..., None]
         return w.reshape(self.out_features, self.in_features)
@@ -91,7 +100,9 @@ class QuantLinear(nn.Module):
         self.uses_kernels = kernels.available() if use_kernels is None else use_kernels
         # Tensors are integer typed so that Module.to(dtype) leaves them alone.
         if self.uses_kernels:
-            repack = {QuantKind.Q4_1: kernels.ops().qlinear_repack_q4_1, QuantKind.Q8_0: kernels.ops().qlinear_repack_q8_0}
+            ops = kernels.ops()
+            repack = {QuantKind.Q4_1: ops.qlinear_repack_q4_1, QuantKind.Q8_0: ops.qlinear_repack_q8_0,
+                      QuantKind.Q8_16: ops.qlinear_repack_q8_16}
             packed, scales = repack[source.kind](source.raw.contiguous(), source.in_features)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales", scales.view(torch.int16), persistent=False)
@@ -176,10 +187,8 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     blocks = _blocks(raw, 144)
     d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
     sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
-    exact = np.stack([d * sc, -(dmin * mn)]).reshape(2, -1)  # [scale, min] x every block of 32
-    with np.errstate(over="ignore"):  # an overflow is answered below
-        rounded = exact.astype(np.float16)
-    if np.any(np.abs(rounded.astype(np.float32) - exact) > np.abs(exact) * 2.0**-11):
+    rounded = _fp16_scales(np.stack([d * sc, -(dmin * mn)]).reshape(2, -1))  # [scale, min] x every block of 32
+    if rounded is None:
         return None
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # byte i of chunk j: block 2j's q_i low, block 2j + 1's high
     q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [super-blocks, 4, 2, 32]
@@ -188,10 +197,40 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     return _rows(raw, rounded[0].view(np.uint8).reshape(-1, 2), rounded[1].view(np.uint8).reshape(-1, 2), nibbles)
 
 
+def q6_k_as_q8_16(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF Q6_K super-blocks of 256 (fp16 d, int8 scale sc per 16, 6-bit q: w = d sc (q - 32)) as
+    eight Q8_16 blocks each (fp16 d sc per 16, int8 q - 32), so Q6_K files run on the int8 kernels
+    (36 bytes a block of 32 against the file's 26.25 and bfloat16's 64). The integers are the file's
+    (gguf-py unpacks them); each 16's scale, exact in float32, is rounded to fp16 as Q4_K's are. None
+    where one would leave fp16's normal range: such a weight is dequantized instead."""
+    blocks = _blocks(raw, 210)  # 128 bytes of low nibbles, 64 of high bits, int8 sc[16], fp16 d
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    rounded = _fp16_scales(d * blocks[:, 192:208].view(np.int8).astype(np.float32))  # [super-blocks, 16]
+    if rounded is None:
+        return None
+    unit = blocks.copy()  # every scale 1: gguf-py's dequantization then gives q - 32 itself
+    unit[:, 192:208] = 1
+    unit[:, 208:210] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    q = Q6_K.dequantize_blocks(unit).astype(np.int8).reshape(-1, 32)
+    return _rows(raw, rounded.view(np.uint8).reshape(-1, 4), q.view(np.uint8))
+
+
+def _fp16_scales(exact: np.ndarray) -> np.ndarray | None:
+    """float32 block scales rounded to fp16 (a relative 2^-11 at most, where a weight dequantized to
+    bfloat16 moves by up to 2^-8), or None where one would leave fp16's normal range (overflow, or a
+    subnormal that loses bits)."""
+    with np.errstate(over="ignore"):  # an overflow is answered below
+        rounded = exact.astype(np.float16)
+    if np.any(np.abs(rounded.astype(np.float32) - exact) > np.abs(exact) * 2.0**-11):
+        return None
+    return rounded
+
+
 # GGUF formats run as a kept one, converted at load (None: not this one): Q4_0 and Q5_0 without
-# changing a weight, Q4_K with its block scales in fp16.
+# changing a weight, Q4_K and Q6_K with their block scales in fp16.
 KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] = {
     "Q4_0": (QuantKind.Q4_1, q4_0_as_q4_1),
     "Q5_0": (QuantKind.Q8_0, q5_0_as_q8_0),
     "Q4_K": (QuantKind.Q4_1, q4_k_as_q4_1),
+    "Q6_K": (QuantKind.Q8_16, q6_k_as_q8_16),
 }

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import transformers
 
-from tests.unit.shard.k_quants import quantize_q4_k
+from tests.unit.shard.k_quants import WRITERS
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "gpt_oss": "gpt-oss"}
@@ -19,14 +19,17 @@ _MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
 def write_family_gguf(path: Path, kind: str, hf: transformers.PreTrainedModel,
-                      experts_as: gguf.GGMLQuantizationType | None = None) -> None:
-    """The model as its architecture's GGUF in float32; experts in `experts_as` when given."""
+                      experts_as: gguf.GGMLQuantizationType | None = None,
+                      down_experts_as: gguf.GGMLQuantizationType | None = None) -> None:
+    """The model as its architecture's GGUF in float32; experts in `experts_as` when given, their
+    down projections in `down_experts_as` when that is given too (as Q4_K_M's Q6_K ones)."""
     arch = GGUF_ARCH[kind]
     writer = gguf.GGUFWriter(path, arch)
     _metadata(writer, kind, hf.config)
     for name, array in _tensors(kind, arch, hf).items():
         if experts_as is not None and "_exps.weight" in name:
-            writer.add_tensor(name, _quantize(array, experts_as), raw_dtype=experts_as)
+            as_kind = down_experts_as if down_experts_as and "ffn_down_exps" in name else experts_as
+            writer.add_tensor(name, _quantize(array, as_kind), raw_dtype=as_kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()
@@ -36,9 +39,9 @@ def write_family_gguf(path: Path, kind: str, hf: transformers.PreTrainedModel,
 
 
 def _quantize(array: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    if kind is not gguf.GGMLQuantizationType.Q4_K:
+    if kind not in WRITERS:
         return gguf.quants.quantize(array, kind)
-    rows = quantize_q4_k(array.reshape(-1, array.shape[-1]))  # gguf-py does not write K-quants
+    rows = WRITERS[kind](array.reshape(-1, array.shape[-1]))  # gguf-py does not write K-quants
     return rows.reshape(*array.shape[:-1], rows.shape[-1])
 
 

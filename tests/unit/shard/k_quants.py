@@ -1,15 +1,18 @@
-"""GGUF Q4_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
+"""GGUF Q4_K and Q6_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
 
-A plain min/max quantizer in llama.cpp's block layout (not its error-minimizing search): every
-block it writes is a valid Q4_K block, which is all a loader test needs; gguf-py's dequantization
-stays the reference.
+Plain min/max quantizers in llama.cpp's block layouts (not its error-minimizing search): every
+block they write is a valid block of its format, which is all a loader test needs; gguf-py's
+dequantization stays the reference.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
 
-SUPER = 256  # weights per Q4_K super-block: 8 blocks of 32
+import numpy as np
+from gguf import GGMLQuantizationType
+
+SUPER = 256  # weights per K-quant super-block
 
 
 def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
@@ -43,3 +46,32 @@ def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     """llama.cpp's 12 bytes of eight 6-bit scales and mins (gguf.quants.Q4_K.get_scale_min reads them)."""
     low = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6)], axis=1)
     return np.concatenate([low, (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=1).astype(np.uint8)
+
+
+def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] (columns a multiple of 256) -> Q6_K raw blocks [rows, columns / 256 * 210]:
+    128 bytes of low nibbles, 64 of high bit pairs, int8 sc per 16, fp16 d; w = d sc (q - 32)."""
+    rows, columns = weights.shape
+    x = weights.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=-1) / 31
+    d = (scale.max(axis=-1) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), -128, 127), 0)
+        step = (d32 * sc)[..., None]
+        q = np.where(step > 0, np.clip(np.rint(x / step), -32, 31), 0)
+    q = (q + 32).astype(np.uint8).reshape(-1, SUPER)
+    low, high = q & 0x0F, q >> 4
+    low = low.reshape(-1, 2, 2, 64)  # half h: byte i holds element 128h + i low, 128h + 64 + i high
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    high = high.reshape(-1, 2, 4, 32)  # half h: byte i's bit pair s holds element 128h + 32s + i
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    packed = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), d[:, None].view(np.uint8)], axis=1)
+    return packed.reshape(rows, columns // SUPER * 210)
+
+
+# gguf-py's quantize() for the K-quants it cannot write: float32 [rows, columns] -> raw blocks.
+WRITERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    GGMLQuantizationType.Q4_K: quantize_q4_k,
+    GGMLQuantizationType.Q6_K: quantize_q6_k,
+}

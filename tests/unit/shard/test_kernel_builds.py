@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from loom_shard import kernels
+from loom_shard.layers.quant_linear import QuantKind
+from tests.unit.shard.test_quant_linear import make_source
 
 
 def _attention_case(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -30,10 +30,9 @@ def _every_op(ops: torch._ops._OpNamespace, dtype: torch.dtype) -> list[torch.Te
     """Every kernel of one build on the same inputs."""
     gen = torch.Generator().manual_seed(3)
     results = []
-    for kind in ("Q4_1", "Q8_0"):
-        weights = torch.randn(200, 160, generator=gen).numpy() * 0.05
-        raw = torch.from_numpy(quantize(weights, GGMLQuantizationType[kind]).copy())
-        packed, scales = getattr(ops, f"qlinear_repack_{kind.lower()}")(raw, 160)
+    for seed, kind in enumerate(QuantKind):
+        source, _ = make_source(kind, 200, 160, seed)
+        packed, scales = getattr(ops, f"qlinear_repack_{kind.name.lower()}")(source.raw, 160)
         results.append(ops.qlinear(torch.randn(37, 160, generator=gen).to(dtype), packed, scales, 200, None))
     weight, x = torch.randn(200, 160, generator=gen).to(dtype), torch.randn(37, 160, generator=gen).to(dtype)
     results.append(ops.linear(x, ops.linear_repack(weight), 200, torch.randn(200, generator=gen)))

@@ -1,7 +1,7 @@
 """QuantLinear and loom::qlinear against the dequantized float reference.
 
-Weights are real GGUF blocks made by gguf-py's quantizer from random floats; the reference is
-gguf-py's own dequantization multiplied in float64.
+Weights are real GGUF blocks made by gguf-py's quantizer from random floats (Q8_16: Q6_K blocks
+converted as at load); the reference is their dequantization multiplied in float64.
 """
 
 from __future__ import annotations
@@ -20,18 +20,24 @@ from loom_shard.layers.quant_linear import (
     q4_0_as_q4_1,
     q4_k_as_q4_1,
     q5_0_as_q8_0,
+    q6_k_as_q8_16,
     raw_source,
 )
-from tests.unit.shard.k_quants import quantize_q4_k
+from tests.unit.shard.k_quants import SUPER, quantize_q4_k, quantize_q6_k
 
 needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
-KINDS = [QuantKind.Q4_1, QuantKind.Q8_0]
+KINDS = [QuantKind.Q4_1, QuantKind.Q8_0, QuantKind.Q8_16]
 
 
 def make_source(kind: QuantKind, out_features: int, in_features: int, seed: int = 0) -> tuple[QuantSource, torch.Tensor]:
     """Random weights quantized by gguf-py; returns the blocks and their float64 dequantization."""
     rng = np.random.default_rng(seed)
     weights = (rng.standard_normal((out_features, in_features)) * 0.05 + 0.01).astype(np.float32)
+    if kind is QuantKind.Q8_16:  # Q6_K super-blocks of 256 as converted at load, cut to in_features
+        padded = np.pad(weights, ((0, 0), (0, -in_features % SUPER)))
+        raw = q6_k_as_q8_16(quantize_q6_k(padded))[:, : in_features // BLOCK * kind.value]
+        source = raw_source(kind, raw, in_features)
+        return source, source.dequantize().double()
     raw = quantize(weights, GGMLQuantizationType[kind.name])
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind.name]).astype(np.float64))
     return raw_source(kind, raw, in_features), reference
@@ -52,7 +58,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [QuantKind.Q4_1, QuantKind.Q8_0])
 def test_source_dequantizes_like_gguf_py(kind: QuantKind) -> None:
     source, reference = make_source(kind, 48, 96)
     assert torch.equal(source.dequantize().double(), reference)
@@ -107,6 +113,28 @@ def test_q4_k_runs_as_q4_1_with_its_block_scales_rounded_to_fp16() -> None:
     assert q4_k_as_q4_1(raw) is None  # that weight is dequantized instead
 
 
+def test_q6_k_runs_as_q8_16_with_its_scales_rounded_to_fp16() -> None:
+    rng = np.random.default_rng(7)
+    weights = (rng.standard_normal((12, 512)) * 0.05).astype(np.float32)
+    weights[2, 256:] = 0  # a zero super-block: d = 0
+    weights[5] *= 300  # scales far from the others' exponents
+    raw = quantize_q6_k(weights)
+    raw[4, 192:208] = (-raw[4, 192:208].view(np.int8)).view(np.uint8)  # negative sub-block scales
+    raw[4, :192] ^= 0x5A  # and other integers
+    reference = dequantize(raw, GGMLQuantizationType.Q6_K)
+    converted = q6_k_as_q8_16(raw)
+    assert converted.shape == (12, 512 // BLOCK * QuantKind.Q8_16.value)
+    source = raw_source(QuantKind.Q8_16, converted, 512)
+    q, d, _ = source.blocks()
+    # The file's integers (q - 32); each 16's scale within fp16's rounding of its exact value.
+    bound = 2.0**-11 * (d.abs()[..., None] * q.abs().reshape(12, -1, 16)).reshape(12, 512)
+    error = (source.dequantize() - torch.from_numpy(reference)).abs()
+    assert (error <= bound * 1.01).all() and error.max() > 0
+    assert torch.equal(source.dequantize()[2, 256:], torch.zeros(256))
+    raw[7, 208:210] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d sc overflows fp16
+    assert q6_k_as_q8_16(raw) is None  # that weight is dequantized instead
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -144,7 +172,8 @@ def test_a_row_is_bit_identical_at_any_batch_size(kind: QuantKind, dtype: torch.
 
 
 @needs_kernels
-def test_q8_0_extremes_stay_exact() -> None:
+@pytest.mark.parametrize("kind", [QuantKind.Q8_0, QuantKind.Q8_16])
+def test_int8_extremes_stay_exact(kind: QuantKind) -> None:
     """Weights of -128 and 127 against activations that quantize to +-127 (q + 128 = 1 or 255):
     the largest products and sums the int8 paths meet (int16 partial sums on AVX2). Every
     scale is 1, so each output is the integer dot itself, exact in float32."""
@@ -153,10 +182,11 @@ def test_q8_0_extremes_stay_exact() -> None:
     q = rng.choice(np.array([-128, 127, -127, 1], dtype=np.int8), size=(out_features, in_features))
     q[:16] = -128  # whole columns at the extremes: every partial sum at its largest
     q[16:32] = 127
-    blocks = np.zeros((out_features, in_features // BLOCK, 2 + BLOCK), dtype=np.uint8)
-    blocks[..., :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
-    blocks[..., 2:] = q.reshape(out_features, -1, BLOCK).view(np.uint8)
-    layer = QuantLinear(raw_source(QuantKind.Q8_0, blocks.reshape(out_features, -1), in_features), None, torch.float32)
+    head = 2 * kind.scales
+    blocks = np.zeros((out_features, in_features // BLOCK, head + BLOCK), dtype=np.uint8)
+    blocks[..., :head] = np.frombuffer(np.float16(1.0).tobytes() * kind.scales, dtype=np.uint8)
+    blocks[..., head:] = q.reshape(out_features, -1, BLOCK).view(np.uint8)
+    layer = QuantLinear(raw_source(kind, blocks.reshape(out_features, -1), in_features), None, torch.float32)
     signs = torch.from_numpy(rng.choice([-1.0, 1.0], size=(5, in_features)).astype(np.float32))
     signs[0], signs[1] = 1.0, -1.0  # rows of one sign: q = 127 (255 after + 128) or -127 (1)
     x = signs * 127.0  # d = 1: every activation quantizes to +-127 exactly
@@ -178,7 +208,7 @@ def test_kernel_adds_the_bias_and_keeps_leading_dims() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_torch_fallback_matches_the_reference(kind: QuantKind, dtype: torch.dtype) -> None:
-    # Without the kernels: torch's int4pack for Q4_1, a dequantized matmul for Q8_0.
+    # Without the kernels: torch's int4pack for Q4_1, a dequantized matmul for Q8_0 and Q8_16.
     source, weight = make_source(kind, 96, 128)
     bias = torch.randn(96)
     layer = QuantLinear(source, bias, dtype, use_kernels=False)

@@ -1,10 +1,11 @@
-// Weight-only quantized linears: y = x @ W^T with W kept in GGUF's Q4_1 or Q8_0 blocks of 32, run
+// Weight-only quantized linears: y = x @ W^T with W kept in GGUF's Q4_1 or Q8_0 blocks of 32 (or
+// Q8_16: Q8_0 with a scale per 16 inputs, which holds Q6_K's sub-blocks), run
 // llama.cpp's way: each activation row is quantized per block of 32 to int8 (d = amax / 127, round to
 // nearest even) and multiplied with exact int8 dot products (qlinear_tiles.h: AVX-512 VNNI or AVX2).
 //
 // At load the GGUF blocks are repacked into tile-blocks of 16 output columns x 32 inputs (4
 // consecutive inputs of one column per int32 lane; the same layout for every ISA); fp16 scales are
-// kept as in the file. Batch invariance: the activation quantization is per row, and every row of
+// kept as given. Batch invariance: the activation quantization is per row, and every row of
 // every tile runs the same arithmetic whatever the row count, so a row's result is bit-identical at
 // any batch size. There is one arithmetic for every row count (decode and prefill alike).
 #include <ATen/ATen.h>
@@ -28,7 +29,19 @@ namespace simd = loom::simd;
 constexpr int64_t kRowChunk = 64;   // rows whose activations stay cached while the tiles stream by
 constexpr int64_t kShareRows = 12;  // a chunk of more rows shares its Q4_1 tiles' split nibbles
 
-enum class Format { kQ4_1, kQ8_0 };
+enum class Format { kQ4_1, kQ8_0, kQ8_16 };
+
+struct Layout {
+  int64_t block_bytes;  // a raw block of 32 inputs, as given
+  int64_t tile_bytes;   // a tile-block (qlinear_tiles.h)
+  int64_t scale_count;  // fp16 scales per tile-block
+};
+
+Layout layout(Format format) {
+  if (format == Format::kQ4_1) return {20, kQ4Bytes, 2 * kCols};
+  if (format == Format::kQ8_0) return {34, kQ8Bytes, kCols};
+  return {36, kQ816Bytes, 2 * kCols};  // Q8_16: fp16 d0, fp16 d1, 32 int8
+}
 
 // ---------------------------------------------------------------------------- repacking (at load)
 
@@ -46,16 +59,22 @@ void repack_q4_1_block(const uint8_t* src, int64_t c, uint8_t* tile, at::Half* s
       tile[64 * j + 4 * c + i] = static_cast<uint8_t>(q[4 * j + i] | (q[4 * (j + 4) + i] << 4));
 }
 
-// GGUF Q8_0 block: fp16 d, 32 int8. -sum(q) (times 128 in the kernel) undoes the +128 on the activations.
-void repack_q8_0_block(const uint8_t* src, int64_t c, uint8_t* tile, at::Half* scales) {
-  std::memcpy(&scales[c], src, 2);
-  int32_t sum = 0;
-  for (int k = 0; k < kBlock; ++k) {
-    tile[64 * (k / 4) + 4 * c + k % 4] = src[2 + k];
-    sum += static_cast<int8_t>(src[2 + k]);
+// A Q8 block of kParts fp16 scales (one per 32 / kParts inputs), then 32 int8: GGUF's Q8_0 block
+// (kParts 1) or Q8_16's (2). Per part, -sum(q) (times 128 in the kernel) undoes the +128 on the
+// activations.
+template <int kParts>
+void repack_q8_block(const uint8_t* src, int64_t c, uint8_t* tile, at::Half* scales) {
+  const uint8_t* q = src + 2 * kParts;
+  for (int p = 0; p < kParts; ++p) {
+    std::memcpy(&scales[p * kCols + c], src + 2 * p, 2);
+    int32_t sum = 0;
+    for (int k = p * kBlock / kParts; k < (p + 1) * kBlock / kParts; ++k) {
+      tile[64 * (k / 4) + 4 * c + k % 4] = q[k];
+      sum += static_cast<int8_t>(q[k]);
+    }
+    const auto correction = static_cast<int16_t>(-sum);  // |sum| <= 32 * 128
+    std::memcpy(tile + 512 + 32 * p + 2 * c, &correction, 2);
   }
-  const auto correction = static_cast<int16_t>(-sum);  // |sum| <= 32 * 128
-  std::memcpy(tile + 512 + 2 * c, &correction, 2);
 }
 
 // raw: uint8 [N, K/32 * block_bytes] as in the GGUF file. Returns (packed [groups, nb, kTiles, bytes],
@@ -64,9 +83,7 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& raw, int64_t in_feat
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(), "repack: uint8 [N, bytes]");
   TORCH_CHECK(in_features % kBlock == 0, "repack: in_features must be a multiple of 32");
   const int64_t nb = in_features / kBlock, n = raw.size(0), groups = (n + kTiles * kCols - 1) / (kTiles * kCols);
-  const int64_t block_bytes = format == Format::kQ4_1 ? 20 : 34;
-  const int64_t tile_bytes = format == Format::kQ4_1 ? kQ4Bytes : kQ8Bytes;
-  const int64_t scale_count = format == Format::kQ4_1 ? 2 * kCols : kCols;
+  const auto [block_bytes, tile_bytes, scale_count] = layout(format);
   TORCH_CHECK(raw.size(1) == nb * block_bytes, "repack: row size does not match in_features");
   auto packed = at::zeros({groups, nb, kTiles, tile_bytes}, raw.options());
   auto scales = at::zeros({groups, nb, kTiles, scale_count}, raw.options().dtype(at::kHalf));
@@ -81,7 +98,8 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& raw, int64_t in_feat
         uint8_t* tile = dst + ((g * nb + b) * kTiles + t) * tile_bytes;
         at::Half* s = sc + ((g * nb + b) * kTiles + t) * scale_count;
         if (format == Format::kQ4_1) repack_q4_1_block(block, c, tile, s);
-        else repack_q8_0_block(block, c, tile, s);
+        else if (format == Format::kQ8_0) repack_q8_block<1>(block, c, tile, s);
+        else repack_q8_block<2>(block, c, tile, s);
       }
     }
   });
@@ -94,11 +112,14 @@ std::tuple<at::Tensor, at::Tensor> repack_q4_1(const at::Tensor& raw, int64_t in
 std::tuple<at::Tensor, at::Tensor> repack_q8_0(const at::Tensor& raw, int64_t in_features) {
   return repack(raw, in_features, Format::kQ8_0);
 }
+std::tuple<at::Tensor, at::Tensor> repack_q8_16(const at::Tensor& raw, int64_t in_features) {
+  return repack(raw, in_features, Format::kQ8_16);
+}
 
 // ---------------------------------------------------------------------------- activations
 
 // One block of 32 activations -> int8 q as llama.cpp's Q8_0 (d = amax / 127, q = round(x / d), ties to
-// even), stored XOR `flip` (0x80: q + 128 as u8, for Q8_0 weights). Sets d; returns sum(q).
+// even), stored XOR `flip` (0x80: q + 128 as u8, for signed weights: Q8_0, Q8_16). Sets d; returns sum(q).
 template <typename T>
 int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
   const simd::F16 v0 = simd::load(x), v1 = simd::load(x + 16);
@@ -113,7 +134,7 @@ int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, Format format, uint8_t* q, float* d, float* s) {
   const int64_t nb = k / kBlock;
-  const uint8_t flip = format == Format::kQ8_0 ? 0x80 : 0x00;
+  const uint8_t flip = format == Format::kQ4_1 ? 0x00 : 0x80;
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
     for (int64_t i = first * nb; i < last * nb; ++i) {  // block i of the flattened rows
       const int32_t sum = quantize_block(x + i * kBlock, q + i * kBlock, d[i], flip);
@@ -138,7 +159,8 @@ void run_tile(Format format, const QTiles& w, const QRows& x, int64_t r0, int64_
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = simd::zero();
   if (format == Format::kQ4_1) q4_1_tile<R, C>(w, x, r0, acc);
-  else q8_0_tile<R, C>(w, x, r0, acc);
+  else if (format == Format::kQ8_0) q8_tile<R, C, 1>(w, x, r0, acc);
+  else q8_tile<R, C, 2>(w, x, r0, acc);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) store(out + (r0 + r) * n, n, (w.group * kTiles + w.first_tile + c) * kCols, bias, acc[r][c]);
 }
@@ -189,8 +211,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "qlinear: packed [groups, nb, tiles, bytes]");
   const int64_t k = x.size(-1), nb = packed.size(1), groups = packed.size(0);
   TORCH_CHECK(k == nb * kBlock && out_features <= groups * kTiles * kCols, "qlinear: shapes do not match the packed weight");
-  TORCH_CHECK(packed.size(3) == kQ4Bytes || packed.size(3) == kQ8Bytes, "qlinear: unknown packed tile size");
-  const Format format = packed.size(3) == kQ4Bytes ? Format::kQ4_1 : Format::kQ8_0;
+  const int64_t tile_bytes = packed.size(3);
+  TORCH_CHECK(tile_bytes == kQ4Bytes || tile_bytes == kQ8Bytes || tile_bytes == kQ816Bytes, "qlinear: unknown packed tile size");
+  const Format format = tile_bytes == kQ4Bytes ? Format::kQ4_1 : tile_bytes == kQ8Bytes ? Format::kQ8_0 : Format::kQ8_16;
   auto x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -212,7 +235,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const QTiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nb, 0, 0, false};
   QRows rows{q.data_ptr<uint8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), k, nb};
   std::vector<uint8_t> planes;
-  if (format == Format::kQ8_0) split_q8_0_rows(rows, m, planes);
+  if (format != Format::kQ4_1) split_q8_0_rows(rows, m, planes);
   if (x.scalar_type() == at::kFloat) matmul<float>(format, w, rows, m, out_features, groups, bp, out.data_ptr<float>());
   else matmul<at::BFloat16>(format, w, rows, m, out_features, groups, bp, out.data_ptr<at::BFloat16>());
   return out;
@@ -223,10 +246,12 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("qlinear_repack_q4_1(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear_repack_q8_0(Tensor raw, int in_features) -> (Tensor, Tensor)");
+  m.def("qlinear_repack_q8_16(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) {
   m.impl("qlinear_repack_q4_1", &repack_q4_1);
   m.impl("qlinear_repack_q8_0", &repack_q8_0);
+  m.impl("qlinear_repack_q8_16", &repack_q8_16);
   m.impl("qlinear", &qlinear);
 }

@@ -12,6 +12,8 @@
 //   Q8_0: weights are signed; x arrives as q + 128 (q XOR 0x80), the unsigned operand, and the dot
 //         starts from -128 * sum(q_w), precomputed per column and block at load (AVX2 multiplies
 //         the two nibbles of q + 128 apart: see its tile). y += (d_w d_x) * dot.
+//   Q8_16: Q8_0 with a weight scale per half block (16 inputs: Q6_K's sub-blocks): each half's
+//         dot as Q8_0's, y += (d_w0 d_x) * dot_0, then y += (d_w1 d_x) * dot_1.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -28,9 +30,14 @@ constexpr int64_t kBlock = 32;      // inputs per quantization block (GGUF)
 constexpr int64_t kCols = 16;       // output columns per tile: one simd::F16 of float32 lanes
 constexpr int64_t kQ4Bytes = 256;   // Q4_1 tile-block: 4 chunks of 64 bytes of nibble pairs
 constexpr int64_t kQ8Bytes = 544;   // Q8_0 tile-block: 8 groups of 64 int8, then 16 int16 -sum(q)
+constexpr int64_t kQ816Bytes = 576; // Q8_16 tile-block: 8 groups of 64 int8, then 2 x 16 int16 -sum(q)
+
+// The int8 tile-blocks, Q8_0 and Q8_16: kParts weight scales a block of 32 inputs.
+template <int kParts>
+constexpr int64_t q8_bytes() { return kParts == 1 ? kQ8Bytes : kQ816Bytes; }
 constexpr int kTiles = 2;           // column tiles per group in the packed layout
 
-// One row chunk's quantized activations: q [rows, K] (int8 for Q4_1, q + 128 as u8 for Q8_0),
+// One row chunk's quantized activations: q [rows, K] (int8 for Q4_1, q + 128 as u8 for Q8_0 and Q8_16),
 // d and s [rows, K/32].
 struct QRows {
   const uint8_t* q;
@@ -38,7 +45,7 @@ struct QRows {
   const float* s;
   int64_t k;
   int64_t nb;
-  const uint8_t* high = nullptr;  // AVX2, Q8_0: q's high and low nibbles as bytes (split_q8_0_rows)
+  const uint8_t* high = nullptr;  // AVX2, Q8_0 and Q8_16: q's high and low nibbles as bytes (split_q8_0_rows)
   const uint8_t* low = nullptr;
 };
 
@@ -72,15 +79,15 @@ inline void prefetch_next(const QTiles& w, int64_t b, int64_t bytes, int64_t cou
   for (int64_t i = 0; i < kTiles * count * static_cast<int64_t>(sizeof(at::Half)); i += 64) simd::prefetch_l2(s + i);
 }
 
-// Folds block b's exact dots into the accumulators: acc = fma(dot, d_w d_x, acc) [+ m_w s_x].
-template <int R, int C, bool kHasMin>
+// Folds block b's exact dots into the accumulators: acc = fma(dot, d_w d_x, acc) [+ m_w s_x]. A
+// tile-block's scales: kCount fp16 per column tile; d_w is the `part`-th 16 of them (Q8_16's halves).
+template <int R, int C, bool kHasMin, int64_t kCount = kHasMin ? 2 * kCols : kCols>
 inline void fold_block(const QTiles& w, const QRows& x, int64_t r0, int64_t b, const simd::F16 (&dot)[R][C],
-                       simd::F16 (&acc)[R][C]) {
-  constexpr int64_t count = kHasMin ? 2 * kCols : kCols;
+                       simd::F16 (&acc)[R][C], int part = 0) {
   simd::F16 d[C], m[C];
   for (int c = 0; c < C; ++c) {
-    const at::Half* s = w.scale(b, c, count);
-    d[c] = simd::load(s);
+    const at::Half* s = w.scale(b, c, kCount);
+    d[c] = simd::load(s + part * kCols);
     if constexpr (kHasMin) m[c] = simd::load(s + kCols);
   }
   for (int r = 0; r < R; ++r) {
@@ -145,31 +152,36 @@ inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&a
   }
 }
 
-// Q8_0: group g (0..7) byte 4c+i holds column c's input 4g+i; then int16[16] = -sum of the column's
-// 32 weights (the dot starts from 128 times that). Scales per tile-block: d[16], fp16.
-template <int R, int C>
-inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+// Q8_0 (kParts 1) and Q8_16 (2): group g (0..7) byte 4c+i holds column c's input 4g+i; then per
+// part int16[16] = -sum of the column's weights in that part (the part's dot starts from 128 times
+// that). Scales per tile-block: d[16] per part, fp16. A part's dot is folded as soon as it is done.
+template <int R, int C, int kParts>
+inline void q8_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  constexpr int64_t bytes = q8_bytes<kParts>();
+  constexpr int groups = 8 / kParts;
   for (int64_t b = 0; b < x.nb; ++b) {
-    prefetch_next(w, b, kQ8Bytes, kCols);
-    __m512i dot[R][C];
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* sums = w.block(b, c, kQ8Bytes) + 512;
-      const __m512i start = _mm512_slli_epi32(
-          _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums))), 7);
-      for (int r = 0; r < R; ++r) dot[r][c] = start;
-    }
-    for (int g = 0; g < 8; ++g) {
-      __m512i wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w.block(b, c, kQ8Bytes) + 64 * g);
-      for (int r = 0; r < R; ++r) {
-        const __m512i xg = bcast4(x.q + (r0 + r) * x.k + b * kBlock + 4 * g);
-        for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], xg, wv[c]);
+    prefetch_next(w, b, bytes, kParts * kCols);
+    for (int p = 0; p < kParts; ++p) {
+      __m512i dot[R][C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* sums = w.block(b, c, bytes) + 512 + 32 * p;
+        const __m512i start = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums))), 7);
+        for (int r = 0; r < R; ++r) dot[r][c] = start;
       }
+      for (int g = p * groups; g < (p + 1) * groups; ++g) {
+        __m512i wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w.block(b, c, bytes) + 64 * g);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xg = bcast4(x.q + (r0 + r) * x.k + b * kBlock + 4 * g);
+          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], xg, wv[c]);
+        }
+      }
+      simd::F16 dots[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) dots[r][c] = {_mm512_cvtepi32_ps(dot[r][c])};
+      fold_block<R, C, false, kParts * kCols>(w, x, r0, b, dots, acc, p);
     }
-    simd::F16 dots[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dots[r][c] = {_mm512_cvtepi32_ps(dot[r][c])};
-    fold_block<R, C, false>(w, x, r0, b, dots, acc);
   }
 }
 
@@ -285,49 +297,54 @@ inline void split_q8_0_rows(QRows& x, int64_t m, std::vector<uint8_t>& planes) {
   x.low = planes.data() + bytes;
 }
 
-// Q8_0: dot = -128 sum(w) + 16 dot(high, w) + dot(low, w), with q + 128 = 16 high + low. A maddubs
-// lane is at most 2 * 15 * 128 = 3840, so a block's 8 of them add up exactly in int16 (30,720)
-// for each nibble before one widening madd: the same int32 dot as vpdpbusd's.
-template <int R, int C>
-inline void q8_0_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+// Q8_0 (kParts 1) and Q8_16 (2), per part: dot = -128 sum(w) + 16 dot(high, w) + dot(low, w), with
+// q + 128 = 16 high + low. A maddubs lane is at most 2 * 15 * 128 = 3840, so a block's 8 of them add
+// up exactly in int16 (30,720) for each nibble before one widening madd: the same int32 dot as
+// vpdpbusd's. Layout and folding as on AVX-512.
+template <int R, int C, int kParts>
+inline void q8_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
+  constexpr int64_t bytes = q8_bytes<kParts>();
+  constexpr int groups = 8 / kParts;
   const __m256i sixteen = _mm256_set1_epi16(16), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < x.nb; ++b) {
-    prefetch_next(w, b, kQ8Bytes, kCols);
-    __m256i high[R][C][2], low[R][C][2];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c)
-        for (int h = 0; h < 2; ++h) high[r][c][h] = low[r][c][h] = _mm256_setzero_si256();
-#pragma GCC unroll 8  // the accumulators stay in registers only when the loop unrolls
-    for (int g = 0; g < 8; ++g) {
-      __m256i wv[C][2];
-      for (int c = 0; c < C; ++c)
-        for (int h = 0; h < 2; ++h)
-          wv[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, c, kQ8Bytes) + 64 * g + 32 * h));
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * x.k + b * kBlock + 4 * g;
-        const __m256i xh = bcast4(x.high + at), xl = bcast4(x.low + at);
+    prefetch_next(w, b, bytes, kParts * kCols);
+    for (int p = 0; p < kParts; ++p) {
+      __m256i high[R][C][2], low[R][C][2];
+      for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)
-          for (int h = 0; h < 2; ++h) {
-            high[r][c][h] = _mm256_add_epi16(high[r][c][h], _mm256_maddubs_epi16(xh, wv[c][h]));
-            low[r][c][h] = _mm256_add_epi16(low[r][c][h], _mm256_maddubs_epi16(xl, wv[c][h]));
-          }
+          for (int h = 0; h < 2; ++h) high[r][c][h] = low[r][c][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // the accumulators stay in registers only when the loop unrolls
+      for (int g = p * groups; g < (p + 1) * groups; ++g) {
+        __m256i wv[C][2];
+        for (int c = 0; c < C; ++c)
+          for (int h = 0; h < 2; ++h)
+            wv[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.block(b, c, bytes) + 64 * g + 32 * h));
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * x.k + b * kBlock + 4 * g;
+          const __m256i xh = bcast4(x.high + at), xl = bcast4(x.low + at);
+          for (int c = 0; c < C; ++c)
+            for (int h = 0; h < 2; ++h) {
+              high[r][c][h] = _mm256_add_epi16(high[r][c][h], _mm256_maddubs_epi16(xh, wv[c][h]));
+              low[r][c][h] = _mm256_add_epi16(low[r][c][h], _mm256_maddubs_epi16(xl, wv[c][h]));
+            }
+        }
       }
-    }
-    __m256i start[C][2];  // -128 sum(w) per column: int16[16] after the tile-block's weights
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h)
-        start[c][h] = _mm256_slli_epi32(_mm256_cvtepi16_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block(b, c, kQ8Bytes) + 512 + 16 * h))), 7);
-    simd::F16 dots[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) {
-        __m256i dot[2];
+      __m256i start[C][2];  // -128 sum(w) per column: the part's int16[16] after the tile-block's weights
+      for (int c = 0; c < C; ++c)
         for (int h = 0; h < 2; ++h)
-          dot[h] = _mm256_add_epi32(start[c][h], _mm256_add_epi32(_mm256_madd_epi16(high[r][c][h], sixteen),
-                                                                  _mm256_madd_epi16(low[r][c][h], ones)));
-        dots[r][c] = {_mm256_cvtepi32_ps(dot[0]), _mm256_cvtepi32_ps(dot[1])};
-      }
-    fold_block<R, C, false>(w, x, r0, b, dots, acc);
+          start[c][h] = _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.block(b, c, bytes) + 512 + 32 * p + 16 * h))), 7);
+      simd::F16 dots[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+          __m256i dot[2];
+          for (int h = 0; h < 2; ++h)
+            dot[h] = _mm256_add_epi32(start[c][h], _mm256_add_epi32(_mm256_madd_epi16(high[r][c][h], sixteen),
+                                                                    _mm256_madd_epi16(low[r][c][h], ones)));
+          dots[r][c] = {_mm256_cvtepi32_ps(dot[0]), _mm256_cvtepi32_ps(dot[1])};
+        }
+      fold_block<R, C, false, kParts * kCols>(w, x, r0, b, dots, acc, p);
+    }
   }
 }
 
