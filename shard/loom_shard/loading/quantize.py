@@ -56,8 +56,9 @@ def install_quant_linears(
 
 def _install_quant_experts(model: DecoderModel, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor],
                            dtype: torch.dtype) -> int:
-    """Pop every expert's quantized projections: a layer whose experts are all quantized alike runs
-    them as QuantExperts, the others get them back dequantized. Returns the linears made."""
+    """Pop every expert's quantized projections: a layer whose experts are all quantized, each one's
+    gate and up alike (they run fused), runs them as QuantExperts (Q4_K_M's Q6_K down projections
+    beside Q4_K gate and up too); the others get them back dequantized. Returns the linears made."""
     made = 0
     for index, layer in enumerate(model.layers):
         if not isinstance(layer.mlp, MoE) or model.expert_names(index, 0) is None:
@@ -65,7 +66,7 @@ def _install_quant_experts(model: DecoderModel, quantized: dict[str, QuantSource
         names = [model.expert_names(index, e) for e in range(layer.mlp.experts.num_experts)]
         sources = [[quantized.pop(n, None) for n in triple] for triple in names]
         found = [s for triple in sources for s in triple if s is not None]
-        if len(found) < 3 * len(names) or len({s.kind for s in found}) != 1:
+        if len(found) < 3 * len(names) or any(gate.kind is not up.kind for gate, up, _ in sources):
             for triple, parts in zip(names, sources):
                 weights.update({n: s.dequantize().to(dtype) for n, s in zip(triple, parts) if s is not None})
             continue

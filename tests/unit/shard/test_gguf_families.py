@@ -56,14 +56,19 @@ K_WIDTHS = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size
                                                          (gguf.GGMLQuantizationType.Q4_1, "Q4_1"),
                                                          (gguf.GGMLQuantizationType.Q4_0, "Q4_1"),
                                                          (gguf.GGMLQuantizationType.Q5_0, "Q8_0"),
-                                                         (gguf.GGMLQuantizationType.Q4_K, "Q4_1")])
+                                                         (gguf.GGMLQuantizationType.Q4_K, "Q4_1"),
+                                                         ("Q4_K_M", "Q4_1")])  # Q4_K, down Q6_K
 def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, kind: str,
-                                                              kind_of_experts: gguf.GGMLQuantizationType,
+                                                              kind_of_experts: gguf.GGMLQuantizationType | str,
                                                               runs_as: str) -> None:
     path = tmp_path / f"{kind}.gguf"
-    widths = K_WIDTHS if kind_of_experts is gguf.GGMLQuantizationType.Q4_K else {}
+    q4_k_m = kind_of_experts == "Q4_K_M"
+    k_quant = q4_k_m or kind_of_experts is gguf.GGMLQuantizationType.Q4_K
+    widths = K_WIDTHS if k_quant else {}
     hf = families.hf_model(kind, **GGUF_OVERRIDES.get(kind, {}), **widths)
-    write_family_gguf(path, kind, hf, experts_as=kind_of_experts)
+    Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    write_family_gguf(path, kind, hf, experts_as=Q4_K if q4_k_m else kind_of_experts,
+                      down_experts_as=Q6_K if q4_k_m else None)
     models = {}
     for flag in ("auto", "none"):
         config = ShardConfig(model_id=str(path), uds_path="", dtype="float32", quantize=flag, block_size=16)
@@ -72,6 +77,7 @@ def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, ki
     experts = [m for m in quantized.modules() if isinstance(m, QuantExperts)]
     num_moe_layers = sum(1 for i in range(quantized.config.num_layers) if quantized.config.is_moe_layer(i))
     assert len(experts) == num_moe_layers and experts[0].up[0].kind.name == runs_as
+    assert experts[0].down[0].kind.name == ("Q8_16" if q4_k_m else runs_as)
     assert runs_as in quantized_summary(quantized) and quantized_summary(reference) == "none"
     tokens = random_tokens(41, 9)
     got, expected = _logits(quantized, tokens), _logits(reference, tokens)
