@@ -5,6 +5,7 @@ in one C++ call and module by module, taking turns.
 
 Run: python bench/bench_gguf_formats.py [--ftype Q4_K_M] [--batches 1 8] [--rounds 4]
      [--random 1024 4096 16]  (a random Llama of K-quant widths instead of SmolLM2's 576)
+     [--also-without Q6_K]    (a third loading with that file format dequantized: what keeping it gains)
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import ctypes
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
 from loom_shard.cpu import cpu_flags
+from loom_shard.layers.quant_linear import KEPT_AS
 from loom_shard.loading.loader import resolve_model_path
 from loom_shard.loading.quantize import quantized_summary
 
@@ -111,6 +115,16 @@ def formats(path: Path) -> str:
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(counts.items()))
 
 
+@contextmanager
+def dequantizing(file_formats: list[str]) -> Iterator[None]:
+    """Loads within dequantize these file formats instead of converting them to a kept one."""
+    saved = {name: KEPT_AS.pop(name) for name in file_formats if name in KEPT_AS}
+    try:
+        yield
+    finally:
+        KEPT_AS.update(saved)
+
+
 def cpu_line() -> str:
     simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     return f"{machine()}, torch {torch.__version__}; SIMD flags {' '.join(simd)}"
@@ -129,6 +143,8 @@ def main() -> None:
                              "K-quants throughout)")
     parser.add_argument("--layers", nargs="+", default=["fused", "modules"], choices=["fused", "modules"],
                         help="the layers in one C++ call where they can be, or module by module; interleaved")
+    parser.add_argument("--also-without", nargs="+", default=[], metavar="FORMAT",
+                        help="also load with these file formats dequantized (e.g. Q6_K), interleaved")
     args = parser.parse_args()
     print(f"machine: {cpu_line()}")
     with tempfile.TemporaryDirectory() as folder:
@@ -145,10 +161,15 @@ def main() -> None:
         llama_quantize(f32, target, args.ftype, args.llama_libs)
         print(f"{args.ftype} file: {formats(target)}")
         runners = {}
-        for quantize in ("auto", "none"):
-            model = load_gguf(str(target), quantize)
-            print(f"--quantize {quantize}: {quantized_summary(model)}")
-            runners[quantize] = make_runner(model, args.dtype, num_blocks=2048)
+        loadings = {"auto": ("auto", []), "none": ("none", [])}
+        if args.also_without:
+            loadings = {"auto": ("auto", []), f"auto-{'-'.join(args.also_without)}": ("auto", args.also_without),
+                        "none": ("none", [])}
+        for label, (quantize, dequantized) in loadings.items():
+            with dequantizing(dequantized):
+                model = load_gguf(str(target), quantize)
+            print(f"{label}: {quantized_summary(model)}")
+            runners[label] = make_runner(model, args.dtype, num_blocks=2048)
         variants = [(quantize, layers) for quantize in runners for layers in args.layers]
         for batch in args.batches:
             times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
@@ -160,7 +181,7 @@ def main() -> None:
             base = min(times["none", args.layers[-1]])
             for (quantize, layers), steps in times.items():
                 fused = runner_fuses(runners[quantize]) if layers == "fused" else False
-                print(f"batch {batch:3d} --quantize {quantize} {layers:7s} (one call: {fused!s:5}): "
+                print(f"batch {batch:3d} {quantize:12s} {layers:7s} (one call: {fused!s:5}): "
                       f"{min(steps):6.2f} ms/step (rounds {', '.join(f'{t:.2f}' for t in steps)}), "
                       f"{base / min(steps):.2f}x none/{args.layers[-1]}")
 
