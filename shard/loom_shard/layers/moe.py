@@ -122,8 +122,8 @@ def _linear_view(weight: torch.Tensor, bias: torch.Tensor | None, expert: int) -
 
 
 class QuantExperts(nn.Module):
-    """Experts whose weights stay quantized (a GGUF's Q4_1 / Q8_0 experts): one QuantLinear pair
-    per expert on Loom's kernels, its rows batch-invariant as every QuantLinear's."""
+    """Experts whose weights stay quantized (a GGUF's experts in a format kept quantized): one
+    QuantLinear pair per expert on Loom's kernels, its rows batch-invariant as every QuantLinear's."""
 
     def __init__(self, up: list[QuantLinear], down: list[QuantLinear], activation: ExpertActivation) -> None:
         super().__init__()

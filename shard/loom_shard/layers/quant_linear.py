@@ -1,11 +1,12 @@
-"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0, Q6_K as Q8_16), bf16 or float32 activations.
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0,
+Q6_K as Q8_16, Q5_1 and Q5_K as Q8_M), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
 with AVX-512 VNNI int8 dot products, float32 accumulation in a fixed order per output (rows are
 batch-invariant; one arithmetic for every row count). Without them, Q4_1 runs on torch's int4pack CPU
-kernel (groups of 32, unquantized activations; also batch-invariant) and Q8_0 / Q8_16 are dequantized to
-the activations' dtype, so a shard without a compiler still serves the same model.
+kernel (groups of 32, unquantized activations; also batch-invariant) and the int8 formats are dequantized
+to the activations' dtype, so a shard without a compiler still serves the same model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf.quants import Q4_K, Q6_K
+from gguf.quants import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 from torch import nn
 
 from loom_shard import kernels
@@ -26,16 +27,26 @@ BLOCK = 32  # inputs per GGUF quantization block
 
 
 class QuantKind(enum.Enum):
-    """GGUF block formats kept quantized; value: bytes per block of 32."""
+    """The block formats QuantLinear runs, 32 inputs a block: GGUF's Q4_1 and Q8_0, and Loom's Q8_16
+    and Q8_M, which other GGUF formats are rewritten to at load (KEPT_AS)."""
 
-    Q4_1 = 20  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
-    Q8_0 = 34  # fp16 d, 32 int8: w = d q
-    Q8_16 = 36  # fp16 d0, fp16 d1, 32 int8: w = d0 q for inputs 0..15, d1 q for 16..31 (Q6_K's sub-blocks)
+    Q4_1 = enum.auto()  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
+    Q8_0 = enum.auto()  # fp16 d, 32 int8: w = d q
+    Q8_16 = enum.auto()  # fp16 d0, fp16 d1, 32 int8: w = d0 q for inputs 0..15, d1 q for 16..31 (Q6_K's sub-blocks)
+    Q8_M = enum.auto()  # fp16 d, fp16 m, 32 int8: w = d q + m (Q5_1's and Q5_K's unsigned q)
 
     @property
     def scales(self) -> int:
-        """fp16 scales (d, then m for Q4_1) at the start of a block."""
+        """fp16 scales at the start of a block (d; d and m; d0 and d1)."""
         return 1 if self is QuantKind.Q8_0 else 2
+
+    @property
+    def has_min(self) -> bool:
+        return self in (QuantKind.Q4_1, QuantKind.Q8_M)
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.scales + (BLOCK // 2 if self is QuantKind.Q4_1 else BLOCK)
 
 
 @dataclass(slots=True)
@@ -66,17 +77,18 @@ class QuantSource:
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q as int16 [N, K], d float32 [N, K/32] (Q8_16: [N, K/16]), m float32 [N, K/32] or None)
         from the raw blocks."""
-        n, nb = self.out_features, self.in_features // BLOCK
-        blocks = self.raw.reshape(n, nb, self.kind.value)
-        if self.kind is not QuantKind.Q4_1:
-            head = 2 * self.kind.scales
-            d = blocks[..., :head].contiguous().view(torch.float16).float().reshape(n, -1)
-            return blocks[..., head:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1), d, None
-        d = blocks[..., 0:2].contiguous().view(torch.float16).float().reshape(n, nb)
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float().reshape(n, nb)
-        nibbles = blocks[..., 4:].to(torch.int16)
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # element j low nibble, j + 16 high
-        return q.reshape(n, -1), d, m
+        n, nb, kind = self.out_features, self.in_features // BLOCK, self.kind
+        blocks = self.raw.reshape(n, nb, kind.block_bytes)
+        head = 2 * kind.scales
+        scales = blocks[..., :head].contiguous().view(torch.float16).float()  # [n, nb, scales]
+        if kind is QuantKind.Q4_1:
+            nibbles = blocks[..., head:].to(torch.int16)
+            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # element j low nibble, j + 16 high
+        else:
+            q = blocks[..., head:].contiguous().view(torch.int8).to(torch.int16)
+        if kind.has_min:
+            return q.reshape(n, -1), scales[..., 0], scales[..., 1]
+        return q.reshape(n, -1), scales.reshape(n, -1), None
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features], as gguf-py's dequantize computes it."""
@@ -100,10 +112,8 @@ class QuantLinear(nn.Module):
         self.uses_kernels = kernels.available() if use_kernels is None else use_kernels
         # Tensors are integer typed so that Module.to(dtype) leaves them alone.
         if self.uses_kernels:
-            ops = kernels.ops()
-            repack = {QuantKind.Q4_1: ops.qlinear_repack_q4_1, QuantKind.Q8_0: ops.qlinear_repack_q8_0,
-                      QuantKind.Q8_16: ops.qlinear_repack_q8_16}
-            packed, scales = repack[source.kind](source.raw.contiguous(), source.in_features)
+            repack = getattr(kernels.ops(), f"qlinear_repack_{source.kind.name.lower()}")
+            packed, scales = repack(source.raw.contiguous(), source.in_features)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales", scales.view(torch.int16), persistent=False)
         elif source.kind is QuantKind.Q4_1:
@@ -153,6 +163,19 @@ def _rows(raw: np.ndarray, *columns: np.ndarray) -> np.ndarray:
     return np.concatenate(columns, axis=1).reshape(raw.shape[0], -1)
 
 
+_ONE, _ZERO = (np.array([v], dtype=np.float16).view(np.uint8) for v in (1.0, 0.0))
+_UNIT_SCALES = np.array([1] * 4 + [0] * 4 + [1] * 4, dtype=np.uint8)  # Q4_K's packing of every sc 1, every min 0
+
+
+def _integers(blocks: np.ndarray, quant: type, unit: dict[int, np.ndarray]) -> np.ndarray:
+    """A format's integers (int8, in input order) as gguf-py's dequantization gives them where
+    every scale is 1 and every min 0: `unit` holds those bytes by their offset in a block."""
+    blocks = blocks.copy()
+    for offset, value in unit.items():
+        blocks[:, offset : offset + len(value)] = value
+    return quant.dequantize_blocks(blocks).astype(np.int8)
+
+
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     """GGUF Q4_0 blocks (fp16 d, 16 bytes of nibbles: w = d (q - 8)) as Q4_1 blocks (fp16 d, fp16
     m = -8 d, the same nibbles): the same weights exactly (-8 d is d's exponent plus 3, and d q + m
@@ -171,10 +194,30 @@ def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
     0..31) as Q8_0 blocks (fp16 d, int8 q - 16): the same weights exactly, so Q5_0 files run on
     Q8_0's kernels (34 bytes a block of 32 against the file's 22 and bfloat16's 64)."""
     blocks = _blocks(raw, 22)
-    fifth = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # [blocks, 32]
-    nibbles = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1)  # element j, then j + 16
-    q = (nibbles.astype(np.int16) + (fifth.astype(np.int16) << 4) - 16).astype(np.int8)
-    return _rows(raw, blocks[:, 0:2], q.view(np.uint8))
+    return _rows(raw, blocks[:, 0:2], _integers(blocks, Q5_0, {0: _ONE}).view(np.uint8))
+
+
+def q5_1_as_q8_m(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q5_1 blocks (fp16 d and m, fifth bits, nibbles: w = d q + m, q in 0..31) as Q8_M blocks
+    (the same d and m, int8 q): the same weights exactly (36 bytes a block of 32 against the file's
+    24 and bfloat16's 64)."""
+    blocks = _blocks(raw, 24)
+    return _rows(raw, blocks[:, 0:4], _integers(blocks, Q5_1, {0: _ONE, 2: _ZERO}).view(np.uint8))
+
+
+def q5_k_as_q8_m(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF Q5_K super-blocks of 256 (Q4_K's scales and mins, 5-bit q: w = d sc q - dmin mn) as
+    eight Q8_M blocks each (fp16 d sc, fp16 -dmin mn, int8 q): the file's integers, each block's
+    scale and min rounded to fp16 as Q4_K's are (None where one would leave fp16's normal range)."""
+    blocks = _blocks(raw, 176)  # fp16 d, fp16 dmin, 12 bytes of scales and mins, fifth bits, nibbles
+    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    rounded = _fp16_scales(np.stack([d * sc, -(dmin * mn)]).reshape(2, -1))  # [scale, min] x every block of 32
+    if rounded is None:
+        return None
+    q = _integers(blocks, Q5_K, {0: _ONE, 2: _ZERO, 4: _UNIT_SCALES}).reshape(-1, BLOCK)
+    return _rows(raw, rounded[0].view(np.uint8).reshape(-1, 2), rounded[1].view(np.uint8).reshape(-1, 2),
+                 q.view(np.uint8))
 
 
 def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
@@ -208,10 +251,7 @@ def q6_k_as_q8_16(raw: np.ndarray) -> np.ndarray | None:
     rounded = _fp16_scales(d * blocks[:, 192:208].view(np.int8).astype(np.float32))  # [super-blocks, 16]
     if rounded is None:
         return None
-    unit = blocks.copy()  # every scale 1: gguf-py's dequantization then gives q - 32 itself
-    unit[:, 192:208] = 1
-    unit[:, 208:210] = np.array([1.0], dtype=np.float16).view(np.uint8)
-    q = Q6_K.dequantize_blocks(unit).astype(np.int8).reshape(-1, 32)
+    q = _integers(blocks, Q6_K, {192: np.ones(16, dtype=np.uint8), 208: _ONE}).reshape(-1, BLOCK)
     return _rows(raw, rounded.view(np.uint8).reshape(-1, 4), q.view(np.uint8))
 
 
@@ -226,11 +266,13 @@ def _fp16_scales(exact: np.ndarray) -> np.ndarray | None:
     return rounded
 
 
-# GGUF formats run as a kept one, converted at load (None: not this one): Q4_0 and Q5_0 without
-# changing a weight, Q4_K and Q6_K with their block scales in fp16.
+# GGUF formats run as a kept one, converted at load (None: not this one): Q4_0, Q5_0 and Q5_1
+# without changing a weight, the K-quants with their block scales in fp16.
 KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] = {
     "Q4_0": (QuantKind.Q4_1, q4_0_as_q4_1),
     "Q5_0": (QuantKind.Q8_0, q5_0_as_q8_0),
+    "Q5_1": (QuantKind.Q8_M, q5_1_as_q8_m),
     "Q4_K": (QuantKind.Q4_1, q4_k_as_q4_1),
+    "Q5_K": (QuantKind.Q8_M, q5_k_as_q8_m),
     "Q6_K": (QuantKind.Q8_16, q6_k_as_q8_16),
 }

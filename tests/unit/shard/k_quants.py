@@ -1,4 +1,4 @@
-"""GGUF Q4_K and Q6_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
+"""GGUF Q4_K, Q5_K and Q6_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
 
 Plain min/max quantizers in llama.cpp's block layouts (not its error-minimizing search): every
 block they write is a valid block of its format, which is all a loader test needs; gguf-py's
@@ -17,10 +17,31 @@ SUPER = 256  # weights per K-quant super-block
 
 def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
     """float32 [rows, columns] (columns a multiple of 256) -> Q4_K raw blocks [rows, columns / 256 * 144]."""
-    rows, columns = weights.shape
+    header, q = _scales_and_mins(weights, 15)
+    q = q.reshape(-1, 4, 2, 32)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)  # chunk j: block 2j low, 2j + 1 high
+    return np.concatenate([header, nibbles], axis=1).reshape(weights.shape[0], -1)
+
+
+def quantize_q5_k(weights: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] (columns a multiple of 256) -> Q5_K raw blocks [rows, columns / 256 * 176]:
+    Q4_K's header, 32 bytes of fifth bits (byte i's bit j: block j's q_i), Q4_K's nibbles."""
+    header, q = _scales_and_mins(weights, 31)
+    q = q.reshape(-1, 8, 32)
+    fifth = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        fifth |= (q[:, j] >> 4) << j
+    low = (q & 0x0F).reshape(-1, 4, 2, 32)
+    nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([header, fifth, nibbles], axis=1).reshape(weights.shape[0], -1)
+
+
+def _scales_and_mins(weights: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 16-byte header per super-block (fp16 d, dmin, 6-bit scales and mins) and
+    each weight's q in 0..top (uint8 [super-blocks, 256]): w = d sc q - dmin mn."""
     x = weights.astype(np.float32).reshape(-1, 8, 32)
-    offset = np.maximum(-x.min(axis=-1), 0)  # w = d sc q - dmin mn with mn >= 0
-    scale = (x.max(axis=-1) + offset) / 15
+    offset = np.maximum(-x.min(axis=-1), 0)  # mn >= 0
+    scale = (x.max(axis=-1) + offset) / top
     d = (scale.max(axis=-1) / 63).astype(np.float16)
     dmin = (offset.max(axis=-1) / 63).astype(np.float16)
     sc = _six_bits(scale, d)
@@ -29,11 +50,9 @@ def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
     block_min = dmin.astype(np.float32)[:, None] * mn
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(block_scale[..., None] > 0, np.rint((x + block_min[..., None]) / block_scale[..., None]), 0)
-    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
-    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)  # chunk j: block 2j low, 2j + 1 high
-    packed = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), _pack_scales(sc, mn), nibbles],
-                            axis=1)
-    return packed.reshape(rows, columns // SUPER * 144)
+    q = np.clip(q, 0, top).astype(np.uint8).reshape(-1, SUPER)
+    header = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), _pack_scales(sc, mn)], axis=1)
+    return header, q
 
 
 def _six_bits(values: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -73,5 +92,6 @@ def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
 # gguf-py's quantize() for the K-quants it cannot write: float32 [rows, columns] -> raw blocks.
 WRITERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLQuantizationType.Q4_K: quantize_q4_k,
+    GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
 }

@@ -56,6 +56,7 @@ K_WIDTHS = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size
                                                          (gguf.GGMLQuantizationType.Q4_1, "Q4_1"),
                                                          (gguf.GGMLQuantizationType.Q4_0, "Q4_1"),
                                                          (gguf.GGMLQuantizationType.Q5_0, "Q8_0"),
+                                                         (gguf.GGMLQuantizationType.Q5_1, "Q8_M"),
                                                          (gguf.GGMLQuantizationType.Q4_K, "Q4_1"),
                                                          ("Q4_K_M", "Q4_1")])  # Q4_K, down Q6_K
 def test_quantized_experts_run_quantized_close_to_dequantized(tmp_path: Path, kind: str,

@@ -1,10 +1,12 @@
 """QuantLinear and loom::qlinear against the dequantized float reference.
 
-Weights are real GGUF blocks made by gguf-py's quantizer from random floats (Q8_16: Q6_K blocks
-converted as at load); the reference is their dequantization multiplied in float64.
+Weights are real GGUF blocks made by gguf-py's quantizer from random floats (Q8_16: Q6_K blocks,
+Q8_M: Q5_1 blocks, converted as at load); the reference is their dequantization multiplied in float64.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,13 +22,15 @@ from loom_shard.layers.quant_linear import (
     q4_0_as_q4_1,
     q4_k_as_q4_1,
     q5_0_as_q8_0,
+    q5_1_as_q8_m,
+    q5_k_as_q8_m,
     q6_k_as_q8_16,
     raw_source,
 )
-from tests.unit.shard.k_quants import SUPER, quantize_q4_k, quantize_q6_k
+from tests.unit.shard.k_quants import SUPER, quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
-KINDS = [QuantKind.Q4_1, QuantKind.Q8_0, QuantKind.Q8_16]
+KINDS = list(QuantKind)
 
 
 def make_source(kind: QuantKind, out_features: int, in_features: int, seed: int = 0) -> tuple[QuantSource, torch.Tensor]:
@@ -35,9 +39,13 @@ def make_source(kind: QuantKind, out_features: int, in_features: int, seed: int 
     weights = (rng.standard_normal((out_features, in_features)) * 0.05 + 0.01).astype(np.float32)
     if kind is QuantKind.Q8_16:  # Q6_K super-blocks of 256 as converted at load, cut to in_features
         padded = np.pad(weights, ((0, 0), (0, -in_features % SUPER)))
-        raw = q6_k_as_q8_16(quantize_q6_k(padded))[:, : in_features // BLOCK * kind.value]
+        raw = q6_k_as_q8_16(quantize_q6_k(padded))[:, : in_features // BLOCK * kind.block_bytes]
         source = raw_source(kind, raw, in_features)
         return source, source.dequantize().double()
+    if kind is QuantKind.Q8_M:  # Q5_1 blocks as converted at load: the same weights
+        raw = quantize(weights, GGMLQuantizationType.Q5_1)
+        reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_1).astype(np.float64))
+        return raw_source(kind, q5_1_as_q8_m(raw), in_features), reference
     raw = quantize(weights, GGMLQuantizationType[kind.name])
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind.name]).astype(np.float64))
     return raw_source(kind, raw, in_features), reference
@@ -74,7 +82,7 @@ def test_q4_0_runs_as_q4_1_with_the_same_weights() -> None:
     raw = quantize(weights, GGMLQuantizationType.Q4_0)
     reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0))
     converted = q4_0_as_q4_1(raw)
-    assert converted.shape == (40, 128 // BLOCK * QuantKind.Q4_1.value)
+    assert converted.shape == (40, 128 // BLOCK * QuantKind.Q4_1.block_bytes)
     source = raw_source(QuantKind.Q4_1, converted, 128)
     assert torch.equal(source.dequantize(), reference)  # bit for bit
     assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(converted, GGMLQuantizationType.Q4_1)))
@@ -88,29 +96,45 @@ def test_q5_0_runs_as_q8_0_with_the_same_weights() -> None:
     weights[2, :32] = 0
     raw = quantize(weights, GGMLQuantizationType.Q5_0)
     converted = q5_0_as_q8_0(raw)
-    assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_0.value)
+    assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_0.block_bytes)
     source = raw_source(QuantKind.Q8_0, converted, 96)
     assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0)))  # bit for bit
 
 
-def test_q4_k_runs_as_q4_1_with_its_block_scales_rounded_to_fp16() -> None:
+def test_q5_1_runs_as_q8_m_with_the_same_weights() -> None:
+    rng = np.random.default_rng(8)
+    weights = (rng.standard_normal((24, 96)) * 0.05 + 0.02).astype(np.float32)
+    weights[2, :32] = 0
+    raw = quantize(weights, GGMLQuantizationType.Q5_1)
+    converted = q5_1_as_q8_m(raw)
+    assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_M.block_bytes)
+    source = raw_source(QuantKind.Q8_M, converted, 96)
+    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_1)))  # bit for bit
+
+
+@pytest.mark.parametrize(("write", "file_kind", "kind", "convert"),
+                         [(quantize_q4_k, "Q4_K", QuantKind.Q4_1, q4_k_as_q4_1),
+                          (quantize_q5_k, "Q5_K", QuantKind.Q8_M, q5_k_as_q8_m)])
+def test_k_quants_keep_their_integers_with_block_scales_rounded_to_fp16(
+        write: Callable[[np.ndarray], np.ndarray], file_kind: str, kind: QuantKind,
+        convert: Callable[[np.ndarray], np.ndarray | None]) -> None:
     rng = np.random.default_rng(6)
     weights = (rng.standard_normal((12, 512)) * 0.05 + 0.01).astype(np.float32)
     weights[2, 256:] = 0  # a zero super-block: d = dmin = 0
     weights[5] *= 300  # scales far from the others' exponents
-    raw = quantize_q4_k(weights)
-    reference = dequantize(raw, GGMLQuantizationType.Q4_K)
-    converted = q4_k_as_q4_1(raw)
-    assert converted.shape == (12, 512 // BLOCK * QuantKind.Q4_1.value)
-    source = raw_source(QuantKind.Q4_1, converted, 512)
+    raw = write(weights)
+    reference = dequantize(raw, GGMLQuantizationType[file_kind])
+    converted = convert(raw)
+    assert converted.shape == (12, 512 // BLOCK * kind.block_bytes)
+    source = raw_source(kind, converted, 512)
     q, d, m = source.blocks()
-    # The file's nibbles; each block's scale and min within fp16's rounding of their exact value.
+    # The file's integers; each block's scale and min within fp16's rounding of their exact value.
     bound = 2.0**-11 * (d.abs()[..., None] * q.reshape(12, -1, BLOCK) + m.abs()[..., None]).reshape(12, 512)
     error = (source.dequantize() - torch.from_numpy(reference)).abs()
     assert (error <= bound * 1.01).all() and error.max() > 0
     assert torch.equal(source.dequantize()[2, 256:], torch.zeros(256))
     raw[7, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d sc overflows fp16
-    assert q4_k_as_q4_1(raw) is None  # that weight is dequantized instead
+    assert convert(raw) is None  # that weight is dequantized instead
 
 
 def test_q6_k_runs_as_q8_16_with_its_scales_rounded_to_fp16() -> None:
@@ -123,7 +147,7 @@ def test_q6_k_runs_as_q8_16_with_its_scales_rounded_to_fp16() -> None:
     raw[4, :192] ^= 0x5A  # and other integers
     reference = dequantize(raw, GGMLQuantizationType.Q6_K)
     converted = q6_k_as_q8_16(raw)
-    assert converted.shape == (12, 512 // BLOCK * QuantKind.Q8_16.value)
+    assert converted.shape == (12, 512 // BLOCK * QuantKind.Q8_16.block_bytes)
     source = raw_source(QuantKind.Q8_16, converted, 512)
     q, d, _ = source.blocks()
     # The file's integers (q - 32); each 16's scale within fp16's rounding of its exact value.

@@ -30,8 +30,8 @@ from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0 = (gguf.GGMLQuantizationType[name] for name in
-                                                ("F32", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0"))
+F32, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 = (
+    gguf.GGMLQuantizationType[name] for name in ("F32", "MXFP4", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
 # K-quants' super-blocks hold 256 inputs: every projection's width a multiple of 256.
@@ -112,8 +112,8 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize(("projections", "runs_as"), [(Q4_0, QuantKind.Q4_1), (Q5_0, QuantKind.Q8_0)])
-def test_q4_0_and_q5_0_ggufs_run_on_the_kept_formats_kernels(
+@pytest.mark.parametrize(("projections", "runs_as"), [(Q4_0, QuantKind.Q4_1), (Q5_0, QuantKind.Q8_0), (Q5_1, QuantKind.Q8_M)])
+def test_other_formats_ggufs_run_on_the_kept_formats_kernels(
         tmp_path: Path, projections: gguf.GGMLQuantizationType, runs_as: QuantKind) -> None:
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
     path = tmp_path / "tiny.gguf"
@@ -144,11 +144,14 @@ def test_q4_k_gguf_runs_on_q4_1s_kernels(tmp_path: Path) -> None:
     _assert_one_call_and_close(quantized, reference)
 
 
-def test_q4_k_m_gguf_runs_its_q6_k_projections_on_the_int8_kernels(tmp_path: Path) -> None:
-    # As llama.cpp's Q4_K_M: Q4_K projections, Q6_K for some layers' ffn_down and for the untied head.
+@pytest.mark.parametrize(("k_quant", "runs_as"), [(Q4_K, QuantKind.Q4_1), (Q5_K, QuantKind.Q8_M)])
+def test_k_m_ggufs_run_their_q6_k_projections_on_the_int8_kernels(
+        tmp_path: Path, k_quant: gguf.GGMLQuantizationType, runs_as: QuantKind) -> None:
+    # As llama.cpp's Q4_K_M and Q5_K_M: Q4_K or Q5_K projections, Q6_K for some layers' ffn_down
+    # and for the untied head.
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=False, config=TINY_K)
     path = tmp_path / "tiny.gguf"
-    write_quantized_gguf(path, "llama", model, tied=False, projections=Q4_K, config=TINY_K,
+    write_quantized_gguf(path, "llama", model, tied=False, projections=k_quant, config=TINY_K,
                          formats={"blk.0.ffn_down.weight": Q6_K, "output.weight": Q6_K})
 
     quantized, reference = runner_model(path, "auto"), runner_model(path, "none")
@@ -156,10 +159,11 @@ def test_q4_k_m_gguf_runs_its_q6_k_projections_on_the_int8_kernels(tmp_path: Pat
     layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * TINY_K["num_hidden_layers"] + 1  # kept quantized, not dequantized at load
     assert quantized.layers[0].mlp.down_proj.kind is QuantKind.Q8_16 and quantized.lm_head.kind is QuantKind.Q8_16
-    assert quantized.layers[1].mlp.down_proj.kind is QuantKind.Q4_1
-    assert quantized_summary(quantized).startswith(f"Q4_K x{len(layers) - 2} as Q4_1, Q6_K x2 as Q8_16")
-    # An untied random head makes small logits (the largest 1.3): 1.03% of it measured, 1.01% with a
-    # Q8_0 head in place of the Q6_K ones, 0.90% with neither.
+    assert quantized.layers[1].mlp.down_proj.kind is runs_as
+    summary = f"{k_quant.name} x{len(layers) - 2} as {runs_as.name}, Q6_K x2 as Q8_16"
+    assert quantized_summary(quantized).startswith(summary)
+    # An untied random head makes small logits (the largest 1.3): 1.03% (Q4_K) and 1.02% (Q5_K) of it
+    # measured; 0.90% and 1.04% with a Q8_0 head and no Q6_K down projection.
     _assert_one_call_and_close(quantized, reference, tolerance=2e-2)
 
 
@@ -175,10 +179,10 @@ def test_projections_in_formats_not_kept_are_dequantized_and_said_so(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
     path = tmp_path / "tiny.gguf"
-    write_quantized_gguf(path, "llama", model, tied=True, formats={f"blk.{i}.ffn_down.weight": Q5_1 for i in (0, 1)})
+    write_quantized_gguf(path, "llama", model, tied=True, formats={f"blk.{i}.ffn_down.weight": MXFP4 for i in (0, 1)})
     with caplog.at_level(logging.INFO, logger="loom_shard.loading.gguf_file"):
         quantized = runner_model(path, "auto")
-    assert "tiny.gguf: Q5_1 x2 dequantized to float32" in caplog.text
+    assert "tiny.gguf: MXFP4 x2 dequantized to float32" in caplog.text
     assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in quantized.layers)
     assert quantized_summary(quantized).startswith(f"Q4_1 x{3 * TINY['num_hidden_layers']}, Q8_0 x1")
 
@@ -186,7 +190,7 @@ def test_projections_in_formats_not_kept_are_dequantized_and_said_so(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "model_class", "config_class", "dense"),
                          [("llama", LlamaForCausalLM, LlamaConfig, False), ("qwen2", Qwen2ForCausalLM, Qwen2Config, False),
-                          # a projection the GGUF holds in a format not kept quantized (Q5_1, Q5_K)
+                          # a projection the GGUF holds in a format not kept quantized (MXFP4, the IQ formats)
                           ("llama", LlamaForCausalLM, LlamaConfig, True)])
 def test_fused_decoder_layers_match_the_modules_bit_for_bit(
         tmp_path: Path, dtype: str, arch: str, model_class: type, config_class: type, dense: bool,

@@ -1,5 +1,5 @@
 // A mixture-of-experts layer's experts when their weights are Loom's quantized linears (a GGUF's
-// Q4_1 / Q8_0 experts), in one call from Python: the same ATen ops and loom::qlinear calls, in the
+// experts in a format kept quantized), in one call from Python: the same ATen ops and loom::qlinear calls, in the
 // same order, as loom_shard/layers/moe.py's MoE.forward over QuantExperts, so the result is
 // bit-identical to it. What goes is the Python around each expert (a batch-1 decode step of a
 // small MoE spent more time there than in the experts' weights).

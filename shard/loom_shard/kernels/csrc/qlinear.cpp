@@ -1,5 +1,6 @@
-// Weight-only quantized linears: y = x @ W^T with W kept in GGUF's Q4_1 or Q8_0 blocks of 32 (or
-// Q8_16: Q8_0 with a scale per 16 inputs, which holds Q6_K's sub-blocks), run
+// Weight-only quantized linears: y = x @ W^T with W kept in GGUF's Q4_1 or Q8_0 blocks of 32, or
+// Loom's Q8_16 (Q8_0 with a scale per 16 inputs: Q6_K's sub-blocks) and Q8_M (Q8_0 with a min:
+// Q5_1's and Q5_K's unsigned q), run
 // llama.cpp's way: each activation row is quantized per block of 32 to int8 (d = amax / 127, round to
 // nearest even) and multiplied with exact int8 dot products (qlinear_tiles.h: AVX-512 VNNI or AVX2).
 //
@@ -29,7 +30,7 @@ namespace simd = loom::simd;
 constexpr int64_t kRowChunk = 64;   // rows whose activations stay cached while the tiles stream by
 constexpr int64_t kShareRows = 12;  // a chunk of more rows shares its Q4_1 tiles' split nibbles
 
-enum class Format { kQ4_1, kQ8_0, kQ8_16 };
+enum class Format { kQ4_1, kQ8_0, kQ8_16, kQ8_M };
 
 struct Layout {
   int64_t block_bytes;  // a raw block of 32 inputs, as given
@@ -40,7 +41,15 @@ struct Layout {
 Layout layout(Format format) {
   if (format == Format::kQ4_1) return {20, kQ4Bytes, 2 * kCols};
   if (format == Format::kQ8_0) return {34, kQ8Bytes, kCols};
-  return {36, kQ816Bytes, 2 * kCols};  // Q8_16: fp16 d0, fp16 d1, 32 int8
+  if (format == Format::kQ8_M) return {36, kQ8Bytes, 2 * kCols};  // fp16 d, fp16 m, 32 int8
+  return {36, kQ816Bytes, 2 * kCols};                             // Q8_16: fp16 d0, fp16 d1, 32 int8
+}
+
+// The format of a packed weight, from its tile-block's bytes and scales.
+Format format_of(int64_t tile_bytes, int64_t scale_count) {
+  for (Format f : {Format::kQ4_1, Format::kQ8_0, Format::kQ8_16, Format::kQ8_M})
+    if (layout(f).tile_bytes == tile_bytes && layout(f).scale_count == scale_count) return f;
+  TORCH_CHECK(false, "qlinear: unknown packed tile-block (", tile_bytes, " bytes, ", scale_count, " scales)");
 }
 
 // ---------------------------------------------------------------------------- repacking (at load)
@@ -59,14 +68,14 @@ void repack_q4_1_block(const uint8_t* src, int64_t c, uint8_t* tile, at::Half* s
       tile[64 * j + 4 * c + i] = static_cast<uint8_t>(q[4 * j + i] | (q[4 * (j + 4) + i] << 4));
 }
 
-// A Q8 block of kParts fp16 scales (one per 32 / kParts inputs), then 32 int8: GGUF's Q8_0 block
-// (kParts 1) or Q8_16's (2). Per part, -sum(q) (times 128 in the kernel) undoes the +128 on the
-// activations.
-template <int kParts>
+// An int8 block: kScales fp16 scales, then 32 int8: GGUF's Q8_0 block (one scale, one part), Q8_16's
+// (d0, d1: two parts) or Q8_M's (d, m: one part). Per part, -sum(q) (times 128 in the kernel) undoes
+// the +128 on the activations.
+template <int kParts, int kScales>
 void repack_q8_block(const uint8_t* src, int64_t c, uint8_t* tile, at::Half* scales) {
-  const uint8_t* q = src + 2 * kParts;
+  const uint8_t* q = src + 2 * kScales;
+  for (int i = 0; i < kScales; ++i) std::memcpy(&scales[i * kCols + c], src + 2 * i, 2);
   for (int p = 0; p < kParts; ++p) {
-    std::memcpy(&scales[p * kCols + c], src + 2 * p, 2);
     int32_t sum = 0;
     for (int k = p * kBlock / kParts; k < (p + 1) * kBlock / kParts; ++k) {
       tile[64 * (k / 4) + 4 * c + k % 4] = q[k];
@@ -98,8 +107,9 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& raw, int64_t in_feat
         uint8_t* tile = dst + ((g * nb + b) * kTiles + t) * tile_bytes;
         at::Half* s = sc + ((g * nb + b) * kTiles + t) * scale_count;
         if (format == Format::kQ4_1) repack_q4_1_block(block, c, tile, s);
-        else if (format == Format::kQ8_0) repack_q8_block<1>(block, c, tile, s);
-        else repack_q8_block<2>(block, c, tile, s);
+        else if (format == Format::kQ8_0) repack_q8_block<1, 1>(block, c, tile, s);
+        else if (format == Format::kQ8_16) repack_q8_block<2, 2>(block, c, tile, s);
+        else repack_q8_block<1, 2>(block, c, tile, s);
       }
     }
   });
@@ -115,11 +125,14 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(const at::Tensor& raw, int64_t in
 std::tuple<at::Tensor, at::Tensor> repack_q8_16(const at::Tensor& raw, int64_t in_features) {
   return repack(raw, in_features, Format::kQ8_16);
 }
+std::tuple<at::Tensor, at::Tensor> repack_q8_m(const at::Tensor& raw, int64_t in_features) {
+  return repack(raw, in_features, Format::kQ8_M);
+}
 
 // ---------------------------------------------------------------------------- activations
 
 // One block of 32 activations -> int8 q as llama.cpp's Q8_0 (d = amax / 127, q = round(x / d), ties to
-// even), stored XOR `flip` (0x80: q + 128 as u8, for signed weights: Q8_0, Q8_16). Sets d; returns sum(q).
+// even), stored XOR `flip` (0x80: q + 128 as u8, for the int8 formats' signed weights). Sets d; returns sum(q).
 template <typename T>
 int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
   const simd::F16 v0 = simd::load(x), v1 = simd::load(x + 16);
@@ -159,8 +172,9 @@ void run_tile(Format format, const QTiles& w, const QRows& x, int64_t r0, int64_
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = simd::zero();
   if (format == Format::kQ4_1) q4_1_tile<R, C>(w, x, r0, acc);
-  else if (format == Format::kQ8_0) q8_tile<R, C, 1>(w, x, r0, acc);
-  else q8_tile<R, C, 2>(w, x, r0, acc);
+  else if (format == Format::kQ8_0) q8_tile<R, C, 1, false>(w, x, r0, acc);
+  else if (format == Format::kQ8_16) q8_tile<R, C, 2, false>(w, x, r0, acc);
+  else q8_tile<R, C, 1, true>(w, x, r0, acc);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) store(out + (r0 + r) * n, n, (w.group * kTiles + w.first_tile + c) * kCols, bias, acc[r][c]);
 }
@@ -211,9 +225,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "qlinear: packed [groups, nb, tiles, bytes]");
   const int64_t k = x.size(-1), nb = packed.size(1), groups = packed.size(0);
   TORCH_CHECK(k == nb * kBlock && out_features <= groups * kTiles * kCols, "qlinear: shapes do not match the packed weight");
-  const int64_t tile_bytes = packed.size(3);
-  TORCH_CHECK(tile_bytes == kQ4Bytes || tile_bytes == kQ8Bytes || tile_bytes == kQ816Bytes, "qlinear: unknown packed tile size");
-  const Format format = tile_bytes == kQ4Bytes ? Format::kQ4_1 : tile_bytes == kQ8Bytes ? Format::kQ8_0 : Format::kQ8_16;
+  TORCH_CHECK(scales.dim() == 4, "qlinear: scales [groups, nb, tiles, count]");
+  const Format format = format_of(packed.size(3), scales.size(3));
   auto x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -247,11 +260,13 @@ TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("qlinear_repack_q4_1(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear_repack_q8_0(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear_repack_q8_16(Tensor raw, int in_features) -> (Tensor, Tensor)");
+  m.def("qlinear_repack_q8_m(Tensor raw, int in_features) -> (Tensor, Tensor)");
   m.def("qlinear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) {
   m.impl("qlinear_repack_q4_1", &repack_q4_1);
   m.impl("qlinear_repack_q8_0", &repack_q8_0);
   m.impl("qlinear_repack_q8_16", &repack_q8_16);
+  m.impl("qlinear_repack_q8_m", &repack_q8_m);
   m.impl("qlinear", &qlinear);
 }

@@ -14,6 +14,7 @@
 //         the two nibbles of q + 128 apart: see its tile). y += (d_w d_x) * dot.
 //   Q8_16: Q8_0 with a weight scale per half block (16 inputs: Q6_K's sub-blocks): each half's
 //         dot as Q8_0's, y += (d_w0 d_x) * dot_0, then y += (d_w1 d_x) * dot_1.
+//   Q8_M: Q8_0 with a min per block (Q5_1's and Q5_K's unsigned q): y += (d_w d_x) * dot + m_w * s_x.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -32,12 +33,12 @@ constexpr int64_t kQ4Bytes = 256;   // Q4_1 tile-block: 4 chunks of 64 bytes of 
 constexpr int64_t kQ8Bytes = 544;   // Q8_0 tile-block: 8 groups of 64 int8, then 16 int16 -sum(q)
 constexpr int64_t kQ816Bytes = 576; // Q8_16 tile-block: 8 groups of 64 int8, then 2 x 16 int16 -sum(q)
 
-// The int8 tile-blocks, Q8_0 and Q8_16: kParts weight scales a block of 32 inputs.
+// The int8 tile-blocks, Q8_0 and Q8_M (1 part) and Q8_16 (2): kParts weight scales a block of 32 inputs.
 template <int kParts>
 constexpr int64_t q8_bytes() { return kParts == 1 ? kQ8Bytes : kQ816Bytes; }
 constexpr int kTiles = 2;           // column tiles per group in the packed layout
 
-// One row chunk's quantized activations: q [rows, K] (int8 for Q4_1, q + 128 as u8 for Q8_0 and Q8_16),
+// One row chunk's quantized activations: q [rows, K] (int8 for Q4_1, q + 128 as u8 for the int8 formats),
 // d and s [rows, K/32].
 struct QRows {
   const uint8_t* q;
@@ -45,7 +46,7 @@ struct QRows {
   const float* s;
   int64_t k;
   int64_t nb;
-  const uint8_t* high = nullptr;  // AVX2, Q8_0 and Q8_16: q's high and low nibbles as bytes (split_q8_0_rows)
+  const uint8_t* high = nullptr;  // AVX2, the int8 formats: q's high and low nibbles as bytes (split_q8_0_rows)
   const uint8_t* low = nullptr;
 };
 
@@ -152,15 +153,17 @@ inline void q4_1_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&a
   }
 }
 
-// Q8_0 (kParts 1) and Q8_16 (2): group g (0..7) byte 4c+i holds column c's input 4g+i; then per
-// part int16[16] = -sum of the column's weights in that part (the part's dot starts from 128 times
-// that). Scales per tile-block: d[16] per part, fp16. A part's dot is folded as soon as it is done.
-template <int R, int C, int kParts>
+// Q8_0 (kParts 1), Q8_16 (2) and Q8_M (1, kHasMin): group g (0..7) byte 4c+i holds column c's
+// input 4g+i; then per part int16[16] = -sum of the column's weights in that part (the part's dot
+// starts from 128 times that). Scales per tile-block: d[16] per part, then Q8_M's m[16], fp16. A
+// part's dot is folded as soon as it is done.
+template <int R, int C, int kParts, bool kHasMin>
 inline void q8_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
-  constexpr int64_t bytes = q8_bytes<kParts>();
+  static_assert(kParts == 1 || !kHasMin, "a min per block of 32");
+  constexpr int64_t bytes = q8_bytes<kParts>(), count = (kParts + kHasMin) * kCols;
   constexpr int groups = 8 / kParts;
   for (int64_t b = 0; b < x.nb; ++b) {
-    prefetch_next(w, b, bytes, kParts * kCols);
+    prefetch_next(w, b, bytes, count);
     for (int p = 0; p < kParts; ++p) {
       __m512i dot[R][C];
       for (int c = 0; c < C; ++c) {
@@ -180,7 +183,7 @@ inline void q8_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc
       simd::F16 dots[R][C];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) dots[r][c] = {_mm512_cvtepi32_ps(dot[r][c])};
-      fold_block<R, C, false, kParts * kCols>(w, x, r0, b, dots, acc, p);
+      fold_block<R, C, kHasMin, count>(w, x, r0, b, dots, acc, p);
     }
   }
 }
@@ -297,17 +300,18 @@ inline void split_q8_0_rows(QRows& x, int64_t m, std::vector<uint8_t>& planes) {
   x.low = planes.data() + bytes;
 }
 
-// Q8_0 (kParts 1) and Q8_16 (2), per part: dot = -128 sum(w) + 16 dot(high, w) + dot(low, w), with
-// q + 128 = 16 high + low. A maddubs lane is at most 2 * 15 * 128 = 3840, so a block's 8 of them add
-// up exactly in int16 (30,720) for each nibble before one widening madd: the same int32 dot as
+// The int8 formats, per part: dot = -128 sum(w) + 16 dot(high, w) + dot(low, w), with q + 128 =
+// 16 high + low. A maddubs lane is at most 2 * 15 * 128 = 3840, so a block's 8 of them add up
+// exactly in int16 (30,720) for each nibble before one widening madd: the same int32 dot as
 // vpdpbusd's. Layout and folding as on AVX-512.
-template <int R, int C, int kParts>
+template <int R, int C, int kParts, bool kHasMin>
 inline void q8_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc)[R][C]) {
-  constexpr int64_t bytes = q8_bytes<kParts>();
+  static_assert(kParts == 1 || !kHasMin, "a min per block of 32");
+  constexpr int64_t bytes = q8_bytes<kParts>(), count = (kParts + kHasMin) * kCols;
   constexpr int groups = 8 / kParts;
   const __m256i sixteen = _mm256_set1_epi16(16), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < x.nb; ++b) {
-    prefetch_next(w, b, bytes, kParts * kCols);
+    prefetch_next(w, b, bytes, count);
     for (int p = 0; p < kParts; ++p) {
       __m256i high[R][C][2], low[R][C][2];
       for (int r = 0; r < R; ++r)
@@ -343,7 +347,7 @@ inline void q8_tile(const QTiles& w, const QRows& x, int64_t r0, simd::F16 (&acc
                                                                     _mm256_madd_epi16(low[r][c][h], ones)));
           dots[r][c] = {_mm256_cvtepi32_ps(dot[0]), _mm256_cvtepi32_ps(dot[1])};
         }
-      fold_block<R, C, false, kParts * kCols>(w, x, r0, b, dots, acc, p);
+      fold_block<R, C, kHasMin, count>(w, x, r0, b, dots, acc, p);
     }
   }
 }
