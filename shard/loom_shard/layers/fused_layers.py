@@ -1,6 +1,7 @@
 """Every decoder layer of a step in one C++ call, `loom::decoder_layers` (kernels/csrc/decoder.cpp),
-where the model is a plain Llama whose projections run on Loom's kernels (QuantLinears, and
-PackedLinears on loom::linear; LoRA deltas included when the step names adapters): the same
+where the model is a plain Llama whose projections run on Loom's kernels (QuantLinears, a qkv
+SplitLinear of them, and PackedLinears on loom::linear; LoRA deltas included when the step names
+adapters): the same
 kernels and ops as the modules, in the same order, so bit-identical to them, without the Python
 around each op (about 2 ms of a batch-1 decode step, 4.6 ms of a batch-32 one)."""
 
@@ -18,10 +19,12 @@ from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.quant_linear import QuantLinear
 from loom_shard.layers.rotary import KernelRope, Rope
 from loom_shard.layers.row_invariance import Gemm
+from loom_shard.layers.split_linear import SplitLinear
 from loom_shard.lora.linear import LoraBatch, LoraLinear, unwrap
 from loom_shard.model_config import Activation
 
 FusedArgs = tuple[list[torch.Tensor], list[torch.Tensor | None]]  # the layers' tensors, their qkv biases
+PER_LAYER = 14  # tensors per layer in loom::decoder_layers' weights (kPerLayer)
 
 
 class FusedLayers:
@@ -101,8 +104,12 @@ def _projections(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, 
 def _fusable(layer: DecoderLayer) -> bool:
     if not layer.is_plain or not isinstance(layer.mlp, GatedMLP) or layer.mlp.activation is not Activation.SILU:
         return False
-    projections = _projections(layer)
-    return all(map(_on_kernels, projections)) and all(p.bias is None for p in projections[1:])  # qkv's: Qwen2
+    qkv, *rest = _projections(layer)
+    if isinstance(qkv, SplitLinear):  # parts that start at q, k or v, as loom::decoder_layers splits it
+        fits = set(qkv.starts) <= set(_qkv_starts(layer)) and all(map(_on_kernels, qkv.parts))
+    else:
+        fits = _on_kernels(qkv)
+    return fits and all(map(_on_kernels, rest)) and all(p.bias is None for p in rest)  # qkv's: Qwen2
 
 
 def _on_kernels(linear: nn.Module) -> bool:
@@ -115,8 +122,24 @@ def _on_kernels(linear: nn.Module) -> bool:
 
 def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's tensors in loom::decoder_layers' order."""
-    qkv, o, gate_up, down = (_kernel_tensors(p) for p in _projections(layer))
-    return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
+    qkv, *rest = _projections(layer)
+    o, gate_up, down = (_kernel_tensors(p) for p in rest)
+    return [layer.input_layernorm.weight, *_qkv_tensors(qkv, _qkv_starts(layer)), *o,
+            layer.post_attention_layernorm.weight, *gate_up, *down]
+
+
+def _qkv_starts(layer: DecoderLayer) -> list[int]:
+    """Where q, k and v start in the qkv projection's output."""
+    attn = layer.self_attn
+    return [0, attn.num_heads * attn.head_dim, (attn.num_heads + attn.num_kv_heads) * attn.head_dim]
+
+
+def _qkv_tensors(qkv: nn.Module, starts: list[int]) -> list[torch.Tensor]:
+    """(packed weight, scales) for each of q, k and v: a part's at the output where it starts, the
+    others empty (they run with the part before them)."""
+    parts = dict(zip(qkv.starts, qkv.parts)) if isinstance(qkv, SplitLinear) else {0: qkv}
+    empty = torch.empty(0, dtype=torch.float16)
+    return [t for start in starts for t in (_kernel_tensors(parts[start]) if start in parts else (empty, empty))]
 
 
 def _kernel_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

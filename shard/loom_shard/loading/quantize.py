@@ -3,8 +3,9 @@
 The loader hands over raw blocks by Hugging Face name; here they are fused as the model fuses its
 projections (q/k/v, gate/up) and swapped in for the model's nn.Linear before the rest loads; a
 layer's experts (named one by one, `DecoderModel.expert_names`) become `QuantExperts`. A group whose
-parts are not all quantized alike is dequantized back into the state dict, so any GGUF still loads
-(only the uniform groups run quantized).
+parts are all quantized but in different kinds runs as a SplitLinear (a QuantLinear per run of one
+kind); a group with a part not quantized is dequantized back into the state dict, so any GGUF
+still loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from loom_shard.layers.moe import MoE, QuantExperts
 from loom_shard.layers.quant_linear import QuantLinear, QuantSource
+from loom_shard.layers.split_linear import SplitLinear
 from loom_shard.models.decoder import DecoderModel
 from loom_shard.models.weights import FUSED
 
@@ -40,18 +42,24 @@ def install_quant_linears(
     for target, parts in groups.items():
         expected = _expected_parts(target)
         names = [n for n, _ in parts]
-        try:
-            ordered = [dict(parts)[n] for n in expected] if set(names) == set(expected) else None
-            source = QuantSource.cat(ordered) if ordered else None
-        except ValueError:
-            source = None
-        if source is None:
-            log.info("%s: parts quantized differently; dequantized to %s", target, dtype)
+        if set(names) != set(expected):
+            log.info("%s: parts not all quantized; dequantized to %s", target, dtype)
             weights.update({n: s.dequantize().to(dtype) for n, s in parts})
             continue
-        _swap(model, target.removesuffix(".weight"), source, dtype)
-        swapped += 1
+        runs = _runs_of_one_kind([dict(parts)[n] for n in expected])
+        swapped += _swap(model, target.removesuffix(".weight"), runs, dtype)
     return swapped
+
+
+def _runs_of_one_kind(sources: list[QuantSource]) -> list[QuantSource]:
+    """Consecutive parts of one kind fused into one source each (one source where all are alike)."""
+    runs = [sources[0]]
+    for source in sources[1:]:
+        if source.kind is runs[-1].kind:
+            runs[-1] = QuantSource.cat([runs[-1], source])
+        else:
+            runs.append(source)
+    return runs
 
 
 def _install_quant_experts(model: DecoderModel, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor],
@@ -87,15 +95,22 @@ def _expected_parts(target: str) -> list[str]:
     return [target if target == "lm_head.weight" else "model." + target]
 
 
-def _swap(model: nn.Module, path: str, source: QuantSource, dtype: torch.dtype) -> None:
+def _swap(model: nn.Module, path: str, runs: list[QuantSource], dtype: torch.dtype) -> int:
+    """The nn.Linear at `path` replaced by a QuantLinear (one run) or a SplitLinear of them; returns
+    how many QuantLinears."""
     parent_path, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     linear = getattr(parent, child)
+    out_features = sum(run.out_features for run in runs)
     if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != (
-            source.out_features, source.in_features):
-        raise ValueError(f"{path}: a quantized weight [{source.out_features}, {source.in_features}] does not fit")
+            out_features, runs[0].in_features):
+        raise ValueError(f"{path}: a quantized weight [{out_features}, {runs[0].in_features}] does not fit")
     bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-    setattr(parent, child, QuantLinear(source, bias, dtype))
+    if len(runs) == 1:
+        setattr(parent, child, QuantLinear(runs[0], bias, dtype))
+    else:
+        setattr(parent, child, SplitLinear([QuantLinear(run, None, dtype) for run in runs], bias))
+    return len(runs)
 
 
 def quantized_summary(model: nn.Module) -> str:

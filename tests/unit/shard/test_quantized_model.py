@@ -20,7 +20,9 @@ from loom_shard import kernels
 from loom_shard.attention.metadata import SeqSpan
 from loom_shard.layers.decoder import DecoderLayer
 from loom_shard.layers.packed_linear import PackedLinear
+from loom_shard.layers.fused_layers import PER_LAYER
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
+from loom_shard.layers.split_linear import SplitLinear
 from loom_shard.loading.quantize import quantized_summary
 from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import SeqChunk, make_cache, random_tokens, run_chunks
@@ -103,7 +105,7 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert not any(isinstance(m, QuantLinear) for m in reference.modules())
     assert quantized_summary(quantized).startswith(f"Q4_1 x{len(layers) - 1}, Q8_0 x1")
     weights, qkv_biases = quantized.fused_layers.args(quantized.layers, plain_model=True)  # one C++ call (qwen2: with its qkv biases)
-    assert len(weights) == 10 * TINY["num_hidden_layers"] and len(qkv_biases) == TINY["num_hidden_layers"]
+    assert len(weights) == PER_LAYER * TINY["num_hidden_layers"] and len(qkv_biases) == TINY["num_hidden_layers"]
     assert quantized_summary(reference) == "none"
     tokens = random_tokens(40, seed=4, vocab=TINY["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
@@ -152,15 +154,17 @@ def test_k_m_ggufs_run_their_q6_k_projections_on_the_int8_kernels(
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=False, config=TINY_K)
     path = tmp_path / "tiny.gguf"
     write_quantized_gguf(path, "llama", model, tied=False, projections=k_quant, config=TINY_K,
-                         formats={"blk.0.ffn_down.weight": Q6_K, "output.weight": Q6_K})
+                         formats={"blk.0.ffn_down.weight": Q6_K, "output.weight": Q6_K, "blk.1.attn_v.weight": Q6_K})
 
     quantized, reference = runner_model(path, "auto"), runner_model(path, "none")
 
     layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 4 * TINY_K["num_hidden_layers"] + 1  # kept quantized, not dequantized at load
+    assert len(layers) == 4 * TINY_K["num_hidden_layers"] + 2  # kept quantized, not dequantized at load
     assert quantized.layers[0].mlp.down_proj.kind is QuantKind.Q8_16 and quantized.lm_head.kind is QuantKind.Q8_16
     assert quantized.layers[1].mlp.down_proj.kind is runs_as
-    summary = f"{k_quant.name} x{len(layers) - 2} as {runs_as.name}, Q6_K x2 as Q8_16"
+    qkv = quantized.layers[1].self_attn.qkv_proj  # q and k, then v: parts of two kinds
+    assert isinstance(qkv, SplitLinear) and [p.kind for p in qkv.parts] == [runs_as, QuantKind.Q8_16]
+    summary = f"{k_quant.name} x{len(layers) - 3} as {runs_as.name}, Q6_K x3 as Q8_16"
     assert quantized_summary(quantized).startswith(summary)
     # An untied random head makes small logits (the largest 1.3): 1.03% (Q4_K) and 1.02% (Q5_K) of it
     # measured; 0.90% and 1.04% with a Q8_0 head and no Q6_K down projection.
@@ -169,7 +173,7 @@ def test_k_m_ggufs_run_their_q6_k_projections_on_the_int8_kernels(
 
 def _assert_one_call_and_close(quantized: torch.nn.Module, reference: torch.nn.Module, tolerance: float = 1e-2) -> None:
     weights, _ = quantized.fused_layers.args(quantized.layers, plain_model=True)
-    assert len(weights) == 10 * TINY_K["num_hidden_layers"]  # the one-call decoder layers run them
+    assert len(weights) == PER_LAYER * TINY_K["num_hidden_layers"]  # the one-call decoder layers run them
     tokens = random_tokens(40, seed=4, vocab=TINY_K["vocab_size"])
     got, expected = prompt_logits(quantized, tokens), prompt_logits(reference, tokens)
     assert (got - expected).abs().max() < tolerance * expected.abs().max()  # scales in fp16, activations in int8
@@ -188,29 +192,37 @@ def test_projections_in_formats_not_kept_are_dequantized_and_said_so(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("arch", "model_class", "config_class", "dense"),
-                         [("llama", LlamaForCausalLM, LlamaConfig, False), ("qwen2", Qwen2ForCausalLM, Qwen2Config, False),
+@pytest.mark.parametrize(("arch", "model_class", "config_class", "formats"),
+                         [("llama", LlamaForCausalLM, LlamaConfig, None), ("qwen2", Qwen2ForCausalLM, Qwen2Config, None),
                           # a projection the GGUF holds in a format not kept quantized (MXFP4, the IQ formats)
-                          ("llama", LlamaForCausalLM, LlamaConfig, True)])
+                          ("llama", LlamaForCausalLM, LlamaConfig, {"blk.1.ffn_down.weight": F32}),
+                          # a v finer than its q and k (as llama.cpp's _M mixes): a SplitLinear qkv, with biases
+                          ("qwen2", Qwen2ForCausalLM, Qwen2Config, {"blk.1.attn_v.weight": Q8_0}),
+                          ("llama", LlamaForCausalLM, LlamaConfig, {"blk.0.attn_k.weight": Q8_0})])
 def test_fused_decoder_layers_match_the_modules_bit_for_bit(
-        tmp_path: Path, dtype: str, arch: str, model_class: type, config_class: type, dense: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, dtype: str, arch: str, model_class: type, config_class: type,
+        formats: dict[str, gguf.GGMLQuantizationType] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "tiny.gguf"
     reference = tiny_model(model_class, config_class, tied=True)
     with torch.no_grad():  # transformers starts biases at zero: give qwen2's qkv biases values that count
         for name, param in reference.named_parameters():
             if name.endswith("bias"):
                 param.normal_(generator=torch.Generator().manual_seed(1))
-    write_quantized_gguf(path, arch, reference, tied=True, formats={"blk.1.ffn_down.weight": F32} if dense else None)
+    write_quantized_gguf(path, arch, reference, tied=True, formats=formats)
     runner = ModelRunner(ShardConfig(model_id=str(path), uds_path="", device="cpu", dtype=dtype, quantize="auto",
                                          block_size=16))
     model = runner.model
-    if dense:
+    if formats and "blk.1.ffn_down.weight" in formats:
         down = model.layers[1].mlp.down_proj
         assert isinstance(down, PackedLinear)
         if not down.runs_loom_linear():  # oneDNN's GEMM here (float32, or no bfloat16 dot products): modules run
             assert model.fused_layers.args(model.layers, plain_model=True) == ([], [])
             return
+    if formats and "blk.1.attn_v.weight" in formats:  # q and k Q4_1, v Q8_0
+        parts = model.layers[1].self_attn.qkv_proj.parts
+        assert [p.kind for p in parts] == [QuantKind.Q4_1, QuantKind.Q8_0] and parts[0].bias is None
+    if formats and "blk.0.attn_k.weight" in formats:  # q, k and v each a part
+        assert [p.kind for p in model.layers[0].self_attn.qkv_proj.parts] == [QuantKind.Q4_1, QuantKind.Q8_0, QuantKind.Q4_1]
     # Prefill chunks (one after cached tokens) then decodes, over caches holding the same random K/V.
     spans = [SeqSpan(0, 40, [0, 1, 2]), SeqSpan(20, 12, [3, 4]), SeqSpan(37, 1, [5, 6, 7]),
              SeqSpan(100, 1, list(range(8, 15)))]

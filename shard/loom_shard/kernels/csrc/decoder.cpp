@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kPerLayer = 10;  // tensors per layer in `weights`, in the order below
+constexpr int64_t kPerLayer = 14;  // tensors per layer in `weights`, in the order below
 constexpr int64_t kLoraPerLayer = 11;  // tensors per layer in `lora`
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t out_features,
@@ -43,6 +43,25 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const at::Tens
                    const c10::optional<at::Tensor>& bias = c10::nullopt) {
   if (scales.numel() == 0) return linear(x, packed, out_features, bias);
   return qlinear(x, packed, scales, out_features, bias);
+}
+
+// The qkv projection, whose packed weights are up to three parts: those of q, k and v, where a
+// part's packed weight is empty when it runs with the part before it (one part: the fused qkv;
+// more: a GGUF that quantizes them in different kinds, SplitLinear). `bounds`: where q, k and v
+// start, and the end. Parts run without the bias, which is added to their outputs side by side,
+// as SplitLinear.forward does.
+at::Tensor project_qkv(const at::Tensor& x, const at::Tensor* w, const int64_t (&bounds)[4],
+                       const c10::optional<at::Tensor>& bias) {
+  if (w[2].numel() == 0 && w[4].numel() == 0) return project(x, w[0], w[1], bounds[3], bias);
+  std::vector<at::Tensor> outs;
+  for (int p = 0; p < 3; ++p) {
+    if (w[2 * p].numel() == 0) continue;
+    int end = p + 1;
+    while (end < 3 && w[2 * end].numel() == 0) ++end;
+    outs.push_back(project(x, w[2 * p], w[2 * p + 1], bounds[end] - bounds[p]));
+  }
+  at::Tensor qkv = at::cat(outs, 1);
+  return bias && bias->defined() ? qkv + bias->to(qkv.scalar_type()) : qkv;
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -113,9 +132,10 @@ void write_kv(const at::Tensor& flat, const at::Tensor& k, const at::Tensor& v, 
   }
 }
 
-// x [num_tokens, hidden] (the embeddings); weights: per layer input_layernorm.weight, qkv packed,
-// qkv scales, o packed, o scales, post_attention_layernorm.weight, gate_up packed, gate_up scales,
-// down packed, down scales (a projection with empty scales runs loom::linear); qkv_biases: per
+// x [num_tokens, hidden] (the embeddings); weights: per layer input_layernorm.weight, qkv packed
+// and scales for each of its parts q, k, v (project_qkv), o packed, o scales,
+// post_attention_layernorm.weight, gate_up packed, gate_up scales, down packed, down scales (a
+// projection with empty scales runs loom::linear); qkv_biases: per
 // layer its qkv projection's bias (Qwen2) or none; kv_cache [layers, 2, blocks, block_size,
 // kv_heads, head_dim].
 // lora: empty, or per layer the LoRA slots of qkv (A, B_q, B_k, B_v), o (A, B), gate_up (A, B_gate,
@@ -140,7 +160,7 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
               "decoder_layers: expected ", kLoraPerLayer, " LoRA tensors per layer with the token and slot ranks, or none");
   const LoraSlots lora_slots{token_slot, slot_ranks};
   const int64_t num_tokens = x.size(0), hidden = x.size(1), qk_heads = num_heads + num_kv_heads;
-  const int64_t qkv_features = (qk_heads + num_kv_heads) * head_dim;
+  const int64_t bounds[4] = {0, num_heads * head_dim, qk_heads * head_dim, (qk_heads + num_kv_heads) * head_dim};
   // Each residual add runs with the norm after it (the last layer's add stays alone: the model's
   // final norm runs outside). normed: the input of the layer's attention.
   at::Tensor normed = num_layers > 0 ? rms_norm(x, weights[0], eps) : x;
@@ -150,8 +170,7 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     auto factors = [&](int64_t first, int64_t count) { return l.empty() ? l : l.slice(first, count); };
     const at::Tensor& kv_layer = kv_cache[i];
     // Attention (Attention.forward, paged_attention).
-    at::Tensor qkv = with_lora(project(normed, w[1], w[2], qkv_features, qkv_biases.get(i)), normed, factors(0, 4),
-                               lora_slots)
+    at::Tensor qkv = with_lora(project_qkv(normed, w + 1, bounds, qkv_biases.get(i)), normed, factors(0, 4), lora_slots)
                          .view({num_tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = rotary(qkv.slice(1, 0, qk_heads), positions, cos, sin);
     std::vector<at::Tensor> q_k = qk.split_with_sizes({num_heads, num_kv_heads}, 1);
@@ -161,12 +180,12 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
         paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
     at::Tensor normed_mlp;
     std::tie(x, normed_mlp) =
-        add_rms_norm(x, with_lora(project(attended, w[3], w[4], hidden), attended, factors(4, 2), lora_slots), w[5], eps);
+        add_rms_norm(x, with_lora(project(attended, w[7], w[8], hidden), attended, factors(4, 2), lora_slots), w[9], eps);
     // Feed-forward (GatedMLP.forward).
-    at::Tensor gate_up = with_lora(project(normed_mlp, w[6], w[7], 2 * intermediate_size), normed_mlp, factors(6, 3),
+    at::Tensor gate_up = with_lora(project(normed_mlp, w[10], w[11], 2 * intermediate_size), normed_mlp, factors(6, 3),
                                    lora_slots);
     const at::Tensor act = loom::silu_mul(gate_up, intermediate_size);
-    const at::Tensor down = with_lora(project(act, w[8], w[9], hidden), act, factors(9, 2), lora_slots);
+    const at::Tensor down = with_lora(project(act, w[12], w[13], hidden), act, factors(9, 2), lora_slots);
     if (i + 1 == num_layers)
       x = x + down;
     else
