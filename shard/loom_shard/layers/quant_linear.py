@@ -1,5 +1,5 @@
 """Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0,
-Q6_K as Q8_16, Q5_1 and Q5_K as Q8_M), bf16 or float32 activations.
+Q3_K and Q6_K as Q8_16, Q5_1 and Q5_K as Q8_M), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf.quants import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
+from gguf.quants import Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 from torch import nn
 
 from loom_shard import kernels
@@ -255,6 +255,23 @@ def q6_k_as_q8_16(raw: np.ndarray) -> np.ndarray | None:
     return _rows(raw, rounded.view(np.uint8).reshape(-1, 4), q.view(np.uint8))
 
 
+def q3_k_as_q8_16(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF Q3_K super-blocks of 256 (fp16 d, a 6-bit scale sc per 16, 3-bit q: w = d (sc - 32) q,
+    q in -4..3) as eight Q8_16 blocks each (fp16 d (sc - 32) per 16, int8 q): the file's integers,
+    each 16's scale rounded to fp16 as the other K-quants' (None where one would leave fp16's
+    normal range). gguf-py dequantizes both: the scales from the blocks with every q set to 1."""
+    blocks = _blocks(raw, 110)  # 32 bytes of high bits, 64 of 2-bit pairs, 12 of scales, fp16 d
+    ones = blocks.copy()
+    ones[:, 0:32], ones[:, 32:96] = 0xFF, 0x55  # every q 1: a set high bit, then 01 pairs
+    step = Q3_K.dequantize_blocks(ones)  # [super-blocks, 256]: each weight's d (sc - 32), exact
+    rounded = _fp16_scales(step[:, ::16])
+    if rounded is None:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale: its weights are 0
+        q = np.where(step != 0, Q3_K.dequantize_blocks(blocks) / step, 0).astype(np.int8)  # exact
+    return _rows(raw, rounded.view(np.uint8).reshape(-1, 4), q.reshape(-1, BLOCK).view(np.uint8))
+
+
 def _fp16_scales(exact: np.ndarray) -> np.ndarray | None:
     """float32 block scales rounded to fp16 (a relative 2^-11 at most, where a weight dequantized to
     bfloat16 moves by up to 2^-8), or None where one would leave fp16's normal range (overflow, or a
@@ -274,5 +291,6 @@ KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] 
     "Q5_1": (QuantKind.Q8_M, q5_1_as_q8_m),
     "Q4_K": (QuantKind.Q4_1, q4_k_as_q4_1),
     "Q5_K": (QuantKind.Q8_M, q5_k_as_q8_m),
+    "Q3_K": (QuantKind.Q8_16, q3_k_as_q8_16),
     "Q6_K": (QuantKind.Q8_16, q6_k_as_q8_16),
 }

@@ -1,4 +1,4 @@
-"""GGUF Q4_K, Q5_K and Q6_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
+"""GGUF Q3_K, Q4_K, Q5_K and Q6_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
 
 Plain min/max quantizers in llama.cpp's block layouts (not its error-minimizing search): every
 block they write is a valid block of its format, which is all a loader test needs; gguf-py's
@@ -89,8 +89,36 @@ def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
     return packed.reshape(rows, columns // SUPER * 210)
 
 
+def quantize_q3_k(weights: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] (columns a multiple of 256) -> Q3_K raw blocks [rows, columns / 256 * 110]:
+    32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, fp16 d; w = d (sc - 32) q, q in -4..3."""
+    rows, columns = weights.shape
+    x = weights.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=-1) / 4
+    d = (scale.max(axis=-1) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), -32, 31), 0)
+        step = (d32 * sc)[..., None]
+        q = np.where(step > 0, np.clip(np.rint(x / step), -4, 3), 0)
+    sc6 = (sc + 32).astype(np.uint8)  # [super-blocks, 16]
+    low = sc6[:, :8] & 0x0F | ((sc6[:, 8:] & 0x0F) << 4)  # byte i: scale i low, scale 8 + i high nibble
+    high = sc6 >> 4  # 2 bits each: byte 8 + i holds scales i, 4 + i, 8 + i, 12 + i
+    high = high[:, 0:4] | (high[:, 4:8] << 2) | (high[:, 8:12] << 4) | (high[:, 12:16] << 6)
+    u = (q + 4).astype(np.uint8).reshape(-1, SUPER)  # 4 high + 2-bit low
+    pairs = (u & 3).reshape(-1, 2, 4, 32)  # half h: byte i's pair s holds weight 128h + 32s + i
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 2) | (pairs[:, :, 2] << 4) | (pairs[:, :, 3] << 6)).reshape(-1, 64)
+    bits = (u >> 2).reshape(-1, 8, 32)  # byte i's bit j: weight 32j + i
+    hmask = np.zeros((u.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        hmask |= bits[:, j] << j
+    packed = np.concatenate([hmask, qs, low, high, d[:, None].view(np.uint8)], axis=1)
+    return packed.reshape(rows, columns // SUPER * 110)
+
+
 # gguf-py's quantize() for the K-quants it cannot write: float32 [rows, columns] -> raw blocks.
 WRITERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    GGMLQuantizationType.Q3_K: quantize_q3_k,
     GGMLQuantizationType.Q4_K: quantize_q4_k,
     GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,

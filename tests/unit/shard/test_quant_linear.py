@@ -19,6 +19,7 @@ from loom_shard.layers.quant_linear import (
     QuantKind,
     QuantLinear,
     QuantSource,
+    q3_k_as_q8_16,
     q4_0_as_q4_1,
     q4_k_as_q4_1,
     q5_0_as_q8_0,
@@ -27,7 +28,7 @@ from loom_shard.layers.quant_linear import (
     q6_k_as_q8_16,
     raw_source,
 )
-from tests.unit.shard.k_quants import SUPER, quantize_q4_k, quantize_q5_k, quantize_q6_k
+from tests.unit.shard.k_quants import SUPER, quantize_q3_k, quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 needs_kernels = pytest.mark.usefixtures("kernel_isa")  # once per build this CPU runs
 KINDS = list(QuantKind)
@@ -137,26 +138,34 @@ def test_k_quants_keep_their_integers_with_block_scales_rounded_to_fp16(
     assert convert(raw) is None  # that weight is dequantized instead
 
 
-def test_q6_k_runs_as_q8_16_with_its_scales_rounded_to_fp16() -> None:
+# Q6_K: 192 bytes of integers, int8 scales (xor 0x80: negative), d at 208. Q3_K: 96 bytes of
+# integers, the scales' high bit pairs at 104..107 (xor 0xAA: sc - 32 negative), d at 108.
+@pytest.mark.parametrize(("write", "file_kind", "convert", "integers", "flip_scales", "d_at"),
+                         [(quantize_q6_k, "Q6_K", q6_k_as_q8_16, 192, (slice(192, 208), 0x80), 208),
+                          (quantize_q3_k, "Q3_K", q3_k_as_q8_16, 96, (slice(104, 108), 0xAA), 108)])
+def test_k_quants_with_a_scale_per_16_run_as_q8_16_with_its_scales_rounded_to_fp16(
+        write: Callable[[np.ndarray], np.ndarray], file_kind: str, convert: Callable[[np.ndarray], np.ndarray | None],
+        integers: int, flip_scales: tuple[slice, int], d_at: int) -> None:
     rng = np.random.default_rng(7)
     weights = (rng.standard_normal((12, 512)) * 0.05).astype(np.float32)
     weights[2, 256:] = 0  # a zero super-block: d = 0
     weights[5] *= 300  # scales far from the others' exponents
-    raw = quantize_q6_k(weights)
-    raw[4, 192:208] = (-raw[4, 192:208].view(np.int8)).view(np.uint8)  # negative sub-block scales
-    raw[4, :192] ^= 0x5A  # and other integers
-    reference = dequantize(raw, GGMLQuantizationType.Q6_K)
-    converted = q6_k_as_q8_16(raw)
+    raw = write(weights)
+    raw[4, flip_scales[0]] ^= flip_scales[1]  # negative sub-block scales
+    raw[4, :integers] ^= 0x5A  # and other integers
+    reference = dequantize(raw, GGMLQuantizationType[file_kind])
+    converted = convert(raw)
     assert converted.shape == (12, 512 // BLOCK * QuantKind.Q8_16.block_bytes)
     source = raw_source(QuantKind.Q8_16, converted, 512)
     q, d, _ = source.blocks()
-    # The file's integers (q - 32); each 16's scale within fp16's rounding of its exact value.
+    # The file's integers; each 16's scale within fp16's rounding of its exact value.
     bound = 2.0**-11 * (d.abs()[..., None] * q.abs().reshape(12, -1, 16)).reshape(12, 512)
     error = (source.dequantize() - torch.from_numpy(reference)).abs()
     assert (error <= bound * 1.01).all() and error.max() > 0
     assert torch.equal(source.dequantize()[2, 256:], torch.zeros(256))
-    raw[7, 208:210] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d sc overflows fp16
-    assert q6_k_as_q8_16(raw) is None  # that weight is dequantized instead
+    assert (d[4] < 0).any()
+    raw[7, d_at : d_at + 2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d sc overflows fp16
+    assert convert(raw) is None  # that weight is dequantized instead
 
 
 @needs_kernels

@@ -19,8 +19,8 @@ from loom_proto.config import ShardConfig
 from loom_shard import kernels
 from loom_shard.attention.metadata import SeqSpan
 from loom_shard.layers.decoder import DecoderLayer
-from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.fused_layers import PER_LAYER
+from loom_shard.layers.packed_linear import PackedLinear
 from loom_shard.layers.quant_linear import QuantKind, QuantLinear
 from loom_shard.layers.split_linear import SplitLinear
 from loom_shard.loading.quantize import quantized_summary
@@ -32,8 +32,9 @@ from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-F32, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 = (
-    gguf.GGMLQuantizationType[name] for name in ("F32", "MXFP4", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
+F32, MXFP4, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 = (
+    gguf.GGMLQuantizationType[name]
+    for name in ("F32", "MXFP4", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
 # K-quants' super-blocks hold 256 inputs: every projection's width a multiple of 256.
@@ -146,15 +147,18 @@ def test_q4_k_gguf_runs_on_q4_1s_kernels(tmp_path: Path) -> None:
     _assert_one_call_and_close(quantized, reference)
 
 
-@pytest.mark.parametrize(("k_quant", "runs_as"), [(Q4_K, QuantKind.Q4_1), (Q5_K, QuantKind.Q8_M)])
-def test_k_m_ggufs_run_their_q6_k_projections_on_the_int8_kernels(
-        tmp_path: Path, k_quant: gguf.GGMLQuantizationType, runs_as: QuantKind) -> None:
-    # As llama.cpp's Q4_K_M and Q5_K_M: Q4_K or Q5_K projections, Q6_K for some layers' ffn_down
-    # and for the untied head.
+@pytest.mark.parametrize(("k_quant", "runs_as", "v_kind", "v_runs_as"),
+                         [(Q4_K, QuantKind.Q4_1, Q6_K, QuantKind.Q8_16), (Q5_K, QuantKind.Q8_M, Q6_K, QuantKind.Q8_16),
+                          (Q3_K, QuantKind.Q8_16, Q5_K, QuantKind.Q8_M)])
+def test_k_m_ggufs_run_every_projection_quantized(
+        tmp_path: Path, k_quant: gguf.GGMLQuantizationType, runs_as: QuantKind, v_kind: gguf.GGMLQuantizationType,
+        v_runs_as: QuantKind) -> None:
+    # As llama.cpp's Q4_K_M, Q5_K_M and Q3_K_M: Q4_K, Q5_K or Q3_K projections, Q6_K for some layers'
+    # ffn_down and for the untied head, a finer v in some layers.
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=False, config=TINY_K)
     path = tmp_path / "tiny.gguf"
     write_quantized_gguf(path, "llama", model, tied=False, projections=k_quant, config=TINY_K,
-                         formats={"blk.0.ffn_down.weight": Q6_K, "output.weight": Q6_K, "blk.1.attn_v.weight": Q6_K})
+                         formats={"blk.0.ffn_down.weight": Q6_K, "output.weight": Q6_K, "blk.1.attn_v.weight": v_kind})
 
     quantized, reference = runner_model(path, "auto"), runner_model(path, "none")
 
@@ -163,11 +167,10 @@ def test_k_m_ggufs_run_their_q6_k_projections_on_the_int8_kernels(
     assert quantized.layers[0].mlp.down_proj.kind is QuantKind.Q8_16 and quantized.lm_head.kind is QuantKind.Q8_16
     assert quantized.layers[1].mlp.down_proj.kind is runs_as
     qkv = quantized.layers[1].self_attn.qkv_proj  # q and k, then v: parts of two kinds
-    assert isinstance(qkv, SplitLinear) and [p.kind for p in qkv.parts] == [runs_as, QuantKind.Q8_16]
-    summary = f"{k_quant.name} x{len(layers) - 3} as {runs_as.name}, Q6_K x3 as Q8_16"
-    assert quantized_summary(quantized).startswith(summary)
-    # An untied random head makes small logits (the largest 1.3): 1.03% (Q4_K) and 1.02% (Q5_K) of it
-    # measured; 0.90% and 1.04% with a Q8_0 head and no Q6_K down projection.
+    assert isinstance(qkv, SplitLinear) and [p.kind for p in qkv.parts] == [runs_as, v_runs_as]
+    assert f"{k_quant.name} x{4 * TINY_K['num_hidden_layers'] - 1} as {runs_as.name}" in quantized_summary(quantized)
+    # An untied random head makes small logits (the largest 1.1-1.3): 0.87% (Q4_K), 1.08% (Q5_K) and
+    # 1.20% (Q3_K) of it measured; 0.90% and 1.04% for Q4_K and Q5_K with a Q8_0 head and no Q6_K.
     _assert_one_call_and_close(quantized, reference, tolerance=2e-2)
 
 
