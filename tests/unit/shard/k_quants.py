@@ -71,14 +71,7 @@ def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
     """float32 [rows, columns] (columns a multiple of 256) -> Q6_K raw blocks [rows, columns / 256 * 210]:
     128 bytes of low nibbles, 64 of high bit pairs, int8 sc per 16, fp16 d; w = d sc (q - 32)."""
     rows, columns = weights.shape
-    x = weights.astype(np.float32).reshape(-1, 16, 16)
-    scale = np.abs(x).max(axis=-1) / 31
-    d = (scale.max(axis=-1) / 127).astype(np.float16)
-    d32 = d.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), -128, 127), 0)
-        step = (d32 * sc)[..., None]
-        q = np.where(step > 0, np.clip(np.rint(x / step), -32, 31), 0)
+    d, sc, q = _scaled_per_16(weights, (-32, 31), (-128, 127))
     q = (q + 32).astype(np.uint8).reshape(-1, SUPER)
     low, high = q & 0x0F, q >> 4
     low = low.reshape(-1, 2, 2, 64)  # half h: byte i holds element 128h + i low, 128h + 64 + i high
@@ -93,14 +86,7 @@ def quantize_q3_k(weights: np.ndarray) -> np.ndarray:
     """float32 [rows, columns] (columns a multiple of 256) -> Q3_K raw blocks [rows, columns / 256 * 110]:
     32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, fp16 d; w = d (sc - 32) q, q in -4..3."""
     rows, columns = weights.shape
-    x = weights.astype(np.float32).reshape(-1, 16, 16)
-    scale = np.abs(x).max(axis=-1) / 4
-    d = (scale.max(axis=-1) / 31).astype(np.float16)
-    d32 = d.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), -32, 31), 0)
-        step = (d32 * sc)[..., None]
-        q = np.where(step > 0, np.clip(np.rint(x / step), -4, 3), 0)
+    d, sc, q = _scaled_per_16(weights, (-4, 3), (-32, 31))
     sc6 = (sc + 32).astype(np.uint8)  # [super-blocks, 16]
     low = sc6[:, :8] & 0x0F | ((sc6[:, 8:] & 0x0F) << 4)  # byte i: scale i low, scale 8 + i high nibble
     high = sc6 >> 4  # 2 bits each: byte 8 + i holds scales i, 4 + i, 8 + i, 12 + i
@@ -114,6 +100,21 @@ def quantize_q3_k(weights: np.ndarray) -> np.ndarray:
         hmask |= bits[:, j] << j
     packed = np.concatenate([hmask, qs, low, high, d[:, None].view(np.uint8)], axis=1)
     return packed.reshape(rows, columns // SUPER * 110)
+
+
+def _scaled_per_16(weights: np.ndarray, q_range: tuple[int, int],
+                   sc_range: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Symmetric K-quant integers, w = d sc q with a scale sc per 16 weights and fp16 d per 256:
+    (d [super-blocks], sc [super-blocks, 16], q [super-blocks, 16, 16]) as floats holding integers."""
+    x = weights.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=-1) / -q_range[0]
+    d = (scale.max(axis=-1) / sc_range[1]).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), *sc_range), 0)
+        step = (d32 * sc)[..., None]
+        q = np.where(step > 0, np.clip(np.rint(x / step), *q_range), 0)
+    return d, sc, q
 
 
 # gguf-py's quantize() for the K-quants it cannot write: float32 [rows, columns] -> raw blocks.

@@ -91,26 +91,18 @@ def test_q4_0_runs_as_q4_1_with_the_same_weights() -> None:
     assert q4_0_as_q4_1(raw) is None  # that weight is dequantized instead
 
 
-def test_q5_0_runs_as_q8_0_with_the_same_weights() -> None:
+@pytest.mark.parametrize(("file_kind", "kind", "convert"),
+                         [("Q5_0", QuantKind.Q8_0, q5_0_as_q8_0), ("Q5_1", QuantKind.Q8_M, q5_1_as_q8_m)])
+def test_five_bit_formats_run_as_int8_with_the_same_weights(file_kind: str, kind: QuantKind,
+                                                           convert: Callable[[np.ndarray], np.ndarray]) -> None:
     rng = np.random.default_rng(5)
-    weights = (rng.standard_normal((24, 96)) * 0.05).astype(np.float32)
-    weights[2, :32] = 0
-    raw = quantize(weights, GGMLQuantizationType.Q5_0)
-    converted = q5_0_as_q8_0(raw)
-    assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_0.block_bytes)
-    source = raw_source(QuantKind.Q8_0, converted, 96)
-    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0)))  # bit for bit
-
-
-def test_q5_1_runs_as_q8_m_with_the_same_weights() -> None:
-    rng = np.random.default_rng(8)
     weights = (rng.standard_normal((24, 96)) * 0.05 + 0.02).astype(np.float32)
     weights[2, :32] = 0
-    raw = quantize(weights, GGMLQuantizationType.Q5_1)
-    converted = q5_1_as_q8_m(raw)
-    assert converted.shape == (24, 96 // BLOCK * QuantKind.Q8_M.block_bytes)
-    source = raw_source(QuantKind.Q8_M, converted, 96)
-    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_1)))  # bit for bit
+    raw = quantize(weights, GGMLQuantizationType[file_kind])
+    converted = convert(raw)
+    assert converted.shape == (24, 96 // BLOCK * kind.block_bytes)
+    source = raw_source(kind, converted, 96)
+    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType[file_kind])))  # bit for bit
 
 
 @pytest.mark.parametrize(("write", "file_kind", "kind", "convert"),
