@@ -1,9 +1,8 @@
 """Every decoder layer of a step in one C++ call, `loom::decoder_layers` (kernels/csrc/decoder.cpp),
 where the model is a plain Llama whose projections run on Loom's kernels (QuantLinears, a qkv
 SplitLinear of them, and PackedLinears on loom::linear; LoRA deltas included when the step names
-adapters): the same
-kernels and ops as the modules, in the same order, so bit-identical to them, without the Python
-around each op (about 2 ms of a batch-1 decode step, 4.6 ms of a batch-32 one)."""
+adapters): the same kernels and ops as the modules, in the same order, so bit-identical to them,
+without the Python around each op (about 2 ms of a batch-1 decode step, 4.6 ms of a batch-32 one)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class QuantKind(enum.Enum):
 
     Q4_1 = enum.auto()  # fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
     Q8_0 = enum.auto()  # fp16 d, 32 int8: w = d q
-    Q8_16 = enum.auto()  # fp16 d0, fp16 d1, 32 int8: w = d0 q for inputs 0..15, d1 q for 16..31 (Q6_K's sub-blocks)
+    Q8_16 = enum.auto()  # fp16 d0, fp16 d1, 32 int8: w = d0 q for inputs 0..15, d1 q for 16..31 (Q3_K, Q6_K)
     Q8_M = enum.auto()  # fp16 d, fp16 m, 32 int8: w = d q + m (Q5_1's and Q5_K's unsigned q)
 
     @property

@@ -1,7 +1,7 @@
 // A mixture-of-experts layer's experts when their weights are Loom's quantized linears (a GGUF's
-// experts in a format kept quantized), in one call from Python: the same ATen ops and loom::qlinear calls, in the
-// same order, as loom_shard/layers/moe.py's MoE.forward over QuantExperts, so the result is
-// bit-identical to it. What goes is the Python around each expert (a batch-1 decode step of a
+// experts in a format kept quantized), in one call from Python: the same ATen ops and
+// loom::qlinear calls, in the same order, as loom_shard/layers/moe.py's MoE.forward over
+// QuantExperts, so the result is bit-identical to it. What goes is the Python around each expert (a batch-1 decode step of a
 // small MoE spent more time there than in the experts' weights).
 //
 // Picks (token t's k-th expert, index t * k + j) are grouped by expert in token order; each expert

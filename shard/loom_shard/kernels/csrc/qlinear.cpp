@@ -1,5 +1,5 @@
 // Weight-only quantized linears: y = x @ W^T with W kept in GGUF's Q4_1 or Q8_0 blocks of 32, or
-// Loom's Q8_16 (Q8_0 with a scale per 16 inputs: Q6_K's sub-blocks) and Q8_M (Q8_0 with a min:
+// Loom's Q8_16 (Q8_0 with a scale per 16 inputs: Q3_K's and Q6_K's) and Q8_M (Q8_0 with a min:
 // Q5_1's and Q5_K's unsigned q), run
 // llama.cpp's way: each activation row is quantized per block of 32 to int8 (d = amax / 127, round to
 // nearest even) and multiplied with exact int8 dot products (qlinear_tiles.h: AVX-512 VNNI or AVX2).

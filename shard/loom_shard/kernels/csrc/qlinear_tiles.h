@@ -12,7 +12,7 @@
 //   Q8_0: weights are signed; x arrives as q + 128 (q XOR 0x80), the unsigned operand, and the dot
 //         starts from -128 * sum(q_w), precomputed per column and block at load (AVX2 multiplies
 //         the two nibbles of q + 128 apart: see its tile). y += (d_w d_x) * dot.
-//   Q8_16: Q8_0 with a weight scale per half block (16 inputs: Q6_K's sub-blocks): each half's
+//   Q8_16: Q8_0 with a weight scale per half block (16 inputs: Q3_K's and Q6_K's): each half's
 //         dot as Q8_0's, y += (d_w0 d_x) * dot_0, then y += (d_w1 d_x) * dot_1.
 //   Q8_M: Q8_0 with a min per block (Q5_1's and Q5_K's unsigned q): y += (d_w d_x) * dot + m_w * s_x.
 #pragma once
@@ -32,11 +32,11 @@ constexpr int64_t kCols = 16;       // output columns per tile: one simd::F16 of
 constexpr int64_t kQ4Bytes = 256;   // Q4_1 tile-block: 4 chunks of 64 bytes of nibble pairs
 constexpr int64_t kQ8Bytes = 544;   // Q8_0 tile-block: 8 groups of 64 int8, then 16 int16 -sum(q)
 constexpr int64_t kQ816Bytes = 576; // Q8_16 tile-block: 8 groups of 64 int8, then 2 x 16 int16 -sum(q)
+constexpr int kTiles = 2;           // column tiles per group in the packed layout
 
 // The int8 tile-blocks, Q8_0 and Q8_M (1 part) and Q8_16 (2): kParts weight scales a block of 32 inputs.
 template <int kParts>
 constexpr int64_t q8_bytes() { return kParts == 1 ? kQ8Bytes : kQ816Bytes; }
-constexpr int kTiles = 2;           // column tiles per group in the packed layout
 
 // One row chunk's quantized activations: q [rows, K] (int8 for Q4_1, q + 128 as u8 for the int8 formats),
 // d and s [rows, K/32].
