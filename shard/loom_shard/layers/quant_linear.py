@@ -1,5 +1,5 @@
-"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1, Q5_0 as Q8_0,
-Q3_K and Q6_K as Q8_16, Q5_1 and Q5_K as Q8_M), bf16 or float32 activations.
+"""Weight-only quantized linears: GGUF Q4_1 / Q8_0 weights kept quantized (Q4_0 and Q4_K as Q4_1; Q5_0, IQ4_NL
+and IQ4_XS as Q8_0; Q3_K and Q6_K as Q8_16; Q5_1 and Q5_K as Q8_M), bf16 or float32 activations.
 
 With Loom's CPU kernels the GGUF blocks are repacked once into `loom::qlinear`'s tiles and run
 llama.cpp's way: each activation row is quantized per block of 32 to int8 (Q8_0-like) and multiplied
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf.quants import Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
+from gguf.quants import IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 from torch import nn
 
 from loom_shard import kernels
@@ -272,6 +272,29 @@ def q3_k_as_q8_16(raw: np.ndarray) -> np.ndarray | None:
     return _rows(raw, rounded.view(np.uint8).reshape(-1, 4), q.reshape(-1, BLOCK).view(np.uint8))
 
 
+def iq4_nl_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """GGUF IQ4_NL blocks (fp16 d, 4-bit indices into a table of 16 int8 values: w = d table[q]) as
+    Q8_0 blocks (the same d, int8 table[q]): the same weights exactly."""
+    blocks = _blocks(raw, 18)
+    return _rows(raw, blocks[:, 0:2], _integers(blocks, IQ4_NL, {0: _ONE}).view(np.uint8))
+
+
+def iq4_xs_as_q8_0(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF IQ4_XS super-blocks of 256 (fp16 d, a 6-bit scale ls per 32, IQ4_NL's indices: w =
+    d (ls - 32) table[q]) as eight Q8_0 blocks each (fp16 d (ls - 32), int8 table[q]): the file's
+    table values, each block's scale rounded to fp16 as the K-quants' are (None where one would
+    leave fp16's normal range)."""
+    blocks = _blocks(raw, 136)  # fp16 d, 2 bytes of the scales' high bit pairs, 4 of low nibbles, indices
+    ones = blocks.copy()
+    ones[:, 8:] = 0x88  # every index 8: table value 1
+    rounded = _fp16_scales(IQ4_XS.dequantize_blocks(ones)[:, ::BLOCK])  # each block's d (ls - 32), exact
+    if rounded is None:
+        return None
+    unit_scales = {0: _ONE, 2: np.array([0xAA, 0xAA], dtype=np.uint8), 4: np.full(4, 0x11, dtype=np.uint8)}  # ls 33
+    q = _integers(blocks, IQ4_XS, unit_scales).reshape(-1, BLOCK)
+    return _rows(raw, rounded.view(np.uint8).reshape(-1, 2), q.view(np.uint8))
+
+
 def _fp16_scales(exact: np.ndarray) -> np.ndarray | None:
     """float32 block scales rounded to fp16 (a relative 2^-11 at most, where a weight dequantized to
     bfloat16 moves by up to 2^-8), or None where one would leave fp16's normal range (overflow, or a
@@ -283,8 +306,8 @@ def _fp16_scales(exact: np.ndarray) -> np.ndarray | None:
     return rounded
 
 
-# GGUF formats run as a kept one, converted at load (None: not this one): Q4_0, Q5_0 and Q5_1
-# without changing a weight, the K-quants with their block scales in fp16.
+# GGUF formats run as a kept one, converted at load (None: not this one): Q4_0, Q5_0, Q5_1 and
+# IQ4_NL without changing a weight, the K-quants and IQ4_XS with their block scales in fp16.
 KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] = {
     "Q4_0": (QuantKind.Q4_1, q4_0_as_q4_1),
     "Q5_0": (QuantKind.Q8_0, q5_0_as_q8_0),
@@ -293,4 +316,6 @@ KEPT_AS: dict[str, tuple[QuantKind, Callable[[np.ndarray], np.ndarray | None]]] 
     "Q5_K": (QuantKind.Q8_M, q5_k_as_q8_m),
     "Q3_K": (QuantKind.Q8_16, q3_k_as_q8_16),
     "Q6_K": (QuantKind.Q8_16, q6_k_as_q8_16),
+    "IQ4_NL": (QuantKind.Q8_0, iq4_nl_as_q8_0),
+    "IQ4_XS": (QuantKind.Q8_0, iq4_xs_as_q8_0),
 }

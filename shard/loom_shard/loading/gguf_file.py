@@ -163,8 +163,8 @@ def load_gguf_weights(
     """Dequantizes tensor by tensor, converting each to `dtype` at once to bound peak memory;
     where `part` names a part of a tensor, only that part's blocks are read and dequantized.
 
-    quantized: when given, projection weights in a kept format (Q4_1, Q8_0; Q4_0, Q5_0, Q5_1, Q3_K, Q4_K,
-    Q5_K, Q6_K converted: KEPT_AS), experts' too, go there as raw blocks instead (Q/K rows
+    quantized: when given, projection weights in a kept format (Q4_1, Q8_0, and the formats
+    KEPT_AS converts), experts' too, go there as raw blocks instead (Q/K rows
     unpermuted), and a tied embedding also goes there as "lm_head.weight".
     """
     shapes = expected_shapes(config)

@@ -1,4 +1,4 @@
-"""GGUF Q3_K, Q4_K, Q5_K and Q6_K blocks for tests: gguf-py dequantizes K-quants but does not make them.
+"""GGUF Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL blocks for tests: gguf-py dequantizes them but does not make them.
 
 Plain min/max quantizers in llama.cpp's block layouts (not its error-minimizing search): every
 block they write is a valid block of its format, which is all a loader test needs; gguf-py's
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf.quants import IQ4_NL
 
 SUPER = 256  # weights per K-quant super-block
 
@@ -117,10 +118,26 @@ def _scaled_per_16(weights: np.ndarray, q_range: tuple[int, int],
     return d, sc, q
 
 
-# gguf-py's quantize() for the K-quants it cannot write: float32 [rows, columns] -> raw blocks.
+def quantize_iq4_nl(weights: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] (columns a multiple of 32) -> IQ4_NL raw blocks [rows, columns / 32 * 18]:
+    fp16 d, then byte j holds weight j's table index low and weight j + 16's high; w = d table[q]."""
+    rows, columns = weights.shape
+    x = weights.astype(np.float32).reshape(-1, 32)
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[:, None], axis=-1)
+    d = (extreme / -127).astype(np.float16)  # the largest magnitude goes to the table's -127
+    table = np.array(IQ4_NL.kvalues, dtype=np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(d != 0, x / d.astype(np.float32), 0)
+    q = np.abs(scaled[..., None] - table).argmin(axis=-1).astype(np.uint8)
+    packed = np.concatenate([d.view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    return packed.reshape(rows, columns // 32 * 18)
+
+
+# gguf-py's quantize() for the formats it cannot write: float32 [rows, columns] -> raw blocks.
 WRITERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLQuantizationType.Q3_K: quantize_q3_k,
     GGMLQuantizationType.Q4_K: quantize_q4_k,
     GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
+    GGMLQuantizationType.IQ4_NL: quantize_iq4_nl,
 }

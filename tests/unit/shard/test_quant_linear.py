@@ -19,6 +19,8 @@ from loom_shard.layers.quant_linear import (
     QuantKind,
     QuantLinear,
     QuantSource,
+    iq4_nl_as_q8_0,
+    iq4_xs_as_q8_0,
     q3_k_as_q8_16,
     q4_0_as_q4_1,
     q4_k_as_q4_1,
@@ -103,6 +105,28 @@ def test_five_bit_formats_run_as_int8_with_the_same_weights(file_kind: str, kind
     assert converted.shape == (24, 96 // BLOCK * kind.block_bytes)
     source = raw_source(kind, converted, 96)
     assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType[file_kind])))  # bit for bit
+
+
+def test_iq4_formats_run_as_q8_0_with_their_table_values() -> None:
+    # Any bytes make valid IQ4 blocks: random indices and scales, d set.
+    rng = np.random.default_rng(9)
+    nl = rng.integers(0, 256, (8, 16, 18), dtype=np.uint8)
+    nl[..., 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    nl = nl.reshape(8, -1)
+    source = raw_source(QuantKind.Q8_0, iq4_nl_as_q8_0(nl), 512)
+    assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(nl, GGMLQuantizationType.IQ4_NL)))  # bit for bit
+    xs = rng.integers(0, 256, (8, 2, 136), dtype=np.uint8)
+    xs[..., 0:2] = np.array([0.003], dtype=np.float16).view(np.uint8)
+    xs[3, 1, 0:2] = 0  # a zero super-block
+    xs = xs.reshape(8, -1)
+    source = raw_source(QuantKind.Q8_0, iq4_xs_as_q8_0(xs), 512)
+    q, d, _ = source.blocks()
+    bound = 2.0**-11 * (d.abs()[..., None] * q.abs().reshape(8, -1, BLOCK)).reshape(8, 512)
+    error = (source.dequantize() - torch.from_numpy(dequantize(xs, GGMLQuantizationType.IQ4_XS))).abs()
+    assert (error <= bound * 1.01).all() and error.max() > 0  # the table values; scales within fp16's rounding
+    assert torch.equal(source.dequantize()[3, 256:], torch.zeros(256))
+    xs[5, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d (ls - 32) overflows fp16
+    assert iq4_xs_as_q8_0(xs) is None
 
 
 @pytest.mark.parametrize(("write", "file_kind", "kind", "convert"),

@@ -32,9 +32,9 @@ from tests.unit.shard.test_embedded_parity import PROMPT, loom_greedy
 from tests.unit.shard.test_loader import TINY as LOADER_TINY
 from tests.unit.shard.test_loader_gguf import write_tiny_gguf
 
-F32, MXFP4, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 = (
+F32, IQ4_NL, MXFP4, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 = (
     gguf.GGMLQuantizationType[name]
-    for name in ("F32", "MXFP4", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
+    for name in ("F32", "IQ4_NL", "MXFP4", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
 # Quantization blocks hold 32 inputs, so widths are multiples of 32; a vocab of 200 ends in a partial tile.
 TINY = {**LOADER_TINY, "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96}
 # K-quants' super-blocks hold 256 inputs: every projection's width a multiple of 256.
@@ -115,7 +115,8 @@ def test_tiny_quantized_gguf_runs_quantized_and_close_to_the_reference(
     assert (got - expected).abs().max() < 1e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize(("projections", "runs_as"), [(Q4_0, QuantKind.Q4_1), (Q5_0, QuantKind.Q8_0), (Q5_1, QuantKind.Q8_M)])
+@pytest.mark.parametrize(("projections", "runs_as"), [(Q4_0, QuantKind.Q4_1), (Q5_0, QuantKind.Q8_0), (Q5_1, QuantKind.Q8_M),
+                                                     (IQ4_NL, QuantKind.Q8_0)])
 def test_other_formats_ggufs_run_on_the_kept_formats_kernels(
         tmp_path: Path, projections: gguf.GGMLQuantizationType, runs_as: QuantKind) -> None:
     model = tiny_model(LlamaForCausalLM, LlamaConfig, tied=True)
@@ -197,7 +198,7 @@ def test_projections_in_formats_not_kept_are_dequantized_and_said_so(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "model_class", "config_class", "formats"),
                          [("llama", LlamaForCausalLM, LlamaConfig, None), ("qwen2", Qwen2ForCausalLM, Qwen2Config, None),
-                          # a projection the GGUF holds in a format not kept quantized (MXFP4, the IQ formats)
+                          # a projection the GGUF holds in a format not kept quantized (MXFP4, IQ2 and IQ3)
                           ("llama", LlamaForCausalLM, LlamaConfig, {"blk.1.ffn_down.weight": F32}),
                           # a v finer than its q and k (as llama.cpp's _M mixes): a SplitLinear qkv, with biases
                           ("qwen2", Qwen2ForCausalLM, Qwen2Config, {"blk.1.attn_v.weight": Q8_0}),
