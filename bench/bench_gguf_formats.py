@@ -32,7 +32,7 @@ from loom_shard.loading.loader import resolve_model_path
 from loom_shard.loading.quantize import quantized_summary
 
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
-          "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}  # llama.cpp's llama_ftype
+          "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}  # llama_ftype
 PEER_LIBS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "llama.cpp" / "bin"
 
 
