@@ -210,14 +210,20 @@ def q5_k_as_q8_m(raw: np.ndarray) -> np.ndarray | None:
     eight Q8_M blocks each (fp16 d sc, fp16 -dmin mn, int8 q): the file's integers, each block's
     scale and min rounded to fp16 as Q4_K's are (None where one would leave fp16's normal range)."""
     blocks = _blocks(raw, 176)  # fp16 d, fp16 dmin, 12 bytes of scales and mins, fifth bits, nibbles
-    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
-    rounded = _fp16_scales(np.stack([d * sc, -(dmin * mn)]).reshape(2, -1))  # [scale, min] x every block of 32
-    if rounded is None:
+    scales_mins = _k_scales_and_mins(blocks)
+    if scales_mins is None:
         return None
     q = _integers(blocks, Q5_K, {0: _ONE, 2: _ZERO, 4: _UNIT_SCALES}).reshape(-1, BLOCK)
-    return _rows(raw, rounded[0].view(np.uint8).reshape(-1, 2), rounded[1].view(np.uint8).reshape(-1, 2),
-                 q.view(np.uint8))
+    return _rows(raw, *scales_mins, q.view(np.uint8))
+
+
+def _k_scales_and_mins(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Q4_K's and Q5_K's scale d sc and min -dmin mn of every block of 32 (fp16 d and dmin, then 12
+    bytes of 6-bit sc and mn), rounded to fp16 as bytes [blocks of 32, 2] each (_fp16_scales)."""
+    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    rounded = _fp16_scales(np.stack([d * sc, -(dmin * mn)]).reshape(2, -1))
+    return None if rounded is None else (rounded[0].view(np.uint8).reshape(-1, 2), rounded[1].view(np.uint8).reshape(-1, 2))
 
 
 def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
@@ -228,16 +234,12 @@ def q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     where a weight dequantized to bfloat16 moves by up to 2^-8). None where one would leave fp16's
     normal range (overflow, or a subnormal that loses bits): such a weight is dequantized instead."""
     blocks = _blocks(raw, 144)
-    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
-    rounded = _fp16_scales(np.stack([d * sc, -(dmin * mn)]).reshape(2, -1))  # [scale, min] x every block of 32
-    if rounded is None:
+    scales_mins = _k_scales_and_mins(blocks)
+    if scales_mins is None:
         return None
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # byte i of chunk j: block 2j's q_i low, block 2j + 1's high
-    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [super-blocks, 4, 2, 32]
-    q = q.reshape(-1, 32)
+    q = _integers(blocks, Q4_K, {0: _ONE, 2: _ZERO, 4: _UNIT_SCALES}).view(np.uint8).reshape(-1, BLOCK)
     nibbles = q[:, :16] | (q[:, 16:] << 4)  # Q4_1's byte j: q_j low, q_{j+16} high
-    return _rows(raw, rounded[0].view(np.uint8).reshape(-1, 2), rounded[1].view(np.uint8).reshape(-1, 2), nibbles)
+    return _rows(raw, *scales_mins, nibbles)
 
 
 def q6_k_as_q8_16(raw: np.ndarray) -> np.ndarray | None:
@@ -304,6 +306,21 @@ def _fp16_scales(exact: np.ndarray) -> np.ndarray | None:
     if np.any(np.abs(rounded.astype(np.float32) - exact) > np.abs(exact) * 2.0**-11):
         return None
     return rounded
+
+
+def convert_rows(convert: Callable[[np.ndarray], np.ndarray | None], raw: np.ndarray,
+                 chunk_bytes: int = 1 << 24) -> np.ndarray | None:
+    """`convert` applied to raw's rows about `chunk_bytes` of blocks at a time, so that the float32
+    arrays the converters make on the way stay that small whatever the tensor (a vocabulary's head);
+    None where `convert` gives None for some rows."""
+    step = max(1, chunk_bytes // max(1, raw.shape[1]))
+    parts = []
+    for first in range(0, raw.shape[0], step):
+        part = convert(raw[first : first + step])
+        if part is None:
+            return None
+        parts.append(part)
+    return np.concatenate(parts)
 
 
 # GGUF formats run as a kept one, converted at load (None: not this one): Q4_0, Q5_0, Q5_1 and

@@ -14,7 +14,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from loom_shard.layers.quant_linear import KEPT_AS, QuantKind, QuantSource, raw_source
+from loom_shard.layers.quant_linear import KEPT_AS, QuantKind, QuantSource, convert_rows, raw_source
 from loom_shard.loading import gguf_arch
 from loom_shard.loading.common import (
     LoadProgress,
@@ -260,7 +260,7 @@ def quant_source(tensor: TensorInfo, reader: GGUFFile, expert: int | None = None
         raw = raw[expert * rows : (expert + 1) * rows]
     if convert is None:
         return raw_source(kind, raw, int(tensor.shape[0]))
-    converted = convert(raw)
+    converted = convert_rows(convert, raw)
     return None if converted is None else raw_source(kind, converted, int(tensor.shape[0]), file_kind=name)
 
 

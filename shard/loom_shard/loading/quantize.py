@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from itertools import groupby
 
 import torch
 from torch import nn
@@ -53,13 +54,7 @@ def install_quant_linears(
 
 def _runs_of_one_kind(sources: list[QuantSource]) -> list[QuantSource]:
     """Consecutive parts of one kind fused into one source each (one source where all are alike)."""
-    runs = [sources[0]]
-    for source in sources[1:]:
-        if source.kind is runs[-1].kind:
-            runs[-1] = QuantSource.cat([runs[-1], source])
-        else:
-            runs.append(source)
-    return runs
+    return [QuantSource.cat(list(run)) for _, run in groupby(sources, key=lambda source: source.kind)]
 
 
 def _install_quant_experts(model: DecoderModel, quantized: dict[str, QuantSource], weights: dict[str, torch.Tensor],

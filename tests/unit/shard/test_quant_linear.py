@@ -19,6 +19,7 @@ from loom_shard.layers.quant_linear import (
     QuantKind,
     QuantLinear,
     QuantSource,
+    convert_rows,
     iq4_nl_as_q8_0,
     iq4_xs_as_q8_0,
     q3_k_as_q8_16,
@@ -105,6 +106,14 @@ def test_five_bit_formats_run_as_int8_with_the_same_weights(file_kind: str, kind
     assert converted.shape == (24, 96 // BLOCK * kind.block_bytes)
     source = raw_source(kind, converted, 96)
     assert torch.equal(source.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType[file_kind])))  # bit for bit
+
+
+def test_a_tensor_converts_a_chunk_of_rows_at_a_time_as_whole() -> None:
+    raw = quantize_q6_k((np.random.default_rng(10).standard_normal((37, 512)) * 0.05).astype(np.float32))
+    chunk = 5 * raw.shape[1]  # 8 chunks of 5 rows
+    assert np.array_equal(convert_rows(q6_k_as_q8_16, raw, chunk_bytes=chunk), q6_k_as_q8_16(raw))
+    raw[36, 208:210] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d sc overflows fp16 in the last chunk
+    assert convert_rows(q6_k_as_q8_16, raw, chunk_bytes=chunk) is None
 
 
 def test_iq4_formats_run_as_q8_0_with_their_table_values() -> None:
