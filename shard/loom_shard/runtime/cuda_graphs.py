@@ -28,6 +28,7 @@ import torch
 from loom_shard.attention.backend import StepShape, host_ints, pack_step_tables, paged_metadata
 from loom_shard.attention.metadata import PagedKernel, SeqSpan
 from loom_shard.models.decoder import DecoderModel
+from loom_shard.runtime.staging import PinnedStaging
 
 # Token counts captured: dense where decode batches are common, coarser above (prefill chunks).
 GRAPH_TOKEN_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256,
@@ -73,6 +74,10 @@ class StepGraphs:
         self.spec = spec
         self.steps: dict[int, _CapturedStep] = {}
         self.num_replays = 0
+        # The step's inputs on their way to the device (CUDA): the widest tables and the most tokens
+        seqs = _num_seqs(self.max_tokens)
+        self.staging = (PinnedStaging(4 * (2 * seqs + 1 + seqs * spec.max_blocks) + 8 * self.max_tokens + 256)
+                        if kv_cache.is_cuda else None)
 
     @property
     def max_tokens(self) -> int:
@@ -140,17 +145,16 @@ class StepGraphs:
         packed, shape = pack_step_tables(self._padding(spans, num_tokens, bucket), self.spec.block_size)
         head = 2 * step.num_seqs + 1  # query_starts and num_cached
         ids = host_ints(input_ids + [0] * (bucket - num_tokens))
+        packed, ids = self.staging.stage(packed, ids) if self.staging is not None else (packed, ids)
         # Three small host-to-device copies from pinned memory, then one launch for the whole step.
-        step.packed[:head].copy_(self._pinned(packed[:head]), non_blocking=True)
-        tables = self._pinned(packed[head:].view(step.num_seqs, -1))
-        step.block_tables[:, : shape.max_blocks].copy_(tables, non_blocking=True)
-        step.input_ids.copy_(self._pinned(ids), non_blocking=True)
+        step.packed[:head].copy_(packed[:head], non_blocking=True)
+        step.block_tables[:, : shape.max_blocks].copy_(packed[head:].view(step.num_seqs, -1), non_blocking=True)
+        step.input_ids.copy_(ids, non_blocking=True)
+        if self.staging is not None:
+            self.staging.done_reading()
         step.graph.replay()
         self.num_replays += 1
         return step.hidden[:num_tokens]
-
-    def _pinned(self, host: torch.Tensor) -> torch.Tensor:
-        return host.pin_memory() if self.kv_cache.is_cuda else host
 
 
 def _num_seqs(tokens: int) -> int:
