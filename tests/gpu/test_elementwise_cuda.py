@@ -1,6 +1,7 @@
 """The Triton elementwise kernels (`loom_shard.layers.triton_elementwise`) against float64: the
-residual add with its RMSNorm, SiLU·mul and rotary (strided q/k views, partial rotary), each row
-the same at any batch; and the layers choosing them on CUDA."""
+residual add with its RMSNorm, SiLU·mul and rotary (strided q/k views, partial rotary), the
+sampler's greedy log-softmax terms against torch's argmax and log_softmax, each row the same at
+any batch; and the layers and the sampler choosing them on CUDA."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from loom_shard.layers.mlp import gated
 from loom_shard.layers.norm import RMSNorm
 from loom_shard.layers.rotary import KernelRope, RotaryEmbedding, apply_rotary
 from loom_shard.model_config import Activation
+from loom_shard.runtime import sampler
 
 triton_elementwise = pytest.importorskip("loom_shard.layers.triton_elementwise", reason="needs triton")
 pytestmark = pytest.mark.interpretable
@@ -72,12 +74,52 @@ def test_rotary_on_a_strided_qk_view_matches_float64(dtype: torch.dtype, toleran
     assert torch.equal(out[..., rotary_dim:], qk[..., rotary_dim:])
 
 
+@pytest.mark.parametrize("vocab", [49152, 5000, 7])
+def test_greedy_logprob_terms_match_argmax_and_float64_log_softmax(vocab: int) -> None:
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 6
+    top = logits[1].max() + 1  # a tie (in one lane of two blocks, and in other lanes): the first index wins
+    for column in {5, vocab - 1, min(5 + triton_elementwise.TERMS_BLOCK, vocab - 1)}:
+        logits[1, column] = top
+    logits[2, 3:] = float("-inf")  # masked tokens
+    logits[3, -1] = logits[3].max() + 1  # the greatest in the last, partial block
+    argmax, row_max, log_sum = triton_elementwise.greedy_logprob_terms(logits.to(DEVICE))
+    assert argmax.tolist() == logits.argmax(dim=-1).tolist()
+    assert torch.equal(row_max.cpu(), logits.amax(dim=-1))
+    logprobs = (logits - row_max.cpu()[:, None]) - log_sum.cpu()[:, None]
+    expected = logits.double().log_softmax(-1)
+    finite = expected.isfinite()
+    assert torch.equal(logprobs.isfinite(), finite)
+    assert (logprobs.double() - expected)[finite].abs().max().item() <= 1e-5
+
+
+def test_greedy_logprob_terms_pick_a_nan_as_torch_does() -> None:
+    logits = torch.randn(3, 5000)
+    logits[:, 7] = 50.0  # the max comes before each NaN
+    logits[0, 40] = logits[1, 4990] = float("nan")  # in the first block, in the last
+    argmax, row_max, log_sum = triton_elementwise.greedy_logprob_terms(logits.to(DEVICE))
+    assert argmax.tolist() == logits.argmax(dim=-1).tolist() == [40, 4990, 7]
+    assert row_max.isnan().tolist() == log_sum.isnan().tolist() == [True, True, False]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the sampler chooses the Triton kernel for CUDA tensors only")
+def test_sampler_takes_the_triton_terms_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    # float32 logits: the kernels' self-check in float32 runs here, before the patch counts calls
+    assert elementwise.kernels_for(torch.empty(1, device=DEVICE)) is triton_elementwise
+    terms = triton_elementwise.greedy_logprob_terms
+    monkeypatch.setattr(triton_elementwise, "greedy_logprob_terms", lambda x: calls.append(x.shape) or terms(x))
+    logits = torch.randn(4, 1000, device=DEVICE)
+    got = sampler.logprob_terms(logits)
+    assert calls == [(4, 1000)] and torch.equal(got.argmax, logits.argmax(dim=-1))
+
+
 def test_rows_do_not_depend_on_the_batch() -> None:
     gen = torch.Generator().manual_seed(2)
     x, residual = (torch.randn(64, 576, generator=gen).to(DEVICE, LOW) for _ in range(2))
     weight = torch.randn(576, generator=gen).to(DEVICE, LOW)
     gate_up = torch.randn(64, 3072, generator=gen).to(DEVICE, LOW)
     qk = torch.randn(64, 12, 64, generator=gen).to(DEVICE, LOW)
+    logits = (torch.randn(64, 49152, generator=gen) * 6).to(DEVICE)
     positions = torch.randint(0, 4096, (64,), generator=gen).to(DEVICE)
     cos, sin = (t.to(DEVICE) for t in RotaryEmbedding(64, 10000.0, None)._half_tables(4096))
     ops = triton_elementwise
@@ -86,6 +128,8 @@ def test_rows_do_not_depend_on_the_batch() -> None:
                            ops.add_rms_norm(x, residual, weight, 1e-5)[1][:rows])
         assert torch.equal(ops.silu_mul(gate_up[:rows], 1536), ops.silu_mul(gate_up, 1536)[:rows])
         assert torch.equal(ops.rotary(qk[:rows], positions[:rows], cos, sin), ops.rotary(qk, positions, cos, sin)[:rows])
+        for alone, batch in zip(ops.greedy_logprob_terms(logits[:rows]), ops.greedy_logprob_terms(logits)):
+            assert torch.equal(alone, batch[:rows])
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the layers choose the Triton kernels for CUDA tensors only")

@@ -243,6 +243,11 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return ops().rotary(x, positions, cos, sin)
 
 
+def greedy_logprob_terms(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 logits [rows, vocab], one pass: (argmax, max, log(sum(exp(row - max))))."""
+    return ops().greedy_logprob_terms(logits)
+
+
 def runs(x: torch.Tensor) -> bool:
     """True when the kernels are in use and take x (a CPU tensor of a dtype they compute in)."""
     return x.is_cpu and x.dtype in DTYPES and available()

@@ -1,8 +1,8 @@
 """Which kernels do a tensor's elementwise work (RMSNorm alone or with the residual add before it,
-SiLU·mul, rotary): Loom's C++ kernels (`loom_shard.kernels`) for CPU tensors of their dtypes where
-a build is loaded, the Triton kernels (`triton_elementwise`) for CUDA tensors where triton imports,
-else none, and the layers use torch's ops. Both modules offer these functions with the same
-signatures: rms_norm, add_rms_norm, silu_mul, rotary."""
+SiLU·mul, rotary, the sampler's greedy log-softmax terms): Loom's C++ kernels (`loom_shard.kernels`)
+for CPU tensors of their dtypes where a build is loaded, the Triton kernels (`triton_elementwise`)
+for CUDA tensors where triton imports, else none, and the layers use torch's ops. Both modules offer
+these functions with the same signatures: rms_norm, add_rms_norm, silu_mul, rotary, greedy_logprob_terms."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Triton kernels for a CUDA decoder layer's elementwise work, one launch each: the residual add
 with the RMSNorm after it, SiLU(gate) * up, and rotary over q and k reading each token's cos/sin
-row itself (torch's path gathers the rows, rolls and multiplies: five launches a layer).
+row itself (torch's path gathers the rows, rolls and multiplies: five launches a layer); and the
+sampler's per-row greedy token and log-softmax terms (torch's path: six launches over the logits).
 
 At small batches a decode step is hundreds of launches of 1-4 µs, so launches are its cost
 (bench/BENCHMARKS.md, the H200's batch-1 profile). Each program computes whole rows (a token's
@@ -17,6 +18,8 @@ import triton
 import triton.language as tl
 
 SILU_BLOCK = 1024  # columns of one SiLU·mul program
+TERMS_BLOCK = 8192  # columns a greedy-terms program reads at a time (16 warps: 16 a thread)
+TERMS_WARPS = 16
 
 
 @triton.jit
@@ -70,6 +73,41 @@ def _rotary_kernel(x_ptr, out_ptr, positions_ptr, cos_ptr, sin_ptr, num_heads,
         rest = tl.arange(0, REST_PAD)[None, :]
         rest_mask = (heads < num_heads) & (rest < REST)
         tl.store(dst + 2 * HALF + rest, tl.load(src + 2 * HALF + rest, mask=rest_mask), mask=rest_mask)
+
+
+@triton.jit
+def _greedy_terms_kernel(logits_ptr, argmax_ptr, max_ptr, log_sum_ptr, vocab, stride, BLOCK: tl.constexpr):
+    """One row in one pass, in a fixed order: its first greatest logit (the first NaN where there
+    is one, as torch.argmax), the max, and log(sum(exp(logit - max))). Each lane keeps its own
+    max, first index of it and sum of exps scaled to that max; the lanes are combined at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_at = tl.zeros([BLOCK], tl.int32)
+    total = tl.zeros([BLOCK], tl.float32)  # sum of exp(x - best) over the lane's logits so far
+    first_nan = tl.full([BLOCK], vocab, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        index = start + cols
+        x = tl.load(base + index, mask=index < vocab, other=float("-inf"))
+        is_nan = x != x
+        first_nan = tl.minimum(first_nan, tl.where(is_nan, index, vocab))
+        x = tl.where(is_nan, float("-inf"), x)
+        better = x > best
+        top = tl.where(better, x, best)
+        # a lane that has seen only masked logits (top -inf) keeps a sum of 0, without -inf - -inf
+        seen = top != float("-inf")
+        total = total * tl.exp(tl.where(seen, best - top, 0.0)) + tl.exp(tl.where(seen, x - top, float("-inf")))
+        best_at = tl.where(better, index, best_at)
+        best = top
+    row_max = tl.max(best, axis=0)
+    argmax = tl.min(tl.where(best == row_max, best_at, vocab), axis=0)
+    scale = tl.exp(tl.where(best != float("-inf"), best - row_max, float("-inf")))
+    log_sum = tl.log(tl.sum(total * scale, axis=0))
+    nan_at = tl.min(first_nan, axis=0)
+    tl.store(argmax_ptr + row, tl.where(nan_at < vocab, nan_at, argmax).to(tl.int64))
+    tl.store(max_ptr + row, tl.where(nan_at < vocab, float("nan"), row_max))
+    tl.store(log_sum_ptr + row, tl.where(nan_at < vocab, float("nan"), log_sum))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +172,21 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return out
 
 
+def greedy_logprob_terms(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 logits [rows, vocab], one launch: (argmax, max, log(sum(exp(row - max)))).
+    Each row is one program's, so a row's terms do not depend on the batch around it."""
+    rows = _rows(logits)
+    num_rows, vocab = rows.shape
+    argmax = torch.empty(num_rows, dtype=torch.long, device=rows.device)
+    row_max = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
+    log_sum = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
+    if num_rows:
+        block = min(TERMS_BLOCK, triton.next_power_of_2(vocab))
+        _greedy_terms_kernel[(num_rows,)](rows, argmax, row_max, log_sum, vocab, rows.stride(0), BLOCK=block,
+                                          num_warps=min(TERMS_WARPS, _norm_warps(block)))
+    return argmax, row_max, log_sum
+
+
 def self_check(device: torch.device, dtype: torch.dtype) -> None:
     """Compile and run each kernel once on small inputs of `dtype` on `device` and compare it with
     torch's float32 ops; raises (a compile error, or AssertionError naming the kernel) where they
@@ -160,6 +213,11 @@ def self_check(device: torch.device, dtype: torch.dtype) -> None:
     c, s_ = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     expected = torch.cat([first * c - second * s_, second * c + first * s_, rest], dim=-1)
     _agree("rotary", rotary(qk, positions, cos, sin), expected, dtype)
+    logits = torch.randn(3, TERMS_BLOCK + 100, generator=gen).to(device) * 6  # float32 in any model dtype
+    logits[1, -1] = logits[1].max() + 1  # the greatest in the last, partial block
+    argmax, row_max, log_sum = greedy_logprob_terms(logits)
+    assert torch.equal(argmax, logits.argmax(dim=-1)), "greedy_logprob_terms: another token than torch's argmax"
+    _agree("greedy_logprob_terms", (logits - row_max[:, None]) - log_sum[:, None], logits.log_softmax(-1), torch.float32)
 
 
 def _agree(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

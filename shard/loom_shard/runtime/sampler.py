@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from loom_proto.step import SamplingParams, TokenLogprob
-from loom_shard import kernels
+from loom_shard.layers.elementwise import kernels_for
 from loom_shard.runtime.token_mask import apply_allowed_masks
 
 _MASK64 = (1 << 64) - 1
@@ -86,9 +86,11 @@ class LogprobTerms:
 
 
 def logprob_terms(logits: torch.Tensor) -> LogprobTerms:
-    """One pass per row in Loom's CPU kernel (no [rows, vocab] log-softmax written); torch's ops elsewhere."""
-    if logits.is_cpu and kernels.available():
-        return LogprobTerms(*kernels.ops().greedy_logprob_terms(logits))
+    """One kernel over each row where Loom has one for the device (C++ on CPU, Triton on CUDA; no
+    [rows, vocab] log-softmax written); torch's ops elsewhere."""
+    ops = kernels_for(logits)
+    if ops is not None:
+        return LogprobTerms(*ops.greedy_logprob_terms(logits))
     row_max = logits.amax(dim=-1)
     log_sum = (logits - row_max.unsqueeze(1)).exp().sum(dim=-1).log()
     return LogprobTerms(logits.argmax(dim=-1), row_max, log_sum)
@@ -282,7 +284,10 @@ def _build_samples(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState], terms: LogprobTerms
 ) -> list[Sample]:
     vocab = raw_logits.shape[-1]
-    chosen = terms.logprobs(raw_logits.gather(1, token_ids.unsqueeze(1)))  # [num_seqs, 1]
+    if token_ids is terms.argmax:  # every row took its raw argmax: (max - max) - log_sum, without the gather
+        chosen = (0.0 - terms.log_sum).unsqueeze(1)
+    else:
+        chosen = terms.logprobs(raw_logits.gather(1, token_ids.unsqueeze(1)))  # [num_seqs, 1]
     max_top_n = min(max((s.params.top_n_tokens for s in states), default=0), vocab)
     if max_top_n > 0:  # torch.topk orders equal values differently for different batch shapes
         max_top_n = min(max_top_n + _TIE_MARGIN, vocab)
