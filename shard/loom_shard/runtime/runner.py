@@ -288,9 +288,7 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[Scheduled], masks: dict[int, bytes],
                  phases: StepPhases | None = None) -> list[SeqOutput]:
-        input_ids = [t for s in scheduled
-                     for t in s.state.token_ids[s.state.num_computed : s.state.num_computed + s.num_compute]]
-        hidden = self._forward(input_ids, scheduled)
+        hidden = self._forward(_input_ids(scheduled), scheduled)
         embeddings = pool(self.model.norm, hidden, scheduled)
         rows, sample_rows, logprob_rows = logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
@@ -437,6 +435,19 @@ class ModelRunner:
     def _check_one_group(self) -> None:
         if self.kv_groups.num_groups > 1:  # sliding layers' early KV is gone once out of their window
             raise ValueError("KV snapshots are not supported for models with sliding-window layers")
+
+
+def _input_ids(scheduled: list[Scheduled]) -> list[int]:
+    """The tokens each sequence computes this step, in order (a decode's one token without a slice:
+    this runs for every sequence of every step)."""
+    ids: list[int] = []
+    for s in scheduled:
+        state = s.state
+        if s.num_compute == 1:
+            ids.append(state.token_ids[state.num_computed])
+        else:
+            ids += state.token_ids[state.num_computed : state.num_computed + s.num_compute]
+    return ids
 
 
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
