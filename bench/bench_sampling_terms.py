@@ -19,7 +19,7 @@ import torch
 
 from loom_shard.layers import triton_elementwise as te
 
-CONFIGS = [(te.TERMS_BLOCK, te.TERMS_WARPS), (2048, 4), (8192, 16), (1024, 4)]
+CONFIGS = [(te.TERMS_BLOCK, te.TERMS_WARPS), (2048, 4), (4096, 8), (8192, 16)]  # warps <= block / 256
 CALLS = 200
 
 

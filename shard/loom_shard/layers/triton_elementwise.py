@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 SILU_BLOCK = 1024  # columns of one SiLU·mul program
-TERMS_BLOCK = 8192  # columns a greedy-terms program reads at a time (16 warps: 16 a thread)
-TERMS_WARPS = 16
+TERMS_BLOCK = 8192  # columns a greedy-terms program reads at a time (8 warps: 32 a thread)
+TERMS_WARPS = 8
 
 
 @triton.jit
@@ -183,7 +183,7 @@ def greedy_logprob_terms(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if num_rows:
         block = min(TERMS_BLOCK, triton.next_power_of_2(vocab))
         _greedy_terms_kernel[(num_rows,)](rows, argmax, row_max, log_sum, vocab, rows.stride(0), BLOCK=block,
-                                          num_warps=min(TERMS_WARPS, _norm_warps(block)))
+                                          num_warps=min(TERMS_WARPS, max(block // 256, 1)))
     return argmax, row_max, log_sum
 
 
