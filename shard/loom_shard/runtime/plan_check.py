@@ -20,38 +20,39 @@ class PlanCheck:
         self.num_groups = num_groups  # KV groups: a block table lists one block per group per logical block
 
     def validate(self, plan: StepPlan) -> None:
-        kept = set(self.requests) - set(plan.released_ids)
+        released = set(plan.released_ids)
+        requests = self.requests
         self._pairs("swap_out", plan.swap_out, self.kv.num_blocks, self.kv.num_host_blocks)
         self._pairs("swap_in", plan.swap_in, self.kv.num_host_blocks, self.kv.num_blocks)
         seen: set[int] = set()
         for new in plan.new_requests:
-            self._fresh_id(new.request_id, kept, seen)
+            self._fresh_id(new.request_id, released, seen)
             self._new(new)
             for fork in new.forks:
-                self._fresh_id(fork.request_id, kept, seen)
+                self._fresh_id(fork.request_id, released, seen)
                 self._blocks(fork.request_id, fork.block_table, len(new.token_ids))
         for running in plan.running_requests:
-            if running.request_id not in kept:
+            if running.request_id not in requests or running.request_id in released:
                 raise ValueError(f"request {running.request_id}: unknown to this shard (not running)")
             if running.request_id in seen:
                 raise ValueError(f"request {running.request_id}: appears twice in the plan")
             seen.add(running.request_id)
-            state = self.requests[running.request_id]
+            if running.draft_token_ids and running.request_id in plan.allowed_token_masks:
+                raise ValueError("drafts for a constrained request: its mask holds for one position only")
+            state = requests[running.request_id]
             self._running(running, state)
             for fork in running.forks:
-                self._fresh_id(fork.request_id, kept, seen)
+                self._fresh_id(fork.request_id, released, seen)
                 self._blocks(fork.request_id, fork.block_table, len(state.token_ids))
         for request_id, mask in plan.allowed_token_masks.items():
             if request_id not in seen:
                 raise ValueError(f"request {request_id}: an allowed-token mask for a request not in the step")
             check_mask(request_id, mask)
-        drafted = [r.request_id for r in plan.running_requests if r.draft_token_ids]
-        if any(request_id in plan.allowed_token_masks for request_id in drafted):
-            raise ValueError("drafts for a constrained request: its mask holds for one position only")
 
-    @staticmethod
-    def _fresh_id(request_id: int, kept: set[int], seen: set[int]) -> None:
-        if request_id in kept or request_id in seen:
+    def _fresh_id(self, request_id: int, released: set[int], seen: set[int]) -> None:
+        """A new id: no request the shard keeps (one it releases in this plan may be reused) nor
+        another of this plan."""
+        if (request_id in self.requests and request_id not in released) or request_id in seen:
             raise ValueError(f"request {request_id}: already exists")
         seen.add(request_id)
 

@@ -232,13 +232,14 @@ class ModelRunner:
             if new.pooling is not Pooling.NONE and (new.forks or new.num_prompt_tokens != len(new.token_ids)):
                 raise ValueError(f"request {new.request_id}: an embedding request has one choice and no output")
         lora_ids = {new.lora_id for new in plan.new_requests if new.lora_id is not None}
+        if self.lora is None:  # then no running request names one: each was checked here when it came
+            if lora_ids:
+                raise ValueError("a request names a LoRA adapter; this shard serves none (--enable-lora)")
+            return
         released = set(plan.released_ids)
         lora_ids |= {self.requests[r.request_id].lora_id for r in plan.running_requests
                      if r.request_id not in released and self.requests[r.request_id].lora_id is not None}
-        if lora_ids and self.lora is None:
-            raise ValueError("a request names a LoRA adapter; this shard serves none (--enable-lora)")
-        if self.lora is not None:
-            self.lora.check(lora_ids)
+        self.lora.check(lora_ids)
 
     def load_lora(self, lora_id: int, path: str) -> None:
         """Read and keep an adapter (loom_shard.lora.adapter.AdapterError: a bad one, nothing changed)."""

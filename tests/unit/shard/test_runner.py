@@ -118,6 +118,12 @@ def test_swap_out_and_in_preserves_logits(runner) -> None:
         (StepPlan(running_requests=[RunningRequest(1, 3, draft_token_ids=[5, 6])]), "cannot hold"),
         (StepPlan(new_requests=[_new(3, [1, 2], [4])], swap_out=[(0, 8)]), "swap_out"),
         (StepPlan(new_requests=[_new(3, [1, 10_000], [4])]), "vocabulary"),
+        (StepPlan(released_ids=[1], running_requests=[RunningRequest(1, 1)]), "unknown"),  # released, then run
+        (StepPlan(running_requests=[RunningRequest(1, 1), RunningRequest(1, 1)]), "appears twice"),
+        (StepPlan(new_requests=[_new(3, [1, 2], [4]), _new(3, [1, 2], [5])]), "already exists"),
+        (StepPlan(new_requests=[_new(3, [1, 2], [4], lora_id=7)]), "serves none"),  # this shard has no LoRA
+        (StepPlan(running_requests=[RunningRequest(1, 2, [4], draft_token_ids=[5])],
+                  allowed_token_masks={1: b"\xff" * 8}), "drafts for a constrained request"),
     ],
 )
 def test_bad_plan_raises_and_changes_nothing(runner, bad_plan: StepPlan, message: str) -> None:
