@@ -269,6 +269,20 @@ async def test_a_request_arriving_mid_decode_starts_in_the_step_sent_ahead(token
     assert outputs[True] == outputs[False]
 
 
+async def test_the_step_after_new_prompts_is_sent_ahead(tokenizer: Tokenizer) -> None:
+    """A step that computes whole prompts samples their first tokens: the step decoding them is
+    planned while it runs (no drain at each admission), with the same events as without lookahead.
+    A prompt that goes on in another chunk waits for its step's outputs."""
+    requests = [(f"a wave of prompts {i} " * (1 + 6 * (i == 3)), params(i, max_new_tokens=6)) for i in range(4)]
+    _, probe = await run_both(tokenizer, requests, max_batch_prefill_tokens=40)
+    plans = probe.backend.shard.plans
+    news = [n for plan in plans for n in plan.new_requests]
+    assert any(n.num_cached + n.num_compute < len(n.token_ids) for n in news)  # the long prompt: two chunks
+    first_decodes = [next(plan for plan in plans if any(r.request_id == n.request_id for r in plan.running_requests))
+                     for n in news if n.num_cached + n.num_compute == len(n.token_ids)]
+    assert any(plan in probe.sent_ahead for plan in first_decodes), "every first decode waited for its prompt's step"
+
+
 @pytest.mark.parametrize(("device", "speculate", "expected"), [("cuda", 0, 2), ("cuda:1", 0, 2), ("cpu", 0, 1),
                                                              ("cuda", 3, 1)])
 async def test_by_default_steps_overlap_where_the_shards_run_on_a_gpu(tokenizer: Tokenizer, device: str,

@@ -5,12 +5,14 @@ the step's outputs into text and plans the next one. With it, in a steady decode
 
     send N ── send N+1 ── await N, stream N's tokens ── send N+2 ── await N+1 ...
 
-Step N+1 is built before N's outputs are known. Only a steady decode qualifies (`plan_ahead`):
-every running sequence decodes one token in N, and N has nothing else (no new request, prompt
-chunk, fork, swap or grammar mask). Groups waiting to start are admitted into N+1 as the
-ordinary schedule() would admit them after N (their prompts do not depend on N's outputs):
-a request that arrives while N runs starts in N+1, not after a drained pipeline (which made
-it wait for N and N+1, raising TTFT p50 at 32 streams 1.55 -> 1.9 s, bench/BENCHMARKS.md).
+Step N+1 is built before N's outputs are known. It qualifies (`plan_ahead`) when every
+sequence of N samples a token there: each running one decodes one token and each new one
+computes the rest of its prompt, and N has nothing else (no prompt chunk that goes on, fork,
+swap or grammar mask). Groups waiting to start are admitted into N+1 as the ordinary
+schedule() would admit them after N (their prompts do not depend on N's outputs): a request
+that arrives while N runs starts in N+1, not after a drained pipeline (which made it wait for
+N and N+1, raising TTFT p50 at 32 streams 1.55 -> 1.9 s, bench/BENCHMARKS.md), and the step
+after N+1 is planned ahead as well, the new prompts' first tokens decoded in it.
 Each sequence of N then decodes in N+1 the token N samples: the shard already appended it to
 its own copy of the sequence, so the plan needs that token's slot (a block reserved one token
 ahead), never its value.
@@ -58,14 +60,15 @@ class InFlight:
 
 def plan_ahead(scheduler: Scheduler, plan: StepPlan, role: Callable[[Sequence], AheadRole]) -> StepPlan | None:
     """The step after `plan`, built before plan's outputs are known; None when it cannot be."""
-    if plan.new_requests or plan.swap_in or plan.swap_out or plan.allowed_token_masks:
+    if plan.swap_in or plan.swap_out or plan.allowed_token_masks:
         return None
-    if len(plan.running_requests) != scheduler.num_running_seqs():
+    seq_ids = _sampling_ids(plan)
+    if seq_ids is None or len(seq_ids) != scheduler.num_running_seqs():
         return None  # a sequence was left out of `plan` (no budget, or skipped ahead): resync
     seqs = []
-    for request in plan.running_requests:
-        seq = scheduler.live_seq(request.request_id)
-        if seq is None or request.num_compute != 1 or request.forks:
+    for seq_id in seq_ids:
+        seq = scheduler.live_seq(seq_id)
+        if seq is None:
             return None
         seq_role = role(seq)
         if seq_role is AheadRole.BLOCK:
@@ -81,3 +84,19 @@ def plan_ahead(scheduler: Scheduler, plan: StepPlan, role: Callable[[Sequence], 
     ahead = StepPlan(running_requests=running, released_ids=scheduler.take_releases())
     scheduler.admit_waiting(ahead, len(seqs))  # a request arriving now runs its prompt in this step
     return ahead
+
+
+def _sampling_ids(plan: StepPlan) -> list[int] | None:
+    """The sequences of `plan`, each of which samples a token there (to decode it in the step
+    after): running ones decoding one token, new ones computing the rest of their prompt. None
+    when a sequence does anything else (a prompt that goes on in another chunk, forks that start)."""
+    seq_ids = []
+    for running in plan.running_requests:
+        if running.num_compute != 1 or running.forks:
+            return None
+        seq_ids.append(running.request_id)
+    for new in plan.new_requests:
+        if new.forks or new.num_cached + new.num_compute != len(new.token_ids):
+            return None
+        seq_ids.append(new.request_id)
+    return seq_ids
