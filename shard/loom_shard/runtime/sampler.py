@@ -2,7 +2,8 @@
 
 Logit processing (bias, penalties, EOS masking) and filters (temperature, top-k,
 top-p, typical-p, min-p) touch only the rows that ask for them; the common
-all-greedy batch is one pass per row (argmax and the log-softmax's terms) plus a gather.
+all-greedy batch is one pass per row (argmax and the log-softmax's terms), a greedy token's
+logprob being -log_sum.
 """
 
 from __future__ import annotations
