@@ -15,7 +15,8 @@ of a stream that fell behind). CPU times of the shard and of the clients are sho
 server's own /metrics over the run: its decode and prefill steps, how long the shard spent in
 them (mean ms a step; the zero-cost shard's is its simulated device time), and what share of the
 run's wall time the shard was in a step and how much it waited between steps while the router had
-work (near 0%: the router keeps it fed).
+work (near 0%: the router keeps it fed), and the share of steps the engine core planned while the
+one before ran (with --overlap-steps).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -187,11 +189,14 @@ class RunResult:
 def step_totals(url: str) -> dict[str, float]:
     """The server's step counters: `count` and `sum` of the shard's step times (TGI's batch forward
     duration: the runner's forward, sampling and outputs) by method, and of the shard's waits
-    between steps, e.g. {"decode.count": 310.0, "idle.sum": 0.02}."""
+    between steps, e.g. {"decode.count": 310.0, "idle.sum": 0.02}; the engine's steps and those
+    it planned ahead ("loom_steps", "loom_steps_planned_ahead"; the second absent before it existed)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10.0) as response:
         text = response.read().decode()
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
+        if family.name in ("loom_steps", "loom_steps_planned_ahead"):
+            totals[family.name] = family.samples[0].value
         if family.name not in ("tgi_batch_forward_duration", "loom_shard_idle_seconds"):
             continue
         for sample in family.samples:
@@ -203,14 +208,16 @@ def step_totals(url: str) -> dict[str, float]:
 
 
 def step_summary(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """A run's decode and prefill steps, the shard's mean step, and the shares of the wall time it
-    spent in steps and waiting between them."""
+    """A run's decode and prefill steps, the shard's mean step, the shares of the wall time it
+    spent in steps and waiting between them, and the share of steps planned ahead (NaN: a server
+    that does not count them)."""
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     steps = delta.get("decode.count", 0.0) + delta.get("prefill.count", 0.0)
     busy = delta.get("decode.sum", 0.0) + delta.get("prefill.sum", 0.0)
+    ahead = delta.get("loom_steps_planned_ahead", math.nan) / max(delta.get("loom_steps", 0.0), 1.0)
     return {"decode_steps": delta.get("decode.count", 0.0), "prefill_steps": delta.get("prefill.count", 0.0),
             "shard_step_ms": busy * 1e3 / max(steps, 1.0), "shard_busy": busy / wall_s,
-            "shard_idle": delta.get("idle.sum", 0.0) / wall_s}
+            "shard_idle": delta.get("idle.sum", 0.0) / wall_s, "planned_ahead": ahead}
 
 
 PROFILED = ("loom_shard.server", "loom_router.main", "loom_router.frontend.main")  # one of each
@@ -310,12 +317,14 @@ def row(r: RunResult) -> str:
 
 
 def steps_cell(steps: dict[str, float]) -> str:
+    ahead = steps.get("planned_ahead", math.nan)
     return (f"{steps['decode_steps']:.0f} / {steps['prefill_steps']:.0f}, {steps['shard_step_ms']:.2f} ms, "
-            f"{steps['shard_busy']:.0%} / {steps['shard_idle']:.0%}")
+            f"{steps['shard_busy']:.0%} / {steps['shard_idle']:.0%}" + ("" if math.isnan(ahead) else f", {ahead:.1%}"))
 
 
 HEADER = ("| endpoint | streams | tokens/s | sustained tokens/s (p10-p90) | router CPU µs/token | TTFT p50 / p99 ms | "
-          "event gap p50 / p99 ms | tokens/event | steps decode / prefill, shard's mean step, shard in steps / idle | "
+          "event gap p50 / p99 ms | tokens/event | steps decode / prefill, shard's mean step, shard in steps / idle, "
+          "steps planned ahead | "
           "CPU µs/token by process |\n|---|---|---|---|---|---|---|---|---|---|")
 
 

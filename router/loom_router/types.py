@@ -109,6 +109,7 @@ class EngineStats:
     preemptions_recompute: int = 0
     swapped_bytes: int = 0
     steps: int = 0
+    steps_planned_ahead: int = 0  # --overlap-steps: of them, planned and sent while the step before ran
     spec_draft_tokens: int = 0  # --speculate: drafted tokens verified, and those kept
     spec_accepted_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason / "cancelled" / "error"

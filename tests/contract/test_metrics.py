@@ -110,6 +110,7 @@ async def test_tgi_and_loom_counts_match_the_traffic(harness: Harness) -> None: 
     failed = sum(s.get(f'tgi_batch_inference_failure{{method="{m}"}}', 0) for m in ("prefill", "decode"))
     assert (ok, failed) == (batches["ok"], batches["failed"]) and failed == 1 and steps == ok + failed
     assert s["loom_steps_total"] == harness.backend.num_steps > ok  # loom_steps counts block-only steps too
+    assert s["loom_steps_planned_ahead_total"] == 0  # one step at a time (no --overlap-steps here)
     assert s['tgi_batch_forward_duration_count{method="prefill"}'] >= 4
     assert s["tgi_queue_size"] == 0 and s["tgi_batch_current_size"] == 0
     assert s["tgi_batch_max_total_tokens"] == harness.engine.max_batch_total_tokens

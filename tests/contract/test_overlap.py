@@ -281,6 +281,7 @@ async def test_the_step_after_new_prompts_is_sent_ahead(tokenizer: Tokenizer) ->
     first_decodes = [next(plan for plan in plans if any(r.request_id == n.request_id for r in plan.running_requests))
                      for n in news if n.num_cached + n.num_compute == len(n.token_ids)]
     assert any(plan in probe.sent_ahead for plan in first_decodes), "every first decode waited for its prompt's step"
+    assert probe.engine.stats().steps_planned_ahead == len(probe.sent_ahead)  # loom_steps_planned_ahead
 
 
 @pytest.mark.parametrize(("device", "speculate", "expected"), [("cuda", 0, 2), ("cuda:1", 0, 2), ("cpu", 0, 1),

@@ -425,6 +425,7 @@ class Engine(RequestBook):
         ahead = plan_ahead(self.scheduler, plan, self._ahead_role)
         if ahead is None or not self._prepare(ahead):
             return None
+        self._counters.steps_planned_ahead += 1
         return InFlight(ahead, asyncio.ensure_future(self._call(ahead)))
 
     def _prepare(self, plan: StepPlan) -> bool:

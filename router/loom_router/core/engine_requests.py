@@ -236,6 +236,7 @@ class RequestBook:
         stats = EngineStats(
             generated_tokens=self._counters.generated_tokens,
             steps=self._counters.steps,
+            steps_planned_ahead=self._counters.steps_planned_ahead,
             requests_finished=dict(self._counters.requests_finished),
             adapter_requests=dict(self._counters.adapter_requests),
             adapter_prompt_tokens=dict(self._counters.adapter_prompt_tokens),

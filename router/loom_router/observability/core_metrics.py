@@ -39,6 +39,8 @@ class EngineStatsCollector(Collector):
                        s.prompt_tokens_cached)
         yield _counter("loom_generated_tokens", "Tokens generated", s.generated_tokens)
         yield _counter("loom_steps", "Engine steps run on the shards", s.steps)
+        yield _counter("loom_steps_planned_ahead", "Engine steps planned and sent while the step before ran "
+                       "(--overlap-steps): the rest waited for the outputs of the one before", s.steps_planned_ahead)
         yield _counter("loom_spec_draft_tokens", "Drafted tokens sent to be verified (--speculate)",
                        s.spec_draft_tokens)
         yield _counter("loom_spec_accepted_tokens", "Drafted tokens the verification kept (--speculate)",
