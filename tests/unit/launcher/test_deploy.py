@@ -23,7 +23,7 @@ DASHBOARD_METRICS = {
     "loom_time_to_first_token_seconds", "loom_inter_token_latency_seconds",
     "loom_http_requests_total", "loom_requests_finished_total", "loom_host_blocks_total", "loom_host_blocks_used",
     "loom_shard_healthy", "loom_shard_step_seconds", "loom_shard_idle_seconds", "loom_snapshot_operations_total",
-    "loom_snapshot_failures_total",
+    "loom_snapshot_failures_total", "loom_steps_total", "loom_steps_planned_ahead_total",
 }
 # TGI's names, so the panels also read what a TGI deployment's scrape holds.
 DASHBOARD_TGI_METRICS = {
