@@ -242,6 +242,31 @@ async def test_failed_step_with_a_step_ahead_rolls_back(tokenizer: Tokenizer, fa
         await router.stop()
 
 
+@pytest.mark.parametrize("fail_at", [FailAt.START, FailAt.AFTER_FORWARD])
+async def test_a_failed_prompt_step_rolls_back_the_step_sent_ahead_of_it(tokenizer: Tokenizer,
+                                                                          fail_at: FailAt) -> None:
+    """The step after a prompt's step decodes its first token (sent ahead): when the prompt's step
+    fails, that step is rolled back too, both requests fail alone, and the next one runs as before."""
+    router, backend, probe = await start(tokenizer, overlap=True)
+    engine, client = router.engine, router.client
+    try:
+        prompt = tokenizer.encode("Hello there")
+        reference = await events(await client.submit(prompt, params(1, max_new_tokens=8)))
+        backend.shard.fail_at = fail_at
+        backend.shard.fail_when = lambda plan: bool(plan.new_requests)
+        with pytest.raises(GenerationError, match="injected failure"):
+            await events(await client.submit(prompt, params(1, max_new_tokens=8)))
+        backend.shard.fail_when = lambda plan: False
+        assert await events(await client.submit(prompt, params(1, max_new_tokens=8))) == reference
+        await assert_all_free(engine)
+        assert probe.early_frees == []
+        failed_id = 1 * engine.config.max_n  # the second group's only sequence
+        assert any(r.request_id == failed_id for plan in probe.sent_ahead for r in plan.running_requests), \
+            "no step decoding the failed prompt's token was sent ahead of it"
+    finally:
+        await router.stop()
+
+
 async def test_a_request_arriving_mid_decode_starts_in_the_step_sent_ahead(tokenizer: Tokenizer) -> None:
     """No drain for an arrival: its prompt runs in the next step sent ahead (it used to wait
     for the step in flight and the one queued behind it), with the same events as without."""
