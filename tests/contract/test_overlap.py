@@ -246,7 +246,7 @@ async def test_failed_step_with_a_step_ahead_rolls_back(tokenizer: Tokenizer, fa
 async def test_a_failed_prompt_step_rolls_back_the_step_sent_ahead_of_it(tokenizer: Tokenizer,
                                                                           fail_at: FailAt) -> None:
     """The step after a prompt's step decodes its first token (sent ahead): when the prompt's step
-    fails, that step is rolled back too, both requests fail alone, and the next one runs as before."""
+    fails, that step is rolled back too, the request fails alone, and the next one runs as before."""
     router, backend, probe = await start(tokenizer, overlap=True)
     engine, client = router.engine, router.client
     try:
