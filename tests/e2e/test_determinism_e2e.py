@@ -3,8 +3,8 @@ request's greedy tokens and logprobs do not depend on what else the server is do
 
 - 16 different greedy requests one at a time, then all at once: identical tokens (with the GGUF's
   linears kept quantized, the default, and dequantized to dense linears); also with a
-  KV budget so tight that requests are preempted (swapped and recomputed), and with prefill
-  chunks of 16 tokens.
+  KV budget so tight that requests are preempted (swapped and recomputed), with prefill
+  chunks of 16 tokens, and with each step planned while the one before runs (--overlap-steps).
 - The same as an AVX2-only CPU runs it (loom_shard.cpu.as_cpu_env: Loom, oneDNN and ATen read the CPU as
   AVX2-only): the shard picks the avx2 kernels build, oneDNN has no bfloat16 path there, so
   Loom's dense kernel runs the bfloat16 linears, and float32 linears are probed as there.
@@ -105,6 +105,15 @@ def test_16_greedy_requests_agree_with_16_token_prefill_chunks(start_launcher: S
     server = start_launcher("--max-batch-prefill-tokens", "16")
     solo, together = _solo_then_together(server)
     assert together == solo, _first_difference(solo, together)
+
+
+def test_16_greedy_requests_agree_with_steps_planned_ahead(start_launcher: StartLauncher) -> None:
+    """--overlap-steps (the default on GPUs) on this CPU: each step planned while the one before
+    runs, new prompts' first tokens decoded in steps planned ahead; the same tokens as alone."""
+    server = start_launcher("--overlap-steps")
+    solo, together = _solo_then_together(server)
+    assert together == solo, _first_difference(solo, together)
+    assert _metric(server, "loom_steps_planned_ahead_total") > 0
 
 
 def _complete(server: Launcher, prompt_ids: list[int], **extra: object) -> dict:
