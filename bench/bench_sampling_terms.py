@@ -30,10 +30,7 @@ def torch_terms(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def triton_terms(block: int, warps: int) -> Callable[[torch.Tensor], object]:
-    def run(logits: torch.Tensor) -> object:
-        te.TERMS_BLOCK, te.TERMS_WARPS = block, warps
-        return te.greedy_logprob_terms(logits)
-    return run
+    return lambda logits: te.greedy_logprob_terms(logits, block, warps)
 
 
 def timed(fn: Callable[[torch.Tensor], object], logits: torch.Tensor) -> tuple[float, float]:
@@ -58,7 +55,6 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    default = (te.TERMS_BLOCK, te.TERMS_WARPS)
     results: dict[str, list[float]] = {}
     print(f"{torch.cuda.get_device_name()}; vocab {args.vocab}; GPU µs / host µs a call")
     for rows in args.rows:
@@ -69,7 +65,6 @@ def main() -> None:
             gpu, host = timed(fn, logits)
             results[f"{name} rows {rows}"] = [gpu, host]
             cells.append(f"{name} {gpu:.1f} / {host:.1f}")
-        te.TERMS_BLOCK, te.TERMS_WARPS = default
         print(f"rows {rows}: " + "; ".join(cells))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,7 @@ from loom_shard.runtime.staging import PinnedStaging
 
 
 def test_staged_tensors_are_pinned_copies_in_one_buffer() -> None:
-    staging = PinnedStaging(1024)
+    staging = PinnedStaging([40, 40])
     packed, ids = torch.arange(10, dtype=torch.int32), torch.arange(5, dtype=torch.long) * 7
     staged = staging.stage(packed, ids)
     assert [t.tolist() for t in staged] == [packed.tolist(), ids.tolist()]
@@ -19,7 +19,7 @@ def test_staged_tensors_are_pinned_copies_in_one_buffer() -> None:
 
 
 def test_refills_reach_the_device_in_order() -> None:
-    staging = PinnedStaging(1 << 20)
+    staging = PinnedStaging([8 << 16])
     device = torch.empty(1 << 16, dtype=torch.long, device="cuda")
     seen = []
     for value in range(20):  # each step's copy is read before the next step overwrites the buffer
@@ -32,4 +32,4 @@ def test_refills_reach_the_device_in_order() -> None:
 
 def test_too_much_to_stage_is_refused() -> None:
     with pytest.raises(ValueError, match="bytes to stage"):
-        PinnedStaging(100).stage(torch.zeros(20, dtype=torch.long))
+        PinnedStaging([100]).stage(torch.zeros(20, dtype=torch.long))

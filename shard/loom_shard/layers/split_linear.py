@@ -5,6 +5,8 @@ projection being dequantized."""
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import nn
 
@@ -27,11 +29,7 @@ class SplitLinear(nn.Module):
     @property
     def starts(self) -> list[int]:
         """The first output feature of each part."""
-        starts, at = [], 0
-        for part in self.parts:
-            starts.append(at)
-            at += part.out_features
-        return starts
+        return list(accumulate((part.out_features for part in self.parts[:-1]), initial=0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([part(x) for part in self.parts], dim=-1)

@@ -172,18 +172,20 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return out
 
 
-def greedy_logprob_terms(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_logprob_terms(logits: torch.Tensor, block: int = TERMS_BLOCK,
+                         warps: int = TERMS_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of float32 logits [rows, vocab], one launch: (argmax, max, log(sum(exp(row - max)))).
-    Each row is one program's, so a row's terms do not depend on the batch around it."""
+    Each row is one program's, so a row's terms do not depend on the batch around it; it reads
+    `block` columns at a time with `warps` warps (fewer for a small vocabulary)."""
     rows = _rows(logits)
     num_rows, vocab = rows.shape
     argmax = torch.empty(num_rows, dtype=torch.long, device=rows.device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
     log_sum = torch.empty(num_rows, dtype=torch.float32, device=rows.device)
     if num_rows:
-        block = min(TERMS_BLOCK, triton.next_power_of_2(vocab))
+        block = min(block, triton.next_power_of_2(vocab))
         _greedy_terms_kernel[(num_rows,)](rows, argmax, row_max, log_sum, vocab, rows.stride(0), BLOCK=block,
-                                          num_warps=min(TERMS_WARPS, max(block // 256, 1)))
+                                          num_warps=min(warps, max(block // 256, 1)))
     return argmax, row_max, log_sum
 
 

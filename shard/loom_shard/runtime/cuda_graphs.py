@@ -74,9 +74,9 @@ class StepGraphs:
         self.spec = spec
         self.steps: dict[int, _CapturedStep] = {}
         self.num_replays = 0
-        # The step's inputs on their way to the device (CUDA): the widest tables and the most tokens
+        # The step's inputs on their way to the device (CUDA): the widest int32 tables, the most int64 ids
         seqs = _num_seqs(self.max_tokens)
-        self.staging = (PinnedStaging(4 * (2 * seqs + 1 + seqs * spec.max_blocks) + 8 * self.max_tokens + 256)
+        self.staging = (PinnedStaging([4 * (2 * seqs + 1 + seqs * spec.max_blocks), 8 * self.max_tokens])
                         if kv_cache.is_cuda else None)
 
     @property

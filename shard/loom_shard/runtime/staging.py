@@ -18,8 +18,9 @@ class PinnedStaging:
     """`stage` copies host tensors into the buffer and returns pinned views of them; `done_reading`
     (after the device copies from those views are enqueued) lets the next `stage` reuse it."""
 
-    def __init__(self, num_bytes: int) -> None:
-        self.buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    def __init__(self, max_bytes: list[int]) -> None:
+        """max_bytes: the most bytes of each tensor `stage` takes, in its order."""
+        self.buffer = torch.empty(sum(_aligned(size) for size in max_bytes), dtype=torch.uint8, pin_memory=True)
         self._read = torch.cuda.Event()  # synchronize() on an event never recorded returns at once
 
     def stage(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -34,9 +35,13 @@ class PinnedStaging:
             view = self.buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
             views.append(view)
-            offset += -(-size // _ALIGN) * _ALIGN
+            offset += _aligned(size)
         return views
 
     def done_reading(self) -> None:
         """Mark, on the current stream, where the device has read everything staged so far."""
         self._read.record()
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
