@@ -131,17 +131,36 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_m(const at::Tensor& raw, int64_t in
 
 // ---------------------------------------------------------------------------- activations
 
-// One block of 32 activations -> int8 q as llama.cpp's Q8_0 (d = amax / 127, q = round(x / d), ties to
-// even), stored XOR `flip` (0x80: q + 128 as u8, for the int8 formats' signed weights). Sets d; returns sum(q).
+// Up to 16 blocks of 32 activations (count of them, from x) -> int8 q as llama.cpp's Q8_0 (d = amax / 127,
+// q = round(x / d), ties to even), stored XOR `flip` (0x80: q + 128 as u8, for the int8 formats'
+// signed weights); d and s = d * sum(q) per block. The 16 blocks' amax and sum(q) reduce across
+// lanes together (one transposing tree, simd::reduce16_halves) rather than one block's lanes at a
+// time; a max and an integer sum are exact in any order, and d, 1 / d and s are the same IEEE
+// operations per lane as one at a time, so every value is the same as block by block. Where
+// count < 16 the last block stands in for the missing ones (computed, not stored).
 template <typename T>
-int32_t quantize_block(const T* x, uint8_t* q, float& d, uint8_t flip) {
-  const simd::F16 v0 = simd::load(x), v1 = simd::load(x + 16);
-  const float amax = simd::max_first(simd::max(simd::abs(v0), simd::abs(v1)), 16);  // exact
-  d = amax / 127.0f;
-  const simd::F16 inverse = simd::set1(d != 0.0f ? 1.0f / d : 0.0f);
-  const auto q0 = to_int(simd::mul(v0, inverse)), q1 = to_int(simd::mul(v1, inverse));
-  store_q8(q, q0, q1, flip);
-  return sum_int(q0, q1);
+void quantize_blocks(const T* x, int64_t count, uint8_t* q, float* d, float* s, uint8_t flip) {
+  auto block = [&](int j) { return x + std::min<int64_t>(j, count - 1) * kBlock; };
+  auto amax = [](const T* b) { return simd::max(simd::abs(simd::load(b)), simd::abs(simd::load(b + kBlock / 2))); };
+  simd::F16 half[8];
+  for (int j = 0; j < 8; ++j) half[j] = simd::fold_pair(amax(block(j)), amax(block(j + 8)), simd::MaxLanes{});
+  const simd::F16 scale = simd::div(simd::reduce16_halves(half, simd::MaxLanes{}), simd::set1(127.0f));
+  alignas(64) float inverse[16];
+  simd::store(inverse, simd::where_nonzero(scale, simd::div(simd::set1(1.0f), scale)));
+  auto quantize = [&](int j) {  // block j's q; its int32 lanes that sum to sum(q)
+    const T* b = block(j);
+    const simd::F16 to_q = simd::set1(inverse[j]);
+    const auto q0 = to_int(simd::mul(simd::load(b), to_q)), q1 = to_int(simd::mul(simd::load(b + kBlock / 2), to_q));
+    if (j < count) store_q8(q + j * kBlock, q0, q1, flip);
+    return int_lanes(q0, q1);
+  };
+  for (int j = 0; j < 8; ++j) half[j] = simd::fold_pair(quantize(j), quantize(j + 8), simd::AddIntLanes{});
+  const simd::F16 sums = int_to_float(simd::reduce16_halves(half, simd::AddIntLanes{}));
+  alignas(64) float out[2][16];
+  simd::store(out[0], scale);
+  simd::store(out[1], simd::mul(scale, sums));
+  std::memcpy(d, out[0], count * sizeof(float));
+  std::memcpy(s, out[1], count * sizeof(float));
 }
 
 template <typename T>
@@ -149,9 +168,9 @@ void quantize_rows(const T* x, int64_t m, int64_t k, Format format, uint8_t* q, 
   const int64_t nb = k / kBlock;
   const uint8_t flip = format == Format::kQ4_1 ? 0x00 : 0x80;
   at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
-    for (int64_t i = first * nb; i < last * nb; ++i) {  // block i of the flattened rows
-      const int32_t sum = quantize_block(x + i * kBlock, q + i * kBlock, d[i], flip);
-      s[i] = d[i] * static_cast<float>(sum);
+    for (int64_t i = first * nb; i < last * nb; i += 16) {  // blocks i.. of the flattened rows
+      const int64_t count = std::min<int64_t>(16, last * nb - i);
+      quantize_blocks(x + i * kBlock, count, q + i * kBlock, d + i, s + i, flip);
     }
   });
 }

@@ -196,7 +196,9 @@ inline void store_q8(uint8_t* q, __m512i q0, __m512i q1, uint8_t flip) {
 }
 
 inline __m512i to_int(simd::F16 a) { return _mm512_cvt_roundps_epi32(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline int32_t sum_int(__m512i a, __m512i b) { return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b)); }
+// a + b as int32 bits in float32 lanes (reduced with simd::AddIntLanes), and such lanes as floats.
+inline simd::F16 int_lanes(__m512i a, __m512i b) { return {_mm512_castsi512_ps(_mm512_add_epi32(a, b))}; }
+inline simd::F16 int_to_float(simd::F16 a) { return {_mm512_cvtepi32_ps(_mm512_castps_si512(a.v))}; }
 
 #else  // AVX2
 
@@ -365,12 +367,11 @@ inline void store_q8(uint8_t* q, Int16 q0, Int16 q1, uint8_t flip) {
 }
 
 inline Int16 to_int(simd::F16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }  // MXCSR: nearest even
-inline int32_t sum_int(Int16 a, Int16 b) {
-  alignas(32) int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(_mm256_add_epi32(a.lo, a.hi), _mm256_add_epi32(b.lo, b.hi)));
-  int32_t total = 0;
-  for (int32_t v : lanes) total += v;  // integers: exact in any order
-  return total;
+inline simd::F16 int_lanes(Int16 a, Int16 b) {
+  return {_mm256_castsi256_ps(_mm256_add_epi32(a.lo, b.lo)), _mm256_castsi256_ps(_mm256_add_epi32(a.hi, b.hi))};
+}
+inline simd::F16 int_to_float(simd::F16 a) {
+  return {_mm256_cvtepi32_ps(_mm256_castps_si256(a.lo)), _mm256_cvtepi32_ps(_mm256_castps_si256(a.hi))};
 }
 
 #endif

@@ -61,25 +61,45 @@ inline F16 abs(F16 a) { return {_mm512_abs_ps(a.v)}; }
 inline F16 round_even(F16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // a * 2^n for integral n in [-126, 127]: 2^n is exact, so this rounds once, like a multiply.
 inline F16 scale_pow2(F16 a, F16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+// b's lanes where a's lane is not zero (C's `a != 0`: NaN is not zero), 0 elsewhere.
+inline F16 where_nonzero(F16 a, F16 b) {
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, _mm512_setzero_ps(), _CMP_NEQ_UQ), b.v)};
+}
 // Lanes outside [first, last) set to zero (0 <= first <= last <= 16).
 inline F16 keep_range(F16 a, int first, int last) {
   const unsigned upto_last = last >= 16 ? 0xFFFFu : (1u << last) - 1;
   return {_mm512_maskz_mov_ps(__mmask16(upto_last & ~((1u << first) - 1)), a.v)};
 }
 
-// The reduction tree's first level for two vectors: [a's lanes i + i+8 | b's lanes i + i+8].
-inline F16 fold_pair(F16 a, F16 b) {
-  return {_mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xEE))};
+// The lane-wise operations a reduction tree combines with: float32 add (sums) and max, and int32
+// add on lanes that hold int32 bits (the shuffles only move bits).
+struct AddLanes {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+struct MaxLanes {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
+};
+struct AddIntLanes {
+  __m512 operator()(__m512 a, __m512 b) const {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+};
+
+// The reduction tree's first level for two vectors: [a's lanes i op i+8 | b's lanes i op i+8].
+template <typename Op = AddLanes>
+inline F16 fold_pair(F16 a, F16 b, Op op = {}) {
+  return {op(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xEE))};
 }
 
-// The 16 horizontal sums of v[0..15] from half[i] = fold_pair(v[i], v[i + 8]), in the tree's
-// own lane order (see reduce16_halves below).
-inline F16 reduce16_folded(const F16* half) {
-  auto fold128 = [](__m512 x, __m512 y) {  // 128-bit lane pairs of two fold_pair results
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+// The 16 horizontal reductions of v[0..15] from half[i] = fold_pair(v[i], v[i + 8]), in the
+// tree's own lane order (see reduce16_halves below).
+template <typename Op = AddLanes>
+inline F16 reduce16_folded(const F16* half, Op op = {}) {
+  auto fold128 = [op](__m512 x, __m512 y) {  // 128-bit lane pairs of two fold_pair results
+    return op(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
   };
-  auto fold64 = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE)); };
-  auto fold32 = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD)); };
+  auto fold64 = [op](__m512 x, __m512 y) { return op(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE)); };
+  auto fold32 = [op](__m512 x, __m512 y) { return op(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD)); };
   __m512 b[4], c[2];
   for (int i = 0; i < 4; ++i) b[i] = fold128(half[i].v, half[i + 4].v);
   for (int i = 0; i < 2; ++i) c[i] = fold64(b[i], b[i + 2]);
@@ -181,6 +201,10 @@ inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127], built from
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 inline F16 scale_pow2(F16 a, F16 n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
+inline F16 where_nonzero(F16 a, F16 b) {
+  const __m256 zero = _mm256_setzero_ps();
+  return {_mm256_and_ps(_mm256_cmp_ps(a.lo, zero, _CMP_NEQ_UQ), b.lo), _mm256_and_ps(_mm256_cmp_ps(a.hi, zero, _CMP_NEQ_UQ), b.hi)};
+}
 inline F16 keep_range(F16 a, int first, int last) {
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i index_hi = _mm256_add_epi32(index, _mm256_set1_epi32(8));
@@ -191,14 +215,28 @@ inline F16 keep_range(F16 a, int first, int last) {
   return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
 }
 
-inline F16 fold_pair(F16 a, F16 b) { return {_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi)}; }  // as on AVX-512
+struct AddLanes {  // as on AVX-512
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
+};
+struct MaxLanes {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
+};
+struct AddIntLanes {
+  __m256 operator()(__m256 a, __m256 b) const {
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+  }
+};
 
-inline F16 reduce16_folded(const F16* half) {
-  auto fold128 = [](__m256 x, __m256 y) {  // [x.lo128 + x.hi128 | y.lo128 + y.hi128]
-    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+template <typename Op = AddLanes>
+inline F16 fold_pair(F16 a, F16 b, Op op = {}) { return {op(a.lo, a.hi), op(b.lo, b.hi)}; }  // as on AVX-512
+
+template <typename Op = AddLanes>
+inline F16 reduce16_folded(const F16* half, Op op = {}) {
+  auto fold128 = [op](__m256 x, __m256 y) {  // [x.lo128 op x.hi128 | y.lo128 op y.hi128]
+    return op(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
   };
-  auto fold64 = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE)); };
-  auto fold32 = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD)); };
+  auto fold64 = [op](__m256 x, __m256 y) { return op(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE)); };
+  auto fold32 = [op](__m256 x, __m256 y) { return op(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD)); };
   __m256 b[8], c[4];
   for (int i = 0; i < 8; ++i) b[i] = fold128(half[i].lo, half[i].hi);
   for (int i = 0; i < 4; ++i) c[i] = fold64(b[i], b[i + 4]);
@@ -283,9 +321,11 @@ inline const int* key_order() {
   return order.at;
 }
 
-// Lane k = the sum of the 16 lanes of v[k], each by the halving tree, from its first level
-// half[i] = fold_pair(v[i], v[i + 8]).
-inline F16 reduce16_halves(const F16* half) { return permute(reduce16_folded(half), key_order()); }
+// Lane k = the sum (or the op's reduction) of the 16 lanes of v[k], each by the halving tree,
+// from its first level half[i] = fold_pair(v[i], v[i + 8], op). The tree's lane order is the
+// same for every op: only its shuffles place the lanes.
+template <typename Op = AddLanes>
+inline F16 reduce16_halves(const F16* half, Op op = {}) { return permute(reduce16_folded(half, op), key_order()); }
 
 // exp(x) in float32 (Cephes' polynomial, about 1 ulp); exp(0) is exactly 1.
 inline F16 exp(F16 x) {
