@@ -12,8 +12,9 @@ Cases, on the embedded SmolLM2-135M's shapes: `attention-decode` (one step's pag
 batch 32 or --decode-batch, 200-330 cached tokens each, over 30 layers' K/V so that they come from
 memory; --evict MB streams that much between layers, untimed, as a step's weights do),
 `attention-prefill` (8 prompts of 150-200 tokens, 30 layers), `qlinear` (every linear of a step on
-the embedded GGUF's weights, at each of --rows), `linear` (the same shapes as dense bfloat16
-linears, random weights, at each of --rows). Each case prints the largest difference between
+the embedded GGUF's weights, at each of --rows), `activations` (the same with each weight cut to 32
+columns: mostly the quantization of the activations), `linear` (the same shapes as dense
+bfloat16 linears, random weights, at each of --rows). Each case prints the largest difference between
 the two versions' outputs (0: bit-identical). --load F runs a process that keeps F of one core
 busy in 2 ms slices, as the router's processes do beside a shard.
 """
@@ -118,7 +119,9 @@ def attention_case(name: str, batch: int, evict_mb: int) -> Case:
     return _paged_case("attention, prefill of 8 prompts x 30 layers", prompts, prompts, 30, evict_mb)
 
 
-def qlinear_cases(rows: list[int]) -> Iterator[Case]:
+def qlinear_cases(rows: list[int], columns: int | None = None) -> Iterator[Case]:
+    """Every linear of a step at each row count; with `columns`, each weight cut to its first
+    `columns` outputs, so that what is timed is mostly the activations' quantization."""
     from bench_qlinear import layer_sources
 
     from loom_shard.layers.quant_linear import QuantKind
@@ -126,6 +129,8 @@ def qlinear_cases(rows: list[int]) -> Iterator[Case]:
     from loom_shard.loading.loader import resolve_model_path
 
     layers = layer_sources(open_gguf(resolve_model_path("")), 30)
+    if columns is not None:
+        layers = [dataclasses.replace(s, raw=s.raw[:columns].contiguous()) for s in layers]
     packed: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
 
     def weights(ops: object) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
@@ -147,7 +152,8 @@ def qlinear_cases(rows: list[int]) -> Iterator[Case]:
                                  b.qlinear(xs[k], wb, sb.view(torch.float16), n, None))
                        for (wa, sa, k, n), (wb, sb, _, _) in zip(weights(a), weights(b)))
 
-        yield f"qlinear, one step's linears at {count} rows", run, diff
+        what = "one step's linears" if columns is None else f"one step's linears cut to {columns} columns"
+        yield f"qlinear, {what} at {count} rows", run, diff
 
 
 DENSE_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2's qkv, o, gate_up, down
@@ -207,12 +213,22 @@ def measure(case: Case, base: object, exp: object, rounds: int, clock: Callable[
           f"max output difference {diff(base, exp):.3g}", flush=True)
 
 
+def _cases(name: str, args: argparse.Namespace, isa: kernels.Isa) -> Iterable[Case]:
+    if name.startswith("attention"):
+        return [attention_case(name, args.decode_batch, args.evict)]
+    if name == "qlinear":
+        return qlinear_cases(args.rows)
+    if name == "activations":
+        return qlinear_cases(args.rows, columns=32)
+    return linear_cases(args.rows, isa)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="a git revision, or a folder of kernel sources")
     parser.add_argument("--exp", default=str(REPO / CSRC_IN_REPO), help="the other version (default: this working tree's)")
     parser.add_argument("--cases", nargs="+", default=["attention-decode", "attention-prefill", "qlinear"],
-                        choices=["attention-decode", "attention-prefill", "qlinear", "linear"])
+                        choices=["attention-decode", "attention-prefill", "qlinear", "activations", "linear"])
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 200], help="qlinear's and linear's row counts")
     parser.add_argument("--decode-batch", type=int, default=32, help="attention-decode's sequences")
     parser.add_argument("--evict", type=int, default=0, metavar="MB",
@@ -237,8 +253,7 @@ def main() -> None:
     try:
         with torch.inference_mode():
             for name in args.cases:
-                cases: Iterable[Case] = [attention_case(name, args.decode_batch, args.evict)] if name.startswith("attention") else (
-                    qlinear_cases(args.rows) if name == "qlinear" else linear_cases(args.rows, isa))
+                cases = _cases(name, args, isa)
                 for case in cases:
                     measure(case, base, exp, args.rounds, clock)
     finally:
