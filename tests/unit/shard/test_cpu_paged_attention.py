@@ -122,6 +122,22 @@ def test_a_prompt_gives_the_same_rows_however_it_is_chunked(dtype: torch.dtype) 
         assert torch.equal(torch.cat(rows), whole), chunks
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_sliced_from_a_wider_projection_are_read_in_place(dtype: torch.dtype) -> None:
+    """q as the decoder passes it: the first 9 heads of each token's 15 (q, k and v side by side),
+    read through their token stride: the same bits as a contiguous copy, in a contiguous output."""
+    spans = [(0, 23), (31, 1), (70, 1)]
+    cache = make_cache([c + n for c, n in spans], 3, 64, 16, dtype, seed=4)
+    qkv = torch.randn(sum(n for _, n in spans), 15, 64).to(dtype)
+    q = qkv[:, :9]
+    assert not q.is_contiguous()
+    out = run(q, cache, spans, [0, 1, 2])
+    assert out.is_contiguous() and out.shape == q.shape
+    assert torch.equal(out, run(q.contiguous(), cache, spans, [0, 1, 2]))
+    single = qkv[:1, :9]  # one token: its stride still that of the wider rows
+    assert torch.equal(run(single, cache, [(70, 1)], [2]), run(single.contiguous(), cache, [(70, 1)], [2]))
+
+
 def test_rejects_mismatched_dtypes() -> None:
     cache = make_cache([4], 1, 64, 4, torch.float32)
     with pytest.raises(RuntimeError, match="dtypes differ"):

@@ -136,7 +136,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
     TORCH_CHECK(sink_values.dim() == 1 && sink_values.size(0) == q.size(1), "paged_attention: sinks must be [num_heads]");
   }
   check_tables(block_tables, query_starts, num_cached, q.size(0), kv_layer.size(1), kv_layer.size(2), window);
-  const at::Tensor qc = q.contiguous();
+  // Each token's heads contiguous, its queries anywhere: q as a slice of the qkv projection is read in place.
+  const at::Tensor qc = q.stride(1) == q.size(2) ? q : q.contiguous();
   Geometry g{};
   g.num_heads = q.size(1);
   g.kv_heads = kv_layer.size(3);
@@ -145,11 +146,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_layer, cons
   g.block_size = kv_layer.size(2);
   g.max_blocks = block_tables.size(1);
   g.v_offset = kv_layer.stride(0);
+  g.q_stride = qc.stride(0);
   g.scale = static_cast<float>(scale);
   g.window = window;
   g.softcap = static_cast<float>(softcap);
   g.sinks = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty_like(qc);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const Tables t{block_tables.data_ptr<int32_t>(), query_starts.data_ptr<int32_t>(), num_cached.data_ptr<int32_t>()};
   if (q.scalar_type() == at::kBFloat16) {
     run_tasks(qc.data_ptr<at::BFloat16>(), kv_layer.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), t, g, num_seqs);

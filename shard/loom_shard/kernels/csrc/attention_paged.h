@@ -25,6 +25,7 @@ constexpr int kMaxRows = 6;    // query rows per task: 6 x 4 float32 accumulator
 struct Geometry {
   int64_t num_heads, kv_heads, head_dim, group, block_size, max_blocks;
   int64_t v_offset;  // elements from a key to its value (kv_layer's first stride)
+  int64_t q_stride;  // elements from a token's queries to the next token's (q may be a slice of qkv)
   float scale;
   int64_t window;        // keys a query sees, itself included; 0: every earlier key
   float softcap;         // scores become softcap * tanh(score / softcap); 0: no capping
@@ -84,10 +85,12 @@ struct TaskView {
       }
     });
   }
-  // Offset of a task row (token * group + g) in q and out.
-  int64_t row_offset(const Geometry& g, int64_t kv_head, int64_t row) const {
-    const int64_t head = kv_head * g.group + row % g.group;
-    return ((query_start + row / g.group) * g.num_heads + head) * g.head_dim;
+  // Offsets of a task row (token * group + g) in q and in out (contiguous [tokens, heads, head_dim]).
+  int64_t q_offset(const Geometry& g, int64_t kv_head, int64_t row) const {
+    return (query_start + row / g.group) * g.q_stride + head(g, kv_head, row) * g.head_dim;
+  }
+  int64_t out_offset(const Geometry& g, int64_t kv_head, int64_t row) const {
+    return ((query_start + row / g.group) * g.num_heads + head(g, kv_head, row)) * g.head_dim;
   }
   int64_t row_limit(const Geometry& g, int64_t row) const { return num_cached + row / g.group + 1; }
   int64_t row_first(const Geometry& g, int64_t row) const { return first_visible(g, row_limit(g, row)); }
@@ -114,7 +117,7 @@ void attend_scalar(const TaskView<T>& v, const Geometry& g, const Task& task) {
   const int64_t hd = g.head_dim;
   for (int64_t i = 0; i < task.rows; ++i) {
     const int64_t row = task.first_row + i, limit = v.row_limit(g, row), first = v.row_first(g, row);
-    const T* qrow = v.q + v.row_offset(g, task.kv_head, row);
+    const T* qrow = v.q + v.q_offset(g, task.kv_head, row);
     std::vector<float> q(hd), acc(hd, 0.0f);
     for (int64_t d = 0; d < hd; ++d) q[d] = loom::to_float(qrow[d]) * g.scale;
     float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
@@ -148,7 +151,7 @@ void attend_scalar(const TaskView<T>& v, const Geometry& g, const Task& task) {
       for (int64_t d = 0; d < hd; ++d) acc[d] *= rescale;
     }
     for (int64_t d = 0; d < hd; ++d) acc[d] /= l;
-    store_row(v.out + v.row_offset(g, task.kv_head, row), acc.data(), hd);
+    store_row(v.out + v.out_offset(g, task.kv_head, row), acc.data(), hd);
   }
 }
 
@@ -305,7 +308,7 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
   for (int r = 0; r < R; ++r) {
     const int64_t row = task.first_row + r;
     F16 qv[D];
-    load_slots<T, D>(v.q + v.row_offset(g, task.kv_head, row), qv);
+    load_slots<T, D>(v.q + v.q_offset(g, task.kv_head, row), qv);
     for (int d = 0; d < D; ++d) simd::store(q[r] + 16 * d, simd::mul(qv[d], simd::set1(g.scale)));
     limit[r] = v.row_limit(g, row);
     first[r] = v.row_first(g, row);
@@ -353,7 +356,7 @@ void attend_simd(const TaskView<T>& v, const Geometry& g, const Task& task) {
     const F16 inv = simd::set1(l[r]);
     F16 result[D];
     for (int d = 0; d < D; ++d) result[d] = simd::div(acc[r][d], inv);
-    store_slots<T, D>(v.out + v.row_offset(g, task.kv_head, task.first_row + r), result);
+    store_slots<T, D>(v.out + v.out_offset(g, task.kv_head, task.first_row + r), result);
   }
 }
 
