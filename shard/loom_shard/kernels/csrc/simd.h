@@ -18,6 +18,12 @@
 
 namespace loom::simd {
 
+// The operations a reduction tree (fold_pair, reduce16_*) combines lanes with: float32 add (the
+// default: sums), max, and int32 add. Defined below, on each ISA's Lanes.
+struct AddLanes;
+struct MaxLanes;
+struct AddIntLanes;
+
 #if defined(__AVX512F__)
 
 struct F16 {
@@ -71,19 +77,14 @@ inline F16 keep_range(F16 a, int first, int last) {
   return {_mm512_maskz_mov_ps(__mmask16(upto_last & ~((1u << first) - 1)), a.v)};
 }
 
-// The lane-wise operations a reduction tree combines with: float32 add (sums) and max, and int32
-// add on lanes that hold int32 bits (the shuffles only move bits).
-struct AddLanes {
-  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
-};
-struct MaxLanes {
-  __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
-};
-struct AddIntLanes {
-  __m512 operator()(__m512 a, __m512 b) const {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  }
-};
+// One register of lanes, and the lane-wise operations a reduction tree combines them with (the
+// shuffles only move bits: an int32 add works on lanes that hold int32 bits).
+using Lanes = __m512;
+inline Lanes add_lanes(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline Lanes max_lanes(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
+inline Lanes add_int_lanes(Lanes a, Lanes b) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
 
 // The reduction tree's first level for two vectors: [a's lanes i op i+8 | b's lanes i op i+8].
 template <typename Op = AddLanes>
@@ -215,17 +216,12 @@ inline F16 keep_range(F16 a, int first, int last) {
   return {_mm256_and_ps(a.lo, keep_lo), _mm256_and_ps(a.hi, keep_hi)};
 }
 
-struct AddLanes {  // as on AVX-512
-  __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
-};
-struct MaxLanes {
-  __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
-};
-struct AddIntLanes {
-  __m256 operator()(__m256 a, __m256 b) const {
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
-  }
-};
+using Lanes = __m256;  // as on AVX-512
+inline Lanes add_lanes(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline Lanes max_lanes(Lanes a, Lanes b) { return _mm256_max_ps(a, b); }
+inline Lanes add_int_lanes(Lanes a, Lanes b) {
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+}
 
 template <typename Op = AddLanes>
 inline F16 fold_pair(F16 a, F16 b, Op op = {}) { return {op(a.lo, a.hi), op(b.lo, b.hi)}; }  // as on AVX-512
@@ -281,6 +277,16 @@ inline F16 permute(F16 a, const int* order) {
 #endif
 
 // ---- written once on the operations above -------------------------------------------------
+
+struct AddLanes {
+  Lanes operator()(Lanes a, Lanes b) const { return add_lanes(a, b); }
+};
+struct MaxLanes {
+  Lanes operator()(Lanes a, Lanes b) const { return max_lanes(a, b); }
+};
+struct AddIntLanes {
+  Lanes operator()(Lanes a, Lanes b) const { return add_int_lanes(a, b); }
+};
 
 inline float sum(F16 a) {  // the halving tree of sum_lanes: lane i + i+8, then + i+4, + i+2, + i+1
   const __m256 eight = fold_halves(a);
