@@ -22,10 +22,8 @@ import statistics
 import sys
 
 from bench_ceiling import Variant
-from bench_vs_llamacpp import measure, run_requests
+from bench_vs_llamacpp import WARMUP_SEED, measure, run_requests
 from common import ServerURL, launcher, machine, tree_cpu_s
-
-WARMUP_SEED = 10**6
 
 
 def build_parser() -> argparse.ArgumentParser:
