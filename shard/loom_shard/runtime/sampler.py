@@ -15,6 +15,7 @@ import torch
 
 from loom_proto.step import SamplingParams, TokenLogprob
 from loom_shard.layers.elementwise import kernels_for
+from loom_shard.runtime.host_copy import HostCopy
 from loom_shard.runtime.token_mask import apply_allowed_masks
 
 _MASK64 = (1 << 64) - 1
@@ -63,13 +64,43 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[Sample]
     Returns:
         One `Sample` per row; `logprob` and `top_tokens` come from log_softmax of the raw logits.
     """
+    return sample_on_device(logits, states).samples()
+
+
+def sample_on_device(logits: torch.Tensor, states: list[SeqSamplingState]) -> SampleTable:
+    """`sample` without waiting for the device: the chosen ids stay on the device (where a next
+    step's inputs can read them) and the table's copy to the host is queued behind them."""
     assert logits.dim() == 2 and logits.shape[0] == len(states)
     logits = logits.float()
     processed = process_logits(logits, states)
     processed = apply_allowed_masks(processed, [s.allowed_mask for s in states])
     terms = logprob_terms(logits)
     token_ids = _choose_tokens(processed, states, terms.argmax if processed is logits else processed.argmax(dim=-1))
-    return _build_samples(logits, token_ids, states, terms)
+    return _sample_table(logits, token_ids, states, terms)
+
+
+@dataclass(slots=True)
+class SampleTable:
+    """A step's samples, one row each: [token_id, logprob, top ids..., top logprobs...] in float64
+    (which holds every token id and float32 logprob exactly), copied to the host in one transfer."""
+
+    token_ids: torch.Tensor  # [rows] int64, on the logits' device
+    table: HostCopy  # [rows, 2 + 2 * max_top_n] float64
+    max_top_n: int  # alternatives per row in the table (with a margin for ties)
+    top_n: list[int]  # each row's top_n_tokens
+
+    def samples(self) -> list[Sample]:
+        """The samples, once the table is on the host (waits for the device)."""
+        table = self.table.read().tolist()
+        if self.max_top_n == 0:  # no alternatives asked for in the whole step (most decode steps)
+            return [Sample(token_id=int(row[0]), logprob=row[1], top_tokens=[]) for row in table]
+        samples = []
+        for row, n in zip(table, self.top_n):
+            top_ids, top_logprobs = row[2 : 2 + self.max_top_n], row[2 + self.max_top_n :]
+            top = sorted(zip(top_logprobs, top_ids), key=lambda pair: (-pair[0], pair[1]))[:n]  # ties: lower id first
+            top_tokens = [TokenLogprob(int(t), lp) for lp, t in top]
+            samples.append(Sample(token_id=int(row[0]), logprob=row[1], top_tokens=top_tokens))
+        return samples
 
 
 @dataclass(slots=True)
@@ -113,13 +144,13 @@ def process_logits(logits: torch.Tensor, states: list[SeqSamplingState]) -> torc
 
 def _needs_processing(state: SeqSamplingState) -> bool:
     p = state.params
-    return bool(
-        p.logit_bias
-        or (p.repetition_penalty is not None and p.repetition_penalty != 1.0)
-        or p.frequency_penalty
-        or p.presence_penalty
-        or (p.eos_token_ids and state.num_generated < p.min_new_tokens)
-    )
+    return bool(p.logit_bias or reads_history(p) or (p.eos_token_ids and state.num_generated < p.min_new_tokens))
+
+
+def reads_history(params: SamplingParams) -> bool:
+    """Does sampling read the values of the sequence's tokens so far (the penalties)?"""
+    return bool((params.repetition_penalty is not None and params.repetition_penalty != 1.0)
+                or params.frequency_penalty or params.presence_penalty)
 
 
 def process_row(row: torch.Tensor, state: SeqSamplingState) -> torch.Tensor:
@@ -281,9 +312,9 @@ def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
     return token_ids.clamp(max=probs.shape[-1] - 1)
 
 
-def _build_samples(
+def _sample_table(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SeqSamplingState], terms: LogprobTerms
-) -> list[Sample]:
+) -> SampleTable:
     vocab = raw_logits.shape[-1]
     if token_ids is terms.argmax:  # every row took its raw argmax: (max - max) - log_sum, without the gather
         chosen = (0.0 - terms.log_sum).unsqueeze(1)
@@ -296,16 +327,5 @@ def _build_samples(
     if max_top_n > 0:
         top = raw_logits.topk(max_top_n, dim=-1)  # logprobs are the logits shifted per row: the same order
         columns += [top.indices.double(), terms.logprobs(top.values).double()]
-    # One device-to-host transfer for the whole step: float64 holds every token id and
-    # float32 logprob exactly. Row: [token_id, logprob, top ids..., top logprobs...]
-    table = torch.cat(columns, dim=1).cpu().tolist()
-    if max_top_n == 0:  # no alternatives asked for in the whole step (most decode steps)
-        return [Sample(token_id=int(row[0]), logprob=row[1], top_tokens=[]) for row in table]
-    samples = []
-    for row, state in zip(table, states):
-        n = state.params.top_n_tokens
-        top_ids, top_logprobs = row[2 : 2 + max_top_n], row[2 + max_top_n :]
-        top = sorted(zip(top_logprobs, top_ids), key=lambda pair: (-pair[0], pair[1]))[:n]  # ties: lower id first
-        top_tokens = [TokenLogprob(int(t), lp) for lp, t in top]
-        samples.append(Sample(token_id=int(row[0]), logprob=row[1], top_tokens=top_tokens))
-    return samples
+    return SampleTable(token_ids, HostCopy(torch.cat(columns, dim=1)), max_top_n,
+                       [s.params.top_n_tokens for s in states])
