@@ -6,7 +6,8 @@ A tiny random Llama (hidden 64, 2 layers, float32) decodes `batch` sequences thr
 on the step socket does: the plan's bytes parsed, `ModelRunner.step`, the result written. Its
 forward costs little, so the step time is mostly the host's per-sequence work: on a GPU that work
 is on every step's critical path (a 256-sequence step there takes a few ms). Reported: the mean
-step, per sequence, and the runner's phases (plan check, admission, forward, sampling, wire).
+step, per sequence, and the runner's phases (plan check, admission, forward, sampling, the samples
+read back, wire).
 With --graph-host the forward is what a CUDA graph step costs the host (its padding, step tables
 and input copies through `StepGraphs`, the replay itself left out): the whole step is then the
 host work a GPU waits on.
@@ -91,7 +92,7 @@ def measure(batch: int, steps: int, graph_host: bool = False) -> tuple[float, di
     totals: dict[str, float] = defaultdict(float)
     check = plan_check.PlanCheck.validate
     plan_check.PlanCheck.validate = timed(totals, "plan check", check)  # type: ignore[method-assign]
-    for name in ("_admit", "_forward", "_sample"):
+    for name in ("_admit", "_forward", "_sample", "_read_samples"):
         setattr(runner, name, timed(totals, name.strip("_"), getattr(runner, name)))
     try:
         for _ in range(3):  # warm

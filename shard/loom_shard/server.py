@@ -45,12 +45,21 @@ EXIT_SERVE_ERROR = 1
 T = TypeVar("T")
 
 
+class Launched(Protocol):
+    """What the server needs of loom_shard.runtime.runner.LaunchedStep."""
+
+    def ready(self) -> bool: ...
+    def wait(self) -> None: ...
+
+
 class Runner(Protocol):
     """What the server needs of loom_shard.runtime.runner.ModelRunner."""
 
     def info(self) -> ModelInfo: ...
     def warmup(self, max_prefill_tokens: int, max_batch_total_tokens: int | None) -> WarmupResult: ...
     def step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult: ...
+    def launch(self, plan: StepPlan, phases: StepPhases | None = None) -> Launched: ...
+    def finish(self, launched: Any) -> StepResult: ...
     def release(self, request_ids: list[int]) -> None: ...
     def clear(self) -> None: ...
     def read_kv(self, block_ids: list[int], num_tokens: int) -> tuple[KVLayout, memoryview]: ...
@@ -72,15 +81,23 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     arrival order, while Info and Health answer from the event loop at once.
     Snapshot block copies run on that worker too (between two steps); their file
     reads, writes and checksums run on an I/O thread, so steps continue meanwhile.
+
+    On a GPU (`launch_ahead`) a step is two jobs on the worker: its launch queues the device
+    work, and its finish, once the samples reached the host (waited for on another thread),
+    reads them back. A step that arrives meanwhile launches in between, so the host prepares
+    it while the device computes the one before (the router sends it ahead: --overlap-steps).
     """
 
     def __init__(self, runner: Runner, snapshot_dir: str | None = None,
-                 worker: ThreadPoolExecutor | None = None, tracer: ShardTracer | None = None) -> None:
+                 worker: ThreadPoolExecutor | None = None, tracer: ShardTracer | None = None,
+                 launch_ahead: bool | None = None) -> None:
         self._runner = runner
         self._tracer = tracer  # --otlp-endpoint; None: untraced
         self._worker = worker or new_worker()
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
         info = runner.info()
+        self._launch_ahead = info.device.startswith("cuda") if launch_ahead is None else launch_ahead
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-step-wait")
         self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
         self.step_server: asyncio.AbstractServer | None = None  # the step socket, once served
         self.on_warm: Callable[[], None] | None = None  # after each Warmup (the process's GC freeze)
@@ -92,6 +109,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         # A forward already running finishes; queued ones are dropped.
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._waiter.shutdown(wait=False, cancel_futures=True)
 
     async def _on_worker(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the worker thread; a failure becomes a gRPC error and the shard keeps serving."""
@@ -134,12 +152,11 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def run_step(self, plan: StepPlan, metadata: Any) -> StepResult:
         """One step on the worker thread (gRPC's Step and the step socket both come here);
         ValueError: the plan was refused; anything else: it failed."""
-        loop = asyncio.get_running_loop()
         try:
             if self._tracer is None:
-                return await loop.run_in_executor(self._worker, self._timed_step, plan)
+                return await self._step_on_worker(plan, None)
             with self._tracer.step(metadata, plan) as phases:
-                return await loop.run_in_executor(self._worker, self._timed_step, plan, phases)
+                return await self._step_on_worker(plan, phases)
         except ValueError as error:
             log.warning("step rejected: %s", describe(error))
             raise
@@ -147,16 +164,27 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             log.exception("step failed")
             raise
 
-    def _timed_step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult:
-        """The runner's step (on the worker), with how long the worker waited for it since its
-        previous step ended."""
+    async def _step_on_worker(self, plan: StepPlan, phases: StepPhases | None) -> StepResult:
+        loop = asyncio.get_running_loop()
+        if not self._launch_ahead:
+            result, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._runner.step, plan, phases)
+        else:
+            launched, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._runner.launch, plan, phases)
+            if not launched.ready():
+                await loop.run_in_executor(self._waiter, launched.wait)
+            result, _ = await loop.run_in_executor(self._worker, self._timed, self._runner.finish, launched)
+        result.idle_ms = idle_ms
+        return result
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+        """fn's value (on the worker), and how long the worker waited for it since its last job
+        for a step ended (ms)."""
         start = time.perf_counter()
         try:
-            result = self._runner.step(plan, phases)
+            value = fn(*args)
         finally:
             idle_s, self._idle_since = start - self._idle_since, time.perf_counter()
-        result.idle_ms = idle_s * 1e3
-        return result
+        return value, idle_s * 1e3
 
     async def step_frame(self, plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
         """A request on the step socket (loom_proto.step_channel): the reply's status and payload."""

@@ -104,6 +104,13 @@ def host_ints(values: list[int] | array.array, dtype: torch.dtype = torch.long) 
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
+def device_ints(values: list[int] | array.array, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`host_ints` on `device`, without waiting for the work queued there (a blocking copy waits for
+    the whole stream: the step the device is still computing). From pageable memory the driver
+    stages the values before the call returns, so the host tensor may go at once."""
+    return host_ints(values, dtype).to(device, non_blocking=True)
+
+
 def paged_metadata(packed: torch.Tensor, shape: StepShape, block_size: int, kernel: PagedKernel) -> AttentionMetadata:
     """Metadata from packed tables already on the device; device ops only (graph-capturable)."""
     s = shape.num_seqs

@@ -135,8 +135,10 @@ class StepGraphs:
         bs, width = self.spec.block_size, self.spec.max_blocks
         return all((s.num_cached + s.num_compute - 1) // bs < width for s in spans)
 
-    def run(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
-        """Replay the smallest graph that fits; returns hidden states [len(input_ids), hidden_size]."""
+    def run(self, input_ids: list[int], spans: list[SeqSpan],
+            patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Replay the smallest graph that fits; returns hidden states [len(input_ids), hidden_size].
+        `patch` writes, on the device, the inputs still computed by an earlier step."""
         num_tokens = len(input_ids)
         bucket = self.spec.token_sizes[bisect.bisect_left(self.spec.token_sizes, num_tokens)]
         step = self.steps[bucket]
@@ -152,6 +154,8 @@ class StepGraphs:
         step.input_ids.copy_(ids, non_blocking=True)
         if self.staging is not None:
             self.staging.done_reading()
+        if patch is not None:
+            patch(step.input_ids)
         step.graph.replay()
         self.num_replays += 1
         return step.hidden[:num_tokens]

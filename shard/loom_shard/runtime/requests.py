@@ -11,6 +11,18 @@ import torch
 from loom_proto.step import Fork, NewRequest, Pooling, SamplingParams, TokenLogprob
 from loom_shard.attention.metadata import SeqSpan
 
+PENDING = -1  # in token_ids: a sampled token whose value is still on the device (PendingToken)
+
+
+@dataclass(slots=True)
+class PendingToken:
+    """A sampled token not yet read back from the device: token_ids[index] holds PENDING until its
+    step finishes; a next step's input reads it from `values` on the device."""
+
+    values: torch.Tensor  # the step's sampled ids [rows], on the device
+    row: int
+    index: int
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -25,6 +37,7 @@ class RequestState:
     lora_id: int | None = None  # its LoRA adapter; None: the base model
     pooling: Pooling = Pooling.NONE  # else an embedding request (nothing sampled)
     pooled_sum: torch.Tensor | None = None  # mean pooling: the sum of its normed hidden states so far
+    pending: PendingToken | None = None  # its last token, while the step that sampled it is unfinished
 
 
 @dataclass(slots=True)

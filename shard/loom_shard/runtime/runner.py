@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +26,7 @@ from loom_proto.step import (
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention.backend import BackendKind, host_ints, select_backend
+from loom_shard.attention.backend import BackendKind, device_ints, select_backend
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.loading.quantize import quantized_summary
@@ -52,6 +55,8 @@ from loom_shard.runtime.model_setup import (
 from loom_shard.runtime.plan_check import PlanCheck
 from loom_shard.runtime.pooling import pool
 from loom_shard.runtime.requests import (
+    PENDING,
+    PendingToken,
     RequestState,
     Scheduled,
     fork_state,
@@ -59,11 +64,34 @@ from loom_shard.runtime.requests import (
     new_request_state,
     prompt_logprobs,
 )
-from loom_shard.runtime.sampler import Sample, SeqSamplingState, sample
+from loom_shard.runtime.sampler import Sample, SampleTable, SeqSamplingState, reads_history, sample_on_device
 from loom_shard.runtime.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is queued: `ModelRunner.finish` reads its samples back and
+    returns its StepResult (`result` once finished)."""
+
+    start: float
+    phases: StepPhases | None
+    forward_start: float = 0.0
+    outputs: list[SeqOutput] = field(default_factory=list)
+    finishing: list[tuple[int, Scheduled]] = field(default_factory=list)  # (output index, sequence) sampled
+    table: SampleTable | None = None
+    pending: list[PendingToken] = field(default_factory=list)  # the finishing sequences' tokens, in order
+    result: StepResult | None = None
+
+    def ready(self) -> bool:
+        """Are its samples on the host (finish would not wait for the device)?"""
+        return self.table is None or self.table.table.ready()
+
+    def wait(self) -> None:
+        if self.table is not None:
+            self.table.table.wait()
 
 
 class ModelRunner:
@@ -98,6 +126,7 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
         self.step_graphs: StepGraphs | None = None  # captured with the KV cache (CUDA)
         self.requests: dict[int, RequestState] = {}
+        self._unfinished: deque[LaunchedStep] = deque()  # launched, in order, not finished yet
 
     @property
     def block_size(self) -> int:
@@ -129,6 +158,7 @@ class ModelRunner:
                           max_step_tokens: int = MAX_GRAPH_SEQS) -> PagedKVCache:
         """The KV pools, and on CUDA the step graphs up to `max_step_tokens` (warmup: the router's
         prefill budget, which counts a step's decodes too)."""
+        self.drain()
         self.kv_cache = self.step_graphs = None  # free the old pool (and graphs reading it) first
         graphs = (self.device.type == "cuda" and self.config.cuda_graphs and self.attention.kind is BackendKind.TRITON
                   and self.kv_groups.num_groups == 1)  # graphs replay one set of tables
@@ -203,26 +233,63 @@ class ModelRunner:
             self.requests.pop(request_id, None)
 
     def clear(self) -> None:
+        self.drain()
         self.requests.clear()
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, phases: StepPhases | None = None) -> StepResult:
         """Run one plan. Raises ValueError (touching nothing) when the plan is inconsistent.
         `phases` (tracing on) receives the instants of the step's phases."""
-        start = time.perf_counter()
+        return self.finish(self.launch(plan, phases, wait=True))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, phases: StepPhases | None = None, wait: bool = False) -> LaunchedStep:
+        """Queue one plan's device work without waiting for its samples (`finish` returns them), so
+        that the host can prepare the next step while the device computes this one. A decode of a
+        token still on the device reads it there. A plan that needs such a token's value (penalties,
+        a chunk, drafts or forks over it) or moves blocks first finishes the steps before it.
+        `wait`: read the samples back at once (as `step` does). Raises ValueError (touching nothing)
+        when the plan is inconsistent."""
+        launched = LaunchedStep(time.perf_counter(), phases)
         kv = self._require_cache()
         PlanCheck(self.requests, kv, self.model.config.vocab_size, self.kv_groups.num_groups).validate(plan)
         self._check_new(plan)
+        if self._unfinished and self._needs_values(plan):
+            self.drain()
         self.release(plan.released_ids)
         kv.swap_out(plan.swap_out)
         kv.swap_in(plan.swap_in)
         scheduled = self._admit(plan)
-        forward_start = time.perf_counter()
-        outputs = self._execute(scheduled, plan.allowed_token_masks, phases) if scheduled else []
-        end = time.perf_counter()
-        if phases is not None:
-            phases.start, phases.forward_start, phases.end = start, forward_start, end
-        return StepResult(outputs, forward_ms=(end - forward_start) * 1e3, total_ms=(end - start) * 1e3)
+        launched.forward_start = time.perf_counter()
+        if scheduled:
+            self._launch(launched, scheduled, plan.allowed_token_masks, wait)
+        self._unfinished.append(launched)
+        return launched
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """A launched step's result, once its samples are on the host; the steps launched before it
+        finish first."""
+        while launched.result is None:
+            self._finish(self._unfinished.popleft())
+        return launched.result
+
+    def drain(self) -> None:
+        """Finish every launched step (before anything that reads or moves what steps write)."""
+        while self._unfinished:
+            self._finish(self._unfinished.popleft())
+
+    def _needs_values(self, plan: StepPlan) -> bool:
+        """Does the plan need the value of a token that an unfinished step sampled?"""
+        if plan.swap_in or plan.swap_out or plan.allowed_token_masks:
+            return True
+        requests = self.requests
+        for running in plan.running_requests:
+            state = requests[running.request_id]
+            if state.pending is not None and (running.num_compute != 1 or running.draft_token_ids or running.forks
+                                              or reads_history(state.sampling)):
+                return True
+        return False
 
     def _check_new(self, plan: StepPlan) -> None:
         """The plan's adapters and embedding requests can run (ValueError before anything changes)."""
@@ -253,9 +320,11 @@ class ModelRunner:
 
     def add_lora(self, lora_id: int, adapter: HostAdapter) -> None:
         assert self.lora is not None
+        self.drain()  # a launched step may still read the slot this takes
         self.lora.add(lora_id, adapter)
 
     def unload_lora(self, lora_id: int) -> bool:
+        self.drain()
         return self.lora is not None and self.lora.unload(lora_id)
 
     def _require_cache(self) -> PagedKVCache:
@@ -287,33 +356,72 @@ class ModelRunner:
         self.requests[new.request_id] = state
         return state
 
-    def _execute(self, scheduled: list[Scheduled], masks: dict[int, bytes],
-                 phases: StepPhases | None = None) -> list[SeqOutput]:
-        hidden = self._forward(_input_ids(scheduled), scheduled)
+    def _launch(self, launched: LaunchedStep, scheduled: list[Scheduled], masks: dict[int, bytes],
+                wait: bool) -> None:
+        """The forward, the logits and the sampler's device work; what the step reports besides
+        its samples (prompt logprobs, embeddings). Its samples are read back at once with `wait`
+        or where the step makes forks or verifies drafts, else in `finish`."""
+        hidden = self._forward(*_input_ids(scheduled), scheduled)
         embeddings = pool(self.model.norm, hidden, scheduled)
         rows, sample_rows, logprob_rows = logit_rows(scheduled)
         logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
-        if phases is not None:
-            self._mark_sampling(phases)
+        if launched.phases is not None:
+            self._mark_sampling(launched.phases)
         logprobs, prompt_tops = prompt_logprobs(logits, scheduled, logprob_rows)
         # A sample row: the chunk reaches its sequence's end and the request generates (no pooling)
         finishing = [(i, s) for i, s in enumerate(scheduled) if sample_rows[i] is not None]
-        samples = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
-        outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=lp, prompt_top_tokens=tops)
-                   for s, lp, tops in zip(scheduled, logprobs, prompt_tops)]
-        for (i, _), smps in zip(finishing, samples):
-            output, first = outputs[i], smps[0]
+        launched.finishing = finishing
+        launched.table = self._sample(logits, [(sample_rows[i], s.state, s.num_drafts) for i, s in finishing], masks)
+        launched.outputs = [SeqOutput(s.state.request_id, None, None, prompt_logprobs=lp, prompt_top_tokens=tops)
+                            for s, lp, tops in zip(scheduled, logprobs, prompt_tops)]
+        for i, vector in embeddings.items():
+            launched.outputs[i].embedding = vector
+        for s in scheduled:
+            s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
+        if wait or any(s.num_drafts or s.state.pending_forks for _, s in finishing):
+            self._finish_now(launched, logits, sample_rows, masks)
+            return
+        for row, (_, s) in enumerate(finishing):  # the values come in finish
+            state = s.state
+            state.token_ids.append(PENDING)
+            state.pending = PendingToken(launched.table.token_ids, row, len(state.token_ids) - 1)  # type: ignore[union-attr]
+            launched.pending.append(state.pending)
+
+    def _finish_now(self, launched: LaunchedStep, logits: torch.Tensor, sample_rows: list[int | None],
+                    masks: dict[int, bytes]) -> None:
+        """Read the samples back now and commit them (`wait`; forks copy their parent's tokens, drafts
+        are kept or dropped)."""
+        samples = self._read_samples(launched)
+        fork_outputs = self._fork_all(logits, launched.finishing, sample_rows, masks)
+        for (_, s), smps in zip(launched.finishing, samples):
+            commit(s.state, s.num_drafts, smps, self.block_size, self.kv_groups.num_groups)
+        launched.outputs += fork_outputs
+        launched.table = None
+
+    def _finish(self, launched: LaunchedStep) -> None:
+        if launched.table is not None:  # the sampled tokens take their places
+            samples = self._read_samples(launched)
+            for (_, s), pending, smps in zip(launched.finishing, launched.pending, samples):
+                s.state.token_ids[pending.index] = smps[0].token_id
+                if s.state.pending is pending:
+                    s.state.pending = None
+        end = time.perf_counter()
+        phases = launched.phases
+        if phases is not None:
+            phases.start, phases.forward_start, phases.end = launched.start, launched.forward_start, end
+        launched.result = StepResult(launched.outputs, forward_ms=(end - launched.forward_start) * 1e3,
+                                     total_ms=(end - launched.start) * 1e3)
+
+    def _read_samples(self, launched: LaunchedStep) -> list[list[Sample]]:
+        """The step's samples per finishing sequence (waits for the device), into its outputs."""
+        flat = launched.table.samples() if launched.table is not None else []
+        samples = regroup(flat, [s.num_drafts + 1 for _, s in launched.finishing])
+        for (i, _), smps in zip(launched.finishing, samples):
+            output, first = launched.outputs[i], smps[0]
             output.token_id, output.logprob, output.top_tokens = first.token_id, first.logprob, list(first.top_tokens)
             if len(smps) > 1:
                 output.draft_samples = draft_samples(smps)
-        for i, vector in embeddings.items():
-            outputs[i].embedding = vector
-        for s in scheduled:
-            s.state.num_computed += s.num_compute - s.num_drafts  # accepted drafts: in commit
-        fork_outputs = self._fork_all(logits, finishing, sample_rows, masks)
-        for (i, s), smps in zip(finishing, samples):
-            commit(s.state, s.num_drafts, smps, self.block_size, self.kv_groups.num_groups)
-        return outputs + fork_outputs
+        return samples
 
     def _mark_sampling(self, phases: StepPhases) -> None:
         """Where the forward ends and sampling begins; on CUDA only after the forward's kernels
@@ -322,30 +430,37 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         phases.sample_start = time.perf_counter()
 
-    def _forward(self, input_ids: list[int], scheduled: list[Scheduled]) -> torch.Tensor:
+    def _forward(self, input_ids: list[int], pending: list[tuple[int, PendingToken]],
+                 scheduled: list[Scheduled]) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden]: a graph replay where one fits, else eager;
-        with LoRA deltas for the sequences that name an adapter."""
+        with LoRA deltas for the sequences that name an adapter. `pending`: (position, token)
+        of each input still on the device."""
         spans = [s.span for s in scheduled]
+        patch = _pending_patch(pending) if pending else None
         if self.lora is None:
-            return self._forward_spans(input_ids, spans)
+            return self._forward_spans(input_ids, spans, patch)
         lora_ids = {s.state.lora_id for s in scheduled if s.state.lora_id is not None}
         slots = self.lora.assign(lora_ids)
         self.lora.batch.prepare([(slots.get(s.state.lora_id), s.num_compute) for s in scheduled],  # type: ignore[arg-type]
                                 self.lora.num_slots, self.device)
         try:
-            return self._forward_spans(input_ids, spans)
+            return self._forward_spans(input_ids, spans, patch)
         finally:
             self.lora.batch.clear()
 
-    def _forward_spans(self, input_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
+    def _forward_spans(self, input_ids: list[int], spans: list[SeqSpan],
+                       patch: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
         lora_active = self.lora is not None and self.lora.batch.active
         graphs = self.step_graphs
         if graphs is not None and not lora_active and graphs.can_run(spans, len(input_ids)):
-            return graphs.run(input_ids, spans)
+            return graphs.run(input_ids, spans, patch)
         meta = self._metadata(spans)
         if graphs is not None and meta.max_position > graphs.spec.max_position:
             self.step_graphs = None  # the rotary table grows past what the graphs captured
-        return self.model(host_ints(input_ids).to(self.device), self._cache(), meta)
+        ids = device_ints(input_ids, self.device)
+        if patch is not None:
+            patch(ids)
+        return self.model(ids, self._cache(), meta)
 
     def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
         """The step's attention metadata: one per KV group when layers keep their KV in groups,
@@ -362,17 +477,16 @@ class ModelRunner:
         return self._require_cache().device_blocks
 
     def _sample(self, logits: torch.Tensor, picks: list[tuple[int | None, RequestState, int]],
-                masks: dict[int, bytes]) -> list[list[Sample]]:
-        """Sample each (logits row, sequence, drafts): one token, or one per verified position."""
+                masks: dict[int, bytes]) -> SampleTable | None:
+        """Sample each (logits row, sequence, drafts) on the device: one row, or one per verified
+        position; None when nothing is sampled."""
         rows: list[int] = []
         states: list[SeqSamplingState] = []
         for row, state, num_drafts in picks:
             assert row is not None
             rows.extend(range(row, row + num_drafts + 1))
             states.extend(sampling_states(state, num_drafts, masks.get(state.request_id) if masks else None))
-        if not rows:
-            return []
-        return regroup(sample(_select_rows(logits, rows), states), [num_drafts + 1 for _, _, num_drafts in picks])
+        return sample_on_device(_select_rows(logits, rows), states) if rows else None
 
     def _fork_all(
         self, logits: torch.Tensor, finishing: list[tuple[int, Scheduled]], sample_rows: list[int | None],
@@ -383,7 +497,8 @@ class ModelRunner:
         forks = [(sample_rows[i], self._create_fork(parent, fork)) for i, parent in parents for fork in parent.pending_forks]
         for _, parent in parents:
             parent.pending_forks = []
-        samples = [smps[0] for smps in self._sample(logits, [(row, state, 0) for row, state in forks], masks)]
+        table = self._sample(logits, [(row, state, 0) for row, state in forks], masks)
+        samples = table.samples() if table is not None else []
         for (_, state), smp in zip(forks, samples):
             state.token_ids.append(smp.token_id)
         return [_output(state.request_id, smp, []) for (_, state), smp in zip(forks, samples)]
@@ -408,6 +523,7 @@ class ModelRunner:
         kv = self._require_cache()
         self._check_one_group()
         _check_block_ids(block_ids, kv.num_blocks)
+        self.drain()
         if not 0 < num_tokens <= len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
         host = kv.read_blocks(block_ids, num_tokens).contiguous()  # [layers, 2, tokens, kv_heads, head_dim]
@@ -422,6 +538,7 @@ class ModelRunner:
         cache = self._require_cache()
         self._check_one_group()
         _check_block_ids(block_ids, cache.num_blocks)
+        self.drain()
         spec, bs = self.kv_spec, self.block_size
         if (layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim) != (
                 _dtype_name(self.dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim):
@@ -438,17 +555,39 @@ class ModelRunner:
             raise ValueError("KV snapshots are not supported for models with sliding-window layers")
 
 
-def _input_ids(scheduled: list[Scheduled]) -> list[int]:
+def _input_ids(scheduled: list[Scheduled]) -> tuple[list[int], list[tuple[int, PendingToken]]]:
     """The tokens each sequence computes this step, in order (a decode's one token without a slice:
-    this runs for every sequence of every step)."""
+    this runs for every sequence of every step), and (position, token) of each decode whose token
+    is still on the device (0 in its place)."""
     ids: list[int] = []
+    pending: list[tuple[int, PendingToken]] = []
     for s in scheduled:
         state = s.state
         if s.num_compute == 1:
-            ids.append(state.token_ids[state.num_computed])
+            token = state.token_ids[state.num_computed]
+            if token == PENDING:
+                assert state.pending is not None and state.pending.index == state.num_computed
+                pending.append((len(ids), state.pending))
+                token = 0
+            ids.append(token)
         else:
             ids += state.token_ids[state.num_computed : state.num_computed + s.num_compute]
-    return ids
+    return ids, pending
+
+
+def _pending_patch(pending: list[tuple[int, PendingToken]]) -> Callable[[torch.Tensor], None]:
+    """Writes each pending token from its step's sampled ids into a step's input ids, on the device."""
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # per step's sampled ids: positions, rows
+    for position, token in pending:
+        values, positions, rows = groups.setdefault(id(token.values), (token.values, [], []))
+        positions.append(position)
+        rows.append(token.row)
+
+    def patch(ids: torch.Tensor) -> None:
+        for values, positions, rows in groups.values():
+            ids[device_ints(positions, ids.device)] = values[device_ints(rows, values.device)]
+
+    return patch
 
 
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -456,7 +595,7 @@ def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     which saves a copy of up to [batch, vocab] float32 per use."""
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):
         return x
-    return x[host_ints(rows).to(x.device)]
+    return x[device_ints(rows, x.device)]
 
 
 def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:
