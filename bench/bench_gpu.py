@@ -1,5 +1,6 @@
 """GPU benchmark of the shard's runner (one CUDA device): decode tokens/s at several batch
-sizes, a step of decodes with one new prompt replayed as its graph and run eagerly, prefill
+sizes (steps one at a time, and each launched before the one before it finishes), a step of
+decodes with one new prompt replayed as its graph and run eagerly, prefill
 tokens/s, the GPU's own ceilings, and transformers on the same GPU and model;
 batch 1 and 32 again with torch's elementwise ops in place of the Triton kernels (A/B), and a
 Llama-1B shape against its weight-read floor and the bf16 peak.
@@ -89,8 +90,10 @@ def new_request(request_id: int, tokens: list[int], blocks_per_seq: int) -> NewR
                       sampling=GREEDY)
 
 
-def decode_rate(runner: ModelRunner, batch: int) -> float:
-    """Tokens/s of DECODE_STEPS decode steps over `batch` sequences of PROMPT_LEN tokens."""
+def decode_rate(runner: ModelRunner, batch: int, launch_ahead: bool = False) -> float:
+    """Tokens/s of DECODE_STEPS decode steps over `batch` sequences of PROMPT_LEN tokens; with
+    `launch_ahead` each step is launched before the one before it finishes (as the server runs
+    the steps the router sends ahead), else one `step` at a time."""
     runner.clear()
     gen = torch.Generator().manual_seed(batch)
     for first in range(0, batch, 16):  # prefill 16 sequences a step
@@ -102,8 +105,16 @@ def decode_rate(runner: ModelRunner, batch: int) -> float:
         runner.step(plan)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(DECODE_STEPS - 4):
-        runner.step(plan)
+    if launch_ahead:
+        previous = runner.launch(plan)
+        for _ in range(DECODE_STEPS - 5):
+            launched = runner.launch(plan)
+            runner.finish(previous)
+            previous = launched
+        runner.finish(previous)
+    else:
+        for _ in range(DECODE_STEPS - 4):
+            runner.step(plan)
     elapsed = time.perf_counter() - start  # each step returns host tokens: already synchronized
     return batch * (DECODE_STEPS - 4) / elapsed
 
@@ -127,6 +138,7 @@ def graph_rates(runner: ModelRunner, tag: str, batches: list[int]) -> dict[str, 
     results = {}
     for batch in batches:
         results[f"{tag}_decode_tok_s_b{batch}"] = decode_rate(runner, batch)
+        results[f"{tag}_launch_ahead_decode_tok_s_b{batch}"] = decode_rate(runner, batch, launch_ahead=True)
         results[f"{tag}_graph_replay_ms_b{batch}"] = cuda_time(runner.step_graphs.steps[batch].graph.replay, 20) * 1e3
     return results
 
