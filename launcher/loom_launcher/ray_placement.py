@@ -28,6 +28,7 @@ from loom_launcher.supervisor import (
     StartupTimeout,
     StopRequested,
     Supervisor,
+    how_it_ended,
     http_ok,
     log_to_stderr,
 )
@@ -133,7 +134,7 @@ def check_shards(shards: RayShards) -> None:
     for rank, code in enumerate(codes):
         if code is not None:
             lines = "\n".join(f"  {line}" for line in ray.get(shards.actors[rank].last_lines.remote()))
-            raise ShardDied(f"shard {rank} exited with code {code}; its last lines:\n{lines}")
+            raise ShardDied(f"shard {rank} {how_it_ended(code)}; its last lines:\n{lines}")
 
 
 def tear_down(shards: RayShards | None, log: Log) -> None:
@@ -146,7 +147,8 @@ def tear_down(shards: RayShards | None, log: Log) -> None:
     stops = [actor.stop.remote(SHARD_STOP_TIMEOUT_S) for actor in shards.actors]
     for rank, stop in enumerate(stops):
         try:
-            log(f"[launcher] shard {rank} exited with code {ray.get(stop, timeout=SHARD_STOP_TIMEOUT_S + 5)}")
+            code = ray.get(stop, timeout=SHARD_STOP_TIMEOUT_S + 5)
+            log(f"[launcher] shard {rank} {'was not started' if code is None else how_it_ended(code)}")
         except Exception as error:  # a dead actor or node: nothing left to stop there
             log(f"[launcher] shard {rank}: {type(error).__name__}")
     for actor in shards.actors:
