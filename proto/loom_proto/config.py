@@ -134,6 +134,10 @@ class ShardFlags(ModelFlags):
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of free GPU memory the KV cache may take")
     cuda_graphs: bool = Field(True, description="replay steps as CUDA graphs captured at warmup "
                               "(CUDA with triton only)")
+    launch_ahead: bool | None = Field(
+        None, description="launch a step while the one before it still computes on the device, its decodes "
+        "reading that step's tokens there (same tokens); default: on CUDA (the host prepares the next step "
+        "while the GPU computes), off on CPU (where launching a step computes it)")
     cpu_kv_cache_bytes: Positive | None = Field(
         None, description="KV cache size on CPU when max-batch-total-tokens is unset; default: a share of free RAM")
     host_kv_cache_bytes: int | None = Field(

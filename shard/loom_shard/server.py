@@ -82,10 +82,11 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     Snapshot block copies run on that worker too (between two steps); their file
     reads, writes and checksums run on an I/O thread, so steps continue meanwhile.
 
-    On a GPU (`launch_ahead`) a step is two jobs on the worker: its launch queues the device
-    work, and its finish, once the samples reached the host (waited for on another thread),
-    reads them back. A step that arrives meanwhile launches in between, so the host prepares
-    it while the device computes the one before (the router sends it ahead: --overlap-steps).
+    With `launch_ahead` (--launch-ahead; None: on CUDA) a step is two jobs on the worker: its
+    launch queues the device work, and its finish, once the samples reached the host (waited for
+    on another thread), reads them back. A step that arrives meanwhile launches in between, so the
+    host prepares it while the device computes the one before (the router sends it ahead:
+    --overlap-steps). Without, a step is one job, as on the CPU, where launching it computes it.
     """
 
     def __init__(self, runner: Runner, snapshot_dir: str | None = None,
@@ -97,6 +98,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="loom-snapshot-io")
         info = runner.info()
         self._launch_ahead = info.device.startswith("cuda") if launch_ahead is None else launch_ahead
+        if self._launch_ahead:
+            log.info("a step launches while the one before it still computes (--launch-ahead)")
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-step-wait")
         self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
         self.step_server: asyncio.AbstractServer | None = None  # the step socket, once served
@@ -354,13 +357,14 @@ def new_worker() -> ThreadPoolExecutor:
 async def start_server(
     runner: Runner, uds_path: str | None = None, snapshot_dir: str | None = None,
     worker: ThreadPoolExecutor | None = None, tracer: ShardTracer | None = None, *,
-    tcp_address: str | None = None, secret: str | None = None,
+    tcp_address: str | None = None, secret: str | None = None, launch_ahead: bool | None = None,
 ) -> tuple[grpc.aio.Server, ShardServicer]:
     """Serve `runner` on the unix socket at `uds_path` (a stale socket file there is replaced; a
     live one, another server's, is an OSError),
     with Step also on its step socket (loom_proto.step_channel, closed with the servicer), or on
     TCP at `tcp_address` (host:port; steps over gRPC). With `secret`, every call must carry it
-    (loom_shard.auth); TCP without one is refused: anyone on the network could drive the model."""
+    (loom_shard.auth); TCP without one is refused: anyone on the network could drive the model.
+    `launch_ahead`: ShardServicer's (None: on CUDA)."""
     if (uds_path is None) == (tcp_address is None):
         raise ValueError("serve on exactly one of a unix socket and a TCP address")
     if tcp_address is not None and secret is None:
@@ -369,7 +373,7 @@ async def start_server(
         step_channel.refuse_live_socket(uds_path)
     interceptors = [] if secret is None else [SecretInterceptor(secret, runner.info().rank)]
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
-    servicer = ShardServicer(runner, snapshot_dir, worker, tracer)
+    servicer = ShardServicer(runner, snapshot_dir, worker, tracer, launch_ahead)
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     target = f"unix://{uds_path}" if uds_path is not None else str(tcp_address)
     try:
@@ -394,7 +398,8 @@ async def serve(runner: Runner, config: ShardConfig, worker: ThreadPoolExecutor 
             clean_leftovers(Path(config.snapshot_dir))  # staging and trash folders of a crash
     tracer = configure_tracing(config.otlp_endpoint, config.rank)
     server, servicer = await start_server(runner, config.uds_path, config.snapshot_dir, worker, tracer,
-                                          tcp_address=config.tcp_address, secret=config.resolved_shard_secret())
+                                          tcp_address=config.tcp_address, secret=config.resolved_shard_secret(),
+                                          launch_ahead=config.launch_ahead)
     # The model, torch and the KV pools (after warmup, the CUDA graphs) stay for the process's life:
     # out of the collector's reach, a full collection scans what steps allocate, not ~300k startup
     # objects (~100 ms, a stall of every stream when it lands mid-step).

@@ -4,7 +4,8 @@ request's greedy tokens and logprobs do not depend on what else the server is do
 - 16 different greedy requests one at a time, then all at once: identical tokens (with the GGUF's
   linears kept quantized, the default, and dequantized to dense linears); also with a
   KV budget so tight that requests are preempted (swapped and recomputed), with prefill
-  chunks of 16 tokens, and with each step planned while the one before runs (--overlap-steps).
+  chunks of 16 tokens, and with each step planned while the one before runs (--overlap-steps),
+  also launched on the shard before the one before it finished (--launch-ahead).
 - The same as an AVX2-only CPU runs it (loom_shard.cpu.as_cpu_env: Loom, oneDNN and ATen read the CPU as
   AVX2-only): the shard picks the avx2 kernels build, oneDNN has no bfloat16 path there, so
   Loom's dense kernel runs the bfloat16 linears, and float32 linears are probed as there.
@@ -107,10 +108,15 @@ def test_16_greedy_requests_agree_with_16_token_prefill_chunks(start_launcher: S
     assert together == solo, _first_difference(solo, together)
 
 
-def test_16_greedy_requests_agree_with_steps_planned_ahead(start_launcher: StartLauncher) -> None:
+@pytest.mark.parametrize("flags", [("--overlap-steps",), ("--overlap-steps", "--launch-ahead")],
+                         ids=["planned-ahead", "launched-ahead"])
+def test_16_greedy_requests_agree_with_steps_planned_ahead(start_launcher: StartLauncher,
+                                                           flags: tuple[str, ...]) -> None:
     """--overlap-steps (the default on GPUs) on this CPU: each step planned while the one before
-    runs, new prompts' first tokens decoded in steps planned ahead; the same tokens as alone."""
-    server = start_launcher("--overlap-steps")
+    runs, new prompts' first tokens decoded in steps planned ahead; with --launch-ahead (also the
+    GPUs' default) the shard launches such a step before the one before it finished, its decodes
+    reading that step's tokens as the device holds them; the same tokens as alone."""
+    server = start_launcher(*flags)
     solo, together = _solo_then_together(server)
     assert together == solo, _first_difference(solo, together)
     assert _metric(server, "loom_steps_planned_ahead_total") > 0
