@@ -4,6 +4,7 @@ that computes nothing (bench/zero_cost_shard.py), so that what is measured is th
     python bench/bench_ceiling.py                                   # every endpoint, 1 to 512 streams
     python bench/bench_ceiling.py --streams 1 256 --endpoint chat --launcher-flag=--api-workers=2
     python bench/bench_ceiling.py --real-shard --launcher-flag=--device=cuda   # the served model on a GPU
+    python bench/bench_ceiling.py --simulated-gpu --variant ahead --variant "serial --launch-ahead=false"
 
 Each (endpoint, streams) run opens `streams` concurrent streams, each sending `--requests` requests
 one after the other (greedy, ignore_eos, `--new-tokens` each), from `--client-procs` processes so
@@ -357,7 +358,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoints: list[str]
     port = free_port()
     flags = ["--port", str(port), "--hostname", "127.0.0.1", "--shard-uds-path", tempfile.mktemp(prefix="loom-ceil-"),
              "--max-concurrent-requests", str(max(args.streams) * 2), *args.launcher_flag, *variant.flags]
-    module = "loom_shard.server" if args.real_shard else SHARD_MODULE
+    module = "loom_shard.server" if args.real_shard else "simulated_gpu_shard" if args.simulated_gpu else SHARD_MODULE
     cmd = [sys.executable, "-c", LAUNCHER.format(module=module), *flags]
     saved = dict(os.environ)
     os.environ.update(variant.env)
@@ -399,6 +400,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--real-shard", action="store_true", help="the real shard and model in place of the "
                         "zero-cost one (with --launcher-flag=--device=cuda: what HTTP leaves of a GPU's rate)")
+    parser.add_argument("--simulated-gpu", action="store_true", help="bench/simulated_gpu_shard.py in place of the "
+                        "zero-cost shard: the real shard server over a runner whose steps cost host work and a "
+                        "simulated GPU's time (its SIM_* environment)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--py-spy-out", type=Path, help="a folder for py-spy samples of the shard, the engine "
                         "core and a frontend during each run (collapsed stacks)")
