@@ -26,7 +26,8 @@ def as_flags(config: ShardConfig) -> list[str]:
 CONFIG = ShardConfig(
     model_id="/models/x.gguf", uds_path="/tmp/s-1", dtype="bfloat16", device="cuda", rank=1, world_size=2,
     master_addr="10.0.0.2", master_port=29123, block_size=32, max_batch_total_tokens=8192,
-    memory_fraction=0.5, cuda_graphs=False, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31, snapshot_dir="/snaps",
+    memory_fraction=0.5, cuda_graphs=False, launch_ahead=True, cpu_kv_cache_bytes=2**30, host_kv_cache_bytes=2**31,
+    snapshot_dir="/snaps",
     otlp_endpoint="http://collector:4318", quantize="none", cpu_kernels="avx2", local_rank=0,
     shard_secret_file="/etc/loom/secret", enable_lora=True,
     lora_adapter=("sql=/adapters/sql", "chat=/adapters/chat"), max_lora_rank=32, max_loras_per_batch=2, task="embed",
