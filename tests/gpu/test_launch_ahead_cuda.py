@@ -13,7 +13,14 @@ import torch
 from loom_proto.config import ShardConfig
 from loom_shard.runtime.runner import ModelRunner
 from tests.unit.shard.conftest import make_pair
-from tests.unit.shard.test_launch_ahead import BLOCK_SIZE, NUM_BLOCKS, PARAMS, _launched_ahead, _one_at_a_time, _plans
+from tests.unit.shard.test_launch_ahead import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    PARAMS,
+    decode_plans,
+    launched_ahead,
+    one_at_a_time,
+)
 
 
 def _runner(cuda_graphs: bool) -> ModelRunner:
@@ -26,13 +33,13 @@ def _runner(cuda_graphs: bool) -> ModelRunner:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_steps_launched_ahead_give_the_outputs_of_steps_one_at_a_time(graphs: bool) -> None:
-    plans = _plans(list(PARAMS.values()), num_decodes=12)
-    assert _launched_ahead(_runner(graphs), plans) == _one_at_a_time(_runner(graphs), plans)
+    plans = decode_plans(list(PARAMS.values()), num_decodes=12)
+    assert launched_ahead(_runner(graphs), plans) == one_at_a_time(_runner(graphs), plans)
 
 
 def test_launching_a_greedy_decode_waits_for_nothing() -> None:
     runner = _runner(cuda_graphs=True)
-    plans = _plans([PARAMS["greedy with alternatives"]] * 4, num_decodes=5)
+    plans = decode_plans([PARAMS["greedy with alternatives"]] * 4, num_decodes=5)
     runner.step(plans[0])
     first = runner.launch(plans[1])
     runner.finish(runner.launch(plans[2]))  # a step launched ahead once before counting (first calls)

@@ -43,7 +43,7 @@ def _decodes(request_ids: list[int]) -> StepPlan:
     return StepPlan(running_requests=[RunningRequest(r, 1) for r in request_ids])
 
 
-def _plans(samplings: list[SamplingParams], num_decodes: int) -> list[StepPlan]:
+def decode_plans(samplings: list[SamplingParams], num_decodes: int) -> list[StepPlan]:
     """Prompts of 6-9 tokens, then num_decodes decode steps of every request."""
     first = StepPlan(new_requests=[_new(i, random_tokens(6 + i, 40 + i), s) for i, s in enumerate(samplings)])
     return [first] + [_decodes(list(range(len(samplings)))) for _ in range(num_decodes)]
@@ -53,11 +53,11 @@ def _key(outputs: list[SeqOutput]) -> list[tuple]:
     return [(o.request_id, o.token_id, o.logprob, [(t.token_id, t.logprob) for t in o.top_tokens]) for o in outputs]
 
 
-def _one_at_a_time(runner: ModelRunner, plans: list[StepPlan]) -> list[list[tuple]]:
+def one_at_a_time(runner: ModelRunner, plans: list[StepPlan]) -> list[list[tuple]]:
     return [_key(runner.step(plan).outputs) for plan in plans]
 
 
-def _launched_ahead(runner: ModelRunner, plans: list[StepPlan],
+def launched_ahead(runner: ModelRunner, plans: list[StepPlan],
                     while_two: Callable[[ModelRunner], None] = lambda runner: None) -> list[list[tuple]]:
     """Each plan launched before the one before it finishes; `while_two` looks at the runner
     while two steps are launched and unfinished."""
@@ -76,7 +76,7 @@ def runners(llama_pair) -> tuple[ModelRunner, ModelRunner]:
 
 
 def test_decodes_launched_ahead_read_the_tokens_on_the_device(runners) -> None:
-    plans = _plans(list(PARAMS.values()), num_decodes=10)
+    plans = decode_plans(list(PARAMS.values()), num_decodes=10)
     seen: list[int] = []
 
     def two_unfinished(runner: ModelRunner) -> None:  # the step ahead was launched over pending tokens
@@ -84,29 +84,29 @@ def test_decodes_launched_ahead_read_the_tokens_on_the_device(runners) -> None:
         assert pending and all(r.pending is not None for r in pending)
         seen.append(len(pending))
 
-    expected = _one_at_a_time(runners[0], plans)
-    assert _launched_ahead(runners[1], plans, two_unfinished) == expected
+    expected = one_at_a_time(runners[0], plans)
+    assert launched_ahead(runners[1], plans, two_unfinished) == expected
     assert seen == [len(PARAMS)] * 10
     assert all(PENDING not in r.token_ids and r.pending is None for r in runners[1].requests.values())
 
 
 def test_a_penalty_over_a_pending_token_finishes_the_step_before(runners) -> None:
-    plans = _plans([PARAMS["greedy with alternatives"], PENALTY], num_decodes=6)
+    plans = decode_plans([PARAMS["greedy with alternatives"], PENALTY], num_decodes=6)
     runner = runners[1]
     first = runner.launch(plans[0])
     second = runner.launch(plans[1])  # request 1's penalty reads the token the first step sampled
     assert first.result is not None and PENDING not in runner.requests[1].token_ids[:-1]
     runner.finish(second)
-    expected = _one_at_a_time(runners[0], plans)
+    expected = one_at_a_time(runners[0], plans)
     assert [_key(first.result.outputs), _key(second.result.outputs)] == expected[:2]
-    assert _launched_ahead(runner, plans[2:]) == expected[2:]
+    assert launched_ahead(runner, plans[2:]) == expected[2:]
 
 
 def test_forks_and_drafts_are_read_back_at_launch(runners) -> None:
     prompt = random_tokens(6, 50)
     forks = [Fork(9, SamplingParams(seed=3, do_sample=True), list(range(9 * BLOCKS_EACH, 10 * BLOCKS_EACH)))]
     plans = [StepPlan(new_requests=[_new(0, prompt, PARAMS["greedy with alternatives"], forks)]), _decodes([0, 9])]
-    expected = _one_at_a_time(runners[0], plans)
+    expected = one_at_a_time(runners[0], plans)
     runner = runners[1]
     launched = runner.launch(plans[0])
     assert launched.table is None  # read back: the fork copied its parent's tokens
@@ -125,7 +125,7 @@ def test_forks_and_drafts_are_read_back_at_launch(runners) -> None:
 
 def test_anything_that_reads_the_cache_finishes_the_launched_steps(runners) -> None:
     runner = runners[1]
-    plans = _plans([PARAMS["greedy with alternatives"]], num_decodes=1)
+    plans = decode_plans([PARAMS["greedy with alternatives"]], num_decodes=1)
     first = runner.launch(plans[0])
     runner.read_kv(runner.requests[0].block_table[:2], 6)
     assert first.result is not None
@@ -142,11 +142,11 @@ def test_a_batch_of_decodes_and_a_prompt_launched_ahead(runners, llama_pair, thr
         for runner in runners:
             _cpu_step_graphs(runner)
     samplings = list(PARAMS.values())
-    plans = _plans(samplings, num_decodes=3)
+    plans = decode_plans(samplings, num_decodes=3)
     late = _new(7, random_tokens(9, 60), PARAMS["greedy with alternatives"])
     plans[2] = StepPlan(running_requests=plans[2].running_requests, new_requests=[late])
     plans += [_decodes([0, 1, 2, 7]), _decodes([2, 7, 0]), _decodes([7])]
-    assert _launched_ahead(runners[1], plans) == _one_at_a_time(runners[0], plans)
+    assert launched_ahead(runners[1], plans) == one_at_a_time(runners[0], plans)
     if through == "step graphs":  # every step but the first (21 prompt tokens) fits a graph
         assert [r.step_graphs.num_replays for r in runners] == [len(plans) - 1] * 2
 
@@ -167,8 +167,8 @@ def _cpu_step_graphs(runner: ModelRunner) -> None:
 def test_the_server_launches_a_step_that_arrives_before_the_last_finished(runners) -> None:
     """ShardServicer with launch_ahead: the step sent ahead (as the router's --overlap-steps sends
     it) launches before the one in flight finishes; the outputs are the same."""
-    plans = _plans(list(PARAMS.values()), num_decodes=6)
-    expected = _one_at_a_time(runners[0], plans)
+    plans = decode_plans(list(PARAMS.values()), num_decodes=6)
+    expected = one_at_a_time(runners[0], plans)
     runner = runners[1]
     launches: list[int] = []
     launch = runner.launch
