@@ -55,6 +55,13 @@ def hash64(seed: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a tensor on `device`, copied without waiting for the work queued there (a blocking
+    copy would wait for the step in flight; from pageable memory the driver stages the values
+    before the call returns)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[Sample]:
     """Samples one token per row.
 
@@ -164,20 +171,19 @@ def _process_row_(row: torch.Tensor, state: SeqSamplingState) -> None:
     p = state.params
     vocab = row.shape[0]
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=row.device)
-        bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
-        row.index_add_(0, ids, bias)
+        ids = _on(list(p.logit_bias.keys()), torch.long, row.device)
+        row.index_add_(0, ids, _on(list(p.logit_bias.values()), row.dtype, row.device))
     if p.repetition_penalty is not None and p.repetition_penalty != 1.0 and state.token_ids:
-        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long, device=row.device)
+        seen = _on(sorted(set(state.token_ids)), torch.long, row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     generated = state.token_ids[state.num_prompt_tokens :]
     if (p.frequency_penalty or p.presence_penalty) and generated:
-        ids = torch.tensor(generated, dtype=torch.long, device=row.device)
+        ids = _on(generated, torch.long, row.device)
         counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)  # [vocab]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if p.eos_token_ids and len(generated) < p.min_new_tokens:
-        row[list(p.eos_token_ids)] = float("-inf")
+        row[_on(list(p.eos_token_ids), torch.long, row.device)] = float("-inf")
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -191,7 +197,7 @@ def _choose_tokens(processed: torch.Tensor, states: list[SeqSamplingState], gree
     rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
     if rows:
         token_ids = greedy.clone()
-        index = torch.tensor(rows, dtype=torch.long, device=processed.device)
+        index = _on(rows, torch.long, processed.device)
         sub_states = [states[i] for i in rows]
         probs = filtered_probs(processed.index_select(0, index), [s.params for s in sub_states])
         token_ids[index] = _draw(probs, sub_states)
@@ -204,7 +210,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     Each filter runs only over the rows that set it, vectorized across them.
     """
     device = logits.device
-    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperatures = _on([p.temperature for p in params], logits.dtype, device)
     logits = logits / temperatures.unsqueeze(1)
     logits = _apply_filter(logits, params, "top_k", _top_k)
     logits = _apply_filter(logits, params, "top_p", _top_p)
@@ -213,17 +219,16 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.softmax(logits, dim=-1)
 
 
-FilterFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits [rows, vocab], values [rows])
+FilterFn = Callable[[torch.Tensor, list], torch.Tensor]  # (logits [rows, vocab], each row's value)
 
 
 def _apply_filter(logits: torch.Tensor, params: list[SamplingParams], name: str, fn: FilterFn) -> torch.Tensor:
     rows = [i for i, p in enumerate(params) if _filter_active(name, getattr(p, name))]
     if not rows:
         return logits
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    values = torch.tensor([getattr(params[i], name) for i in rows], device=logits.device)
+    index = _on(rows, torch.long, logits.device)
     logits = logits.clone()
-    logits[index] = fn(logits.index_select(0, index), values)
+    logits[index] = fn(logits.index_select(0, index), [getattr(params[i], name) for i in rows])
     return logits
 
 
@@ -237,22 +242,23 @@ def _filter_active(name: str, value: float | int | None) -> bool:
     return value < 1.0  # top_p, typical_p: 1.0 keeps everything
 
 
-def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Keeps each row's k largest logits (ties at the k-th value are kept too)."""
-    k = k.long().clamp(max=logits.shape[-1])
-    largest = logits.topk(int(k.max()), dim=-1).values  # [rows, max_k], descending
+    vocab = logits.shape[-1]
+    k = _on([min(k, vocab) for k in ks], torch.long, logits.device)
+    largest = logits.topk(min(max(ks), vocab), dim=-1).values  # [rows, max_k], descending
     kth = largest.gather(1, (k - 1).unsqueeze(1))  # [rows, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     """Keeps the smallest most-likely set whose probability mass reaches top_p (ties kept).
 
     A full sort of the vocabulary is slow on CPU, so the cut is looked for among each
     row's likeliest few tokens first; only rows whose mass is spread wider sort everything.
     """
     probs = logits.softmax(dim=-1)  # [rows, vocab]
-    top_p = top_p.to(probs.dtype).unsqueeze(1)  # [rows, 1]
+    top_p = _on(values, probs.dtype, probs.device).unsqueeze(1)  # [rows, 1]
     thresholds = _top_p_thresholds(probs, top_p, min(_TOP_P_CANDIDATES, probs.shape[-1]))
     wide = thresholds.isnan()
     if probs.is_cuda:  # a full sort is cheap there, and asking which rows need it would sync
@@ -274,7 +280,7 @@ def _top_p_thresholds(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch
     return thresholds.masked_fill(cumulative[:, -1:] < top_p, float("nan"))
 
 
-def _typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+def _typical_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     """Locally typical sampling (Meister et al.), as in HF's TypicalLogitsWarper."""
     log_probs = logits.log_softmax(dim=-1)
     probs = log_probs.exp()
@@ -282,17 +288,17 @@ def _typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     surprise_gap = (-log_probs - entropy).abs()
     sorted_gap, sorted_ids = surprise_gap.sort(dim=-1)
     cumulative = probs.gather(1, sorted_ids).cumsum(dim=-1)
-    last = (cumulative < mass.to(logits.dtype).unsqueeze(1)).sum(dim=1, keepdim=True)
+    last = (cumulative < _on(values, logits.dtype, logits.device).unsqueeze(1)).sum(dim=1, keepdim=True)
     last = last.clamp(max=logits.shape[-1] - 1)
     remove = sorted_gap > sorted_gap.gather(1, last)
     remove[:, 0] = False
     return logits.masked_fill(remove.scatter(1, sorted_ids, remove), float("-inf"))
 
 
-def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _min_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     """Drops tokens less likely than min_p times the most likely token."""
     probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p.to(logits.dtype).unsqueeze(1)
+    threshold = probs.max(dim=-1, keepdim=True).values * _on(values, logits.dtype, logits.device).unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
@@ -306,7 +312,7 @@ def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
     torch.multinomial does with one uniform, without a generator per row.
     """
     uniforms = [(hash64(s.params.seed, s.num_generated) >> 11) * _TWO_POW_MINUS_53 for s in states]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device).unsqueeze(1)  # [rows, 1]
+    u = _on(uniforms, torch.float64, probs.device).unsqueeze(1)  # [rows, 1]
     cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]; float64 so rare tokens keep their width
     token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     return token_ids.clamp(max=probs.shape[-1] - 1)
