@@ -34,6 +34,7 @@ from loom_shard.attention.metadata import (
     SeqSpan,
     build_metadata,
 )
+from loom_shard.transfers import host_ints
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +95,6 @@ def pack_step_tables(spans: list[SeqSpan], block_size: int, max_blocks: int | No
         max_position=max((s.num_cached + s.num_compute - 1 for s in spans), default=0),
     )
     return host_ints(packed, torch.int32), shape
-
-
-def host_ints(values: list[int] | array.array, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host tensor of ints (int32 or int64), converted through `array` (faster than torch.tensor's)."""
-    code = "i" if dtype == torch.int32 else "q"
-    if not isinstance(values, array.array) or values.typecode != code:
-        values = array.array(code, values)
-    return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
-
-
-def device_ints(values: list[int] | array.array, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """`host_ints` on `device`, without waiting for the work queued there (a blocking copy waits for
-    the whole stream: the step the device is still computing). From pageable memory the driver
-    stages the values before the call returns, so the host tensor may go at once."""
-    return host_ints(values, dtype).to(device, non_blocking=True)
 
 
 def paged_metadata(packed: torch.Tensor, shape: StepShape, block_size: int, kernel: PagedKernel) -> AttentionMetadata:

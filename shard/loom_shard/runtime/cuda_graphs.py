@@ -25,10 +25,11 @@ from typing import Protocol
 
 import torch
 
-from loom_shard.attention.backend import StepShape, host_ints, pack_step_tables, paged_metadata
+from loom_shard.attention.backend import StepShape, pack_step_tables, paged_metadata
 from loom_shard.attention.metadata import PagedKernel, SeqSpan
 from loom_shard.models.decoder import DecoderModel
 from loom_shard.runtime.staging import PinnedStaging
+from loom_shard.transfers import host_ints
 
 # Token counts captured: dense where decode batches are common, coarser above (prefill chunks).
 GRAPH_TOKEN_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256,

@@ -26,7 +26,7 @@ from loom_proto.step import (
     StepResult,
     WarmupResult,
 )
-from loom_shard.attention.backend import BackendKind, device_ints, select_backend
+from loom_shard.attention.backend import BackendKind, select_backend
 from loom_shard.attention.metadata import AttentionMetadata, GroupedMetadata, SeqSpan
 from loom_shard.layers.packed_linear import pack_linears
 from loom_shard.loading.quantize import quantized_summary
@@ -67,6 +67,7 @@ from loom_shard.runtime.requests import (
 from loom_shard.runtime.sampler import Sample, SampleTable, SeqSamplingState, reads_history, sample_on_device
 from loom_shard.runtime.speculative import commit, draft_samples, regroup, sampling_states
 from loom_shard.tracing import StepPhases
+from loom_shard.transfers import to_device
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,11 @@ class LaunchedStep:
 
     def ready(self) -> bool:
         """Are its samples on the host (finish would not wait for the device)?"""
-        return self.table is None or self.table.table.ready()
+        return self.table is None or self.table.ready()
 
     def wait(self) -> None:
         if self.table is not None:
-            self.table.table.wait()
+            self.table.wait()
 
 
 class ModelRunner:
@@ -457,7 +458,7 @@ class ModelRunner:
         meta = self._metadata(spans)
         if graphs is not None and meta.max_position > graphs.spec.max_position:
             self.step_graphs = None  # the rotary table grows past what the graphs captured
-        ids = device_ints(input_ids, self.device)
+        ids = to_device(input_ids, self.device)
         if patch is not None:
             patch(ids)
         return self.model(ids, self._cache(), meta)
@@ -585,7 +586,7 @@ def _pending_patch(pending: list[tuple[int, PendingToken]]) -> Callable[[torch.T
 
     def patch(ids: torch.Tensor) -> None:
         for values, positions, rows in groups.values():
-            ids[device_ints(positions, ids.device)] = values[device_ints(rows, values.device)]
+            ids[to_device(positions, ids.device)] = values[to_device(rows, values.device)]
 
     return patch
 
@@ -595,7 +596,7 @@ def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     which saves a copy of up to [batch, vocab] float32 per use."""
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):
         return x
-    return x[device_ints(rows, x.device)]
+    return x[to_device(rows, x.device)]
 
 
 def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:

@@ -15,8 +15,8 @@ import torch
 
 from loom_proto.step import SamplingParams, TokenLogprob
 from loom_shard.layers.elementwise import kernels_for
-from loom_shard.runtime.host_copy import HostCopy
 from loom_shard.runtime.token_mask import apply_allowed_masks
+from loom_shard.transfers import HostCopy, to_device
 
 _MASK64 = (1 << 64) - 1
 _TWO_POW_MINUS_53 = 2.0**-53
@@ -55,13 +55,6 @@ def hash64(seed: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
-def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """values as a tensor on `device`, copied without waiting for the work queued there (a blocking
-    copy would wait for the step in flight; from pageable memory the driver stages the values
-    before the call returns)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
 def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[Sample]:
     """Samples one token per row.
 
@@ -92,13 +85,20 @@ class SampleTable:
     (which holds every token id and float32 logprob exactly), copied to the host in one transfer."""
 
     token_ids: torch.Tensor  # [rows] int64, on the logits' device
-    table: HostCopy  # [rows, 2 + 2 * max_top_n] float64
+    rows: HostCopy  # [rows, 2 + 2 * max_top_n] float64
     max_top_n: int  # alternatives per row in the table (with a margin for ties)
     top_n: list[int]  # each row's top_n_tokens
 
+    def ready(self) -> bool:
+        """Is the table on the host (samples would not wait for the device)?"""
+        return self.rows.ready()
+
+    def wait(self) -> None:
+        self.rows.wait()
+
     def samples(self) -> list[Sample]:
         """The samples, once the table is on the host (waits for the device)."""
-        table = self.table.read().tolist()
+        table = self.rows.read().tolist()
         if self.max_top_n == 0:  # no alternatives asked for in the whole step (most decode steps)
             return [Sample(token_id=int(row[0]), logprob=row[1], top_tokens=[]) for row in table]
         samples = []
@@ -171,19 +171,19 @@ def _process_row_(row: torch.Tensor, state: SeqSamplingState) -> None:
     p = state.params
     vocab = row.shape[0]
     if p.logit_bias:
-        ids = _on(list(p.logit_bias.keys()), torch.long, row.device)
-        row.index_add_(0, ids, _on(list(p.logit_bias.values()), row.dtype, row.device))
+        ids = to_device(list(p.logit_bias.keys()), row.device)
+        row.index_add_(0, ids, to_device(list(p.logit_bias.values()), row.device, row.dtype))
     if p.repetition_penalty is not None and p.repetition_penalty != 1.0 and state.token_ids:
-        seen = _on(sorted(set(state.token_ids)), torch.long, row.device)
+        seen = to_device(sorted(set(state.token_ids)), row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     generated = state.token_ids[state.num_prompt_tokens :]
     if (p.frequency_penalty or p.presence_penalty) and generated:
-        ids = _on(generated, torch.long, row.device)
+        ids = to_device(generated, row.device)
         counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)  # [vocab]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if p.eos_token_ids and len(generated) < p.min_new_tokens:
-        row[_on(list(p.eos_token_ids), torch.long, row.device)] = float("-inf")
+        row[to_device(list(p.eos_token_ids), row.device)] = float("-inf")
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -197,7 +197,7 @@ def _choose_tokens(processed: torch.Tensor, states: list[SeqSamplingState], gree
     rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
     if rows:
         token_ids = greedy.clone()
-        index = _on(rows, torch.long, processed.device)
+        index = to_device(rows, processed.device)
         sub_states = [states[i] for i in rows]
         probs = filtered_probs(processed.index_select(0, index), [s.params for s in sub_states])
         token_ids[index] = _draw(probs, sub_states)
@@ -210,7 +210,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     Each filter runs only over the rows that set it, vectorized across them.
     """
     device = logits.device
-    temperatures = _on([p.temperature for p in params], logits.dtype, device)
+    temperatures = to_device([p.temperature for p in params], device, logits.dtype)
     logits = logits / temperatures.unsqueeze(1)
     logits = _apply_filter(logits, params, "top_k", _top_k)
     logits = _apply_filter(logits, params, "top_p", _top_p)
@@ -226,7 +226,7 @@ def _apply_filter(logits: torch.Tensor, params: list[SamplingParams], name: str,
     rows = [i for i, p in enumerate(params) if _filter_active(name, getattr(p, name))]
     if not rows:
         return logits
-    index = _on(rows, torch.long, logits.device)
+    index = to_device(rows, logits.device)
     logits = logits.clone()
     logits[index] = fn(logits.index_select(0, index), [getattr(params[i], name) for i in rows])
     return logits
@@ -245,7 +245,7 @@ def _filter_active(name: str, value: float | int | None) -> bool:
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Keeps each row's k largest logits (ties at the k-th value are kept too)."""
     vocab = logits.shape[-1]
-    k = _on([min(k, vocab) for k in ks], torch.long, logits.device)
+    k = to_device([min(k, vocab) for k in ks], logits.device)
     largest = logits.topk(min(max(ks), vocab), dim=-1).values  # [rows, max_k], descending
     kth = largest.gather(1, (k - 1).unsqueeze(1))  # [rows, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
@@ -258,7 +258,7 @@ def _top_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     row's likeliest few tokens first; only rows whose mass is spread wider sort everything.
     """
     probs = logits.softmax(dim=-1)  # [rows, vocab]
-    top_p = _on(values, probs.dtype, probs.device).unsqueeze(1)  # [rows, 1]
+    top_p = to_device(values, probs.device, probs.dtype).unsqueeze(1)  # [rows, 1]
     thresholds = _top_p_thresholds(probs, top_p, min(_TOP_P_CANDIDATES, probs.shape[-1]))
     wide = thresholds.isnan()
     if probs.is_cuda:  # a full sort is cheap there, and asking which rows need it would sync
@@ -288,7 +288,7 @@ def _typical_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     surprise_gap = (-log_probs - entropy).abs()
     sorted_gap, sorted_ids = surprise_gap.sort(dim=-1)
     cumulative = probs.gather(1, sorted_ids).cumsum(dim=-1)
-    last = (cumulative < _on(values, logits.dtype, logits.device).unsqueeze(1)).sum(dim=1, keepdim=True)
+    last = (cumulative < to_device(values, logits.device, logits.dtype).unsqueeze(1)).sum(dim=1, keepdim=True)
     last = last.clamp(max=logits.shape[-1] - 1)
     remove = sorted_gap > sorted_gap.gather(1, last)
     remove[:, 0] = False
@@ -298,7 +298,7 @@ def _typical_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
 def _min_p(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
     """Drops tokens less likely than min_p times the most likely token."""
     probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * _on(values, logits.dtype, logits.device).unsqueeze(1)
+    threshold = probs.max(dim=-1, keepdim=True).values * to_device(values, logits.device, logits.dtype).unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
@@ -312,7 +312,7 @@ def _draw(probs: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
     torch.multinomial does with one uniform, without a generator per row.
     """
     uniforms = [(hash64(s.params.seed, s.num_generated) >> 11) * _TWO_POW_MINUS_53 for s in states]
-    u = _on(uniforms, torch.float64, probs.device).unsqueeze(1)  # [rows, 1]
+    u = to_device(uniforms, probs.device, torch.float64).unsqueeze(1)  # [rows, 1]
     cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]; float64 so rare tokens keep their width
     token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     return token_ids.clamp(max=probs.shape[-1] - 1)
