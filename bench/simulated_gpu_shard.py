@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from zero_cost_shard import FIRST_TOKEN, LOGPROB, NUM_BLOCKS, NUM_TOKENS, ZeroCostShard
+from zero_cost_shard import LOGPROB, NUM_BLOCKS, Sequences, ZeroCostShard
 
 from loom_proto.codec import from_pb
 from loom_proto.config import ShardConfig, parse_config
@@ -67,8 +67,7 @@ class SimulatedStep:
 class SimulatedRunner:
     info_: ModelInfo
     costs: Costs = field(default_factory=Costs)
-    known: dict[int, int] = field(default_factory=dict)  # tokens each request has (prompt + sampled)
-    computed: dict[int, int] = field(default_factory=dict)
+    seqs: Sequences = field(default_factory=Sequences)
     device_free: float = 0.0  # when the device finishes the work queued so far
 
     def info(self) -> ModelInfo:
@@ -82,10 +81,14 @@ class SimulatedRunner:
 
     def launch(self, plan: StepPlan, phases: object = None, wait: bool = False) -> SimulatedStep:
         start = time.perf_counter()
-        self.release(plan.released_ids)
-        outputs = [self._compute(r.request_id, r.num_compute, len(r.token_ids)) for r in plan.new_requests]
-        outputs += [self._compute(r.request_id, r.num_compute) for r in plan.running_requests]
-        n, c = len(outputs), self.costs
+        self.seqs.release(plan.released_ids)
+        for new in plan.new_requests:
+            self.seqs.admit(new.request_id, len(new.token_ids), new.num_cached)
+        outputs = []
+        for r in [*plan.new_requests, *plan.running_requests]:
+            outputs.append(_output(r.request_id, self.seqs.compute(r.request_id, r.num_compute)))
+            outputs += [_output(f.request_id, self.seqs.fork(r.request_id, f.request_id)) for f in r.forks]
+        n, c = plan.num_requests, self.costs
         _busy(c.launch + c.launch_per_seq * n)
         self.device_free = max(time.perf_counter(), self.device_free) + c.device + c.device_per_seq * n
         launched = SimulatedStep(outputs, n, start, self.device_free)
@@ -99,24 +102,15 @@ class SimulatedRunner:
         ms = (time.perf_counter() - launched.start) * 1e3
         return StepResult(launched.outputs, forward_ms=ms, total_ms=ms)
 
-    def _compute(self, request_id: int, num_compute: int, num_known: int | None = None) -> SeqOutput:
-        if num_known is not None:
-            self.known[request_id], self.computed[request_id] = num_known, 0
-        self.computed[request_id] += num_compute
-        if self.computed[request_id] < self.known[request_id]:
-            return SeqOutput(request_id, None, None)
-        token = FIRST_TOKEN + (request_id * 7 + self.known[request_id]) % NUM_TOKENS
-        self.known[request_id] += 1
-        return SeqOutput(request_id, token, LOGPROB)
-
     def release(self, request_ids: list[int]) -> None:
-        for request_id in request_ids:
-            self.known.pop(request_id, None)
-            self.computed.pop(request_id, None)
+        self.seqs.release(request_ids)
 
     def clear(self) -> None:
-        self.known.clear()
-        self.computed.clear()
+        self.seqs = Sequences()
+
+
+def _output(request_id: int, token: int | None) -> SeqOutput:
+    return SeqOutput(request_id, token, None if token is None else LOGPROB)
 
 
 def _busy(seconds: float) -> None:

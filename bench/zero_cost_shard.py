@@ -46,16 +46,48 @@ class _Seq:
 
 
 @dataclass(slots=True)
+class Sequences:
+    """The requests a shard holds: a request's token comes once its prompt is computed."""
+
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+
+    def admit(self, request_id: int, num_known: int, num_cached: int) -> None:
+        self.seqs[request_id] = _Seq(num_known, num_cached)
+
+    def compute(self, request_id: int, num_compute: int) -> int | None:
+        """The token sampled after `num_compute` more positions, or None while the prompt lasts."""
+        seq = self.seqs[request_id]
+        seq.num_computed += num_compute
+        return self._sample(request_id, seq) if seq.num_computed >= seq.num_known else None
+
+    def fork(self, parent_id: int, request_id: int) -> int:
+        """A child of the parent's computed positions, and its first token."""
+        computed = self.seqs[parent_id].num_computed
+        self.seqs[request_id] = child = _Seq(computed, computed)
+        return self._sample(request_id, child)
+
+    def release(self, request_ids: Sequence[int]) -> None:
+        for request_id in request_ids:
+            self.seqs.pop(request_id, None)
+
+    @staticmethod
+    def _sample(request_id: int, seq: _Seq) -> int:
+        token = FIRST_TOKEN + (request_id * 7 + seq.num_known) % NUM_TOKENS
+        seq.num_known += 1
+        return token
+
+
+@dataclass(slots=True)
 class _Sampled:
     """A step's answer, in StepResult's sampled-token columns."""
 
     request_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
 
-    def add(self, seq: _Seq, request_id: int) -> None:
-        self.request_ids.append(request_id)
-        self.token_ids.append(FIRST_TOKEN + (request_id * 7 + seq.num_known) % NUM_TOKENS)
-        seq.num_known += 1
+    def add(self, request_id: int, token: int | None) -> None:
+        if token is not None:
+            self.request_ids.append(request_id)
+            self.token_ids.append(token)
 
     def encode(self, idle_ms: float) -> bytes:
         """The answer, with the simulated device time as the step's time and how long the shard
@@ -70,37 +102,25 @@ class ZeroCostShard:
     block_size: int
     rank: int = 0
     world_size: int = 1
-    seqs: dict[int, _Seq] = field(default_factory=dict)
+    seqs: Sequences = field(default_factory=Sequences)
 
     def step(self, data: bytes, idle_ms: float = 0.0) -> bytes:
         plan = pb.StepPlan.FromString(data)
-        for request_id in plan.released_ids:
-            self.seqs.pop(request_id, None)
+        self.seqs.release(plan.released_ids)
         out = _Sampled()
         for new in plan.new_requests:
-            seq = _Seq(len(new.token_ids), new.num_cached)
-            self.seqs[new.request_id] = seq
-            self._compute(seq, new.request_id, new.num_compute, out)
-            self._fork(new.forks, seq, out)
+            self.seqs.admit(new.request_id, len(new.token_ids), new.num_cached)
+            self._compute(new.request_id, new.num_compute, new.forks, out)
         for running in plan.running_requests:
-            seq = self.seqs[running.request_id]
-            self._compute(seq, running.request_id, running.num_compute, out)
-            self._fork(running.forks, seq, out)
+            self._compute(running.request_id, running.num_compute, running.forks, out)
         for request_id in plan.decode_ids:
-            self._compute(self.seqs[request_id], request_id, 1, out)
+            out.add(request_id, self.seqs.compute(request_id, 1))
         return out.encode(idle_ms)
 
-    @staticmethod
-    def _compute(seq: _Seq, request_id: int, num_compute: int, out: _Sampled) -> None:
-        seq.num_computed += num_compute
-        if seq.num_computed >= seq.num_known:
-            out.add(seq, request_id)
-
-    def _fork(self, forks: Sequence[pb.Fork], parent: _Seq, out: _Sampled) -> None:
+    def _compute(self, request_id: int, num_compute: int, forks: Sequence[pb.Fork], out: _Sampled) -> None:
+        out.add(request_id, self.seqs.compute(request_id, num_compute))
         for fork in forks:
-            child = _Seq(parent.num_computed, parent.num_computed)
-            self.seqs[fork.request_id] = child
-            out.add(child, fork.request_id)
+            out.add(fork.request_id, self.seqs.fork(request_id, fork.request_id))
 
     def info(self) -> pb.ModelInfo:
         return pb.ModelInfo(architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3,
@@ -138,8 +158,7 @@ def handler(shard: ZeroCostShard, step_after_device) -> grpc.GenericRpcHandler: 
         return await step_after_device(data)
 
     def release(request: pb.ReleaseRequest) -> pb.ReleaseResponse:
-        for request_id in request.request_ids:
-            shard.seqs.pop(request_id, None)
+        shard.seqs.release(request.request_ids)
         return pb.ReleaseResponse()
 
     methods = {

@@ -38,4 +38,4 @@ def test_released_sequences_are_forgotten() -> None:
     shard = ZeroCostShard(block_size=16)
     step(shard, StepPlan(new_requests=[new(1, 4, 4)]))
     step(shard, StepPlan(released_ids=[1]))
-    assert shard.seqs == {}
+    assert shard.seqs.seqs == {}
