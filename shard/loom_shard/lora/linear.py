@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom_shard import kernels
+from loom_shard.transfers import to_device
 
 PAD_WASTE = 2  # pad to one bmm while slots * longest group <= PAD_WASTE * adapter tokens
 
@@ -71,8 +72,7 @@ class LoraBatch:
         if not rows:
             return
         self.num_tokens = offset
-        self.token_slot = torch.tensor([-1 if slot is None else slot for slot, n in seq_slots for _ in range(n)],
-                                       dtype=torch.long, device=device)
+        self.token_slot = to_device([-1 if slot is None else slot for slot, n in seq_slots for _ in range(n)], device)
         if self.on_kernels:
             return  # the kernels group the tokens themselves
         order: list[int] = []
@@ -80,7 +80,7 @@ class LoraBatch:
             start = len(order)
             order.extend(rows[slot])
             self.segments.append((slot, start, len(order)))
-        self.token_index = torch.tensor(order, dtype=torch.long, device=device)
+        self.token_index = to_device(order, device)
         self.max_group = longest = max(len(r) for r in rows.values())
         delta_row = [-1] * offset  # -1: a base-model token (the zero row)
         if num_slots * longest <= PAD_WASTE * len(order):
@@ -89,15 +89,14 @@ class LoraBatch:
                 for pos, row in enumerate(group):
                     pad_rows[slot * longest + pos] = row
                     delta_row[row] = slot * longest + pos
-            self.pad_rows = torch.tensor(pad_rows, dtype=torch.long, device=device)
+            self.pad_rows = to_device(pad_rows, device)
             self.pad_full = offset not in pad_rows
             zero_row = num_slots * longest
         else:
             for grouped, row in enumerate(order):
                 delta_row[row] = grouped
             zero_row = len(order)
-        self.delta_rows = torch.tensor([zero_row if r < 0 else r for r in delta_row], dtype=torch.long,
-                                       device=device)
+        self.delta_rows = to_device([zero_row if r < 0 else r for r in delta_row], device)
 
 
 class LoraLinear(nn.Module):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from loom_shard.transfers import to_device
+
 
 def check_mask(request_id: int, mask: bytes) -> None:
     """Raises ValueError for a mask that cannot be a packed int32 bitmask."""
@@ -69,7 +71,7 @@ def apply_allowed_masks(logits: torch.Tensor, masks: list[bytes | None]) -> torc
     bias = mask_bias([masks[i] for i in rows], logits.shape[1], logits.device, logits.dtype)  # [rows, vocab]
     if len(rows) == len(masks):  # every row constrained: one add, no gather/scatter
         return logits + bias
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = to_device(rows, logits.device)
     masked = logits.clone()
     masked[index] = logits.index_select(0, index) + bias
     return masked
