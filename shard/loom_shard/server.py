@@ -468,12 +468,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until serve() takes the signals over, SIGTERM stops a long model load like SIGINT does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from loom_shard.loading.loader import ModelLoadError
-    from loom_shard.runtime.model_setup import ShardSetupError
+    from loom_shard.runtime.model_setup import ShardSetupError, keep_freed_memory_mapped
 
     try:
         config.resolved_shard_secret()  # a missing secret file fails now, not after the model loads
     except ValueError as error:
         return fail(str(error), EXIT_SERVE_ERROR)
+    keep_freed_memory_mapped()  # before the worker thread allocates: it then uses the main heap
     worker = new_worker()
 
     def load() -> Runner:

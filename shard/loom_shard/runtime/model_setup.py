@@ -18,22 +18,26 @@ from loom_shard.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc mallopt parameters
 
 
 def keep_freed_memory_mapped() -> bool:
     """Have glibc keep freed buffers of up to 32 MB for reuse instead of unmapping them.
 
-    A CPU step frees and reallocates the same multi-MB temporaries in every layer (K/V
-    gathers, logits); each one unmapped and mapped again page-faults on first write:
-    7-10 ms of system time per batch-32 decode step (bench/BENCHMARKS.md, Engine).
-    Process-wide; returns False where there is no glibc.
+    A CPU step frees and reallocates the same multi-MB temporaries in every layer and step
+    (activations, logits); each one unmapped and mapped again page-faults on first write: 7-10 ms
+    of system time per batch-32 decode step (bench/BENCHMARKS.md, Engine). Every thread allocates
+    from the main heap, which keeps them: a thread's own arena grows by heaps of 64 MB that glibc
+    unmaps as soon as they are empty, whatever the trim threshold (the worker's logits faulted
+    anew every step). The arena limit holds for threads that have not allocated yet: call this
+    before the worker thread starts. Process-wide; returns False where there is no glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20))
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20))
+    return all([libc.mallopt(parameter, value) for parameter, value in settings])
 
 
 class ShardSetupError(Exception):
