@@ -69,6 +69,7 @@ class SimulatedRunner:
     costs: Costs = field(default_factory=Costs)
     seqs: Sequences = field(default_factory=Sequences)
     device_free: float = 0.0  # when the device finishes the work queued so far
+    last_end: float = 0.0  # when the last finished step ended
 
     def info(self) -> ModelInfo:
         return self.info_
@@ -99,7 +100,9 @@ class SimulatedRunner:
     def finish(self, launched: SimulatedStep) -> StepResult:
         launched.wait()
         _busy(self.costs.finish_per_seq * launched.num_seqs)
-        ms = (time.perf_counter() - launched.start) * 1e3
+        end = time.perf_counter()
+        ms = (end - max(launched.start, self.last_end)) * 1e3  # as ModelRunner: from the step before's end
+        self.last_end = end
         return StepResult(launched.outputs, forward_ms=ms, total_ms=ms)
 
     def release(self, request_ids: list[int]) -> None:

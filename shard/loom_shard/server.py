@@ -105,6 +105,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self.step_server: asyncio.AbstractServer | None = None  # the step socket, once served
         self.on_warm: Callable[[], None] | None = None  # after each Warmup (the process's GC freeze)
         self._idle_since = time.perf_counter()  # when the worker's last step ended
+        self._in_flight = 0  # steps launched and not finished (changed on the worker only)
 
     def close(self) -> None:
         if self.step_server is not None:
@@ -172,21 +173,32 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         if not self._launch_ahead:
             result, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._runner.step, plan, phases)
         else:
-            launched, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._runner.launch, plan, phases)
+            launched, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._launch, plan, phases)
             if not launched.ready():
                 await loop.run_in_executor(self._waiter, launched.wait)
-            result, _ = await loop.run_in_executor(self._worker, self._timed, self._runner.finish, launched)
+            result, _ = await loop.run_in_executor(self._worker, self._timed, self._finish, launched)
         result.idle_ms = idle_ms
         return result
 
+    def _launch(self, plan: StepPlan, phases: StepPhases | None) -> Launched:
+        launched = self._runner.launch(plan, phases)
+        self._in_flight += 1
+        return launched
+
+    def _finish(self, launched: Launched) -> StepResult:
+        try:
+            return self._runner.finish(launched)
+        finally:
+            self._in_flight -= 1
+
     def _timed(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
-        """fn's value (on the worker), and how long the worker waited for it since its last job
-        for a step ended (ms)."""
-        start = time.perf_counter()
+        """fn's value (on the worker), and how long the device waited for it (ms): since the worker's
+        last job for a step ended, or nothing while a step launched before is still computing."""
+        idle_s = time.perf_counter() - self._idle_since if not self._in_flight else 0.0
         try:
             value = fn(*args)
         finally:
-            idle_s, self._idle_since = start - self._idle_since, time.perf_counter()
+            self._idle_since = time.perf_counter()
         return value, idle_s * 1e3
 
     async def step_frame(self, plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:

@@ -105,8 +105,9 @@ class CoreMetrics:
         self.shard_step = Histogram("loom_shard_step_seconds", "One step on one shard rank, as the router waits",
                                     ["rank"], buckets=TOKEN_LATENCY_BUCKETS + (10.24, 30.0), registry=r)
         self._shard_step_by_rank: list[Any] = []
-        self.shard_idle = Histogram("loom_shard_idle_seconds", "How long rank 0's worker waited between two "
-                                    "steps while the router had work: near zero when it keeps the device fed",
+        self.shard_idle = Histogram("loom_shard_idle_seconds", "How long rank 0 waited for its next step while "
+                                    "the router had work (none while a step launched ahead computes): near zero when "
+                                    "the router keeps the device fed",
                                     buckets=(0.0001, 0.00025, 0.0005, *TOKEN_LATENCY_BUCKETS, 10.24, 30.0), registry=r)
         self.tgi = TgiBatchMetrics(r)
         # Requests a frontend took with it when it died: TGI's failures, counted here (summed with

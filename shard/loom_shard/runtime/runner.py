@@ -128,6 +128,7 @@ class ModelRunner:
         self.step_graphs: StepGraphs | None = None  # captured with the KV cache (CUDA)
         self.requests: dict[int, RequestState] = {}
         self._unfinished: deque[LaunchedStep] = deque()  # launched, in order, not finished yet
+        self._last_end = 0.0  # when the last finished step ended
 
     @property
     def block_size(self) -> int:
@@ -410,8 +411,11 @@ class ModelRunner:
         phases = launched.phases
         if phases is not None:
             phases.start, phases.forward_start, phases.end = launched.start, launched.forward_start, end
-        launched.result = StepResult(launched.outputs, forward_ms=(end - launched.forward_start) * 1e3,
-                                     total_ms=(end - launched.start) * 1e3)
+        # A step launched ahead counts from the end of the one before: no time is counted twice.
+        since = self._last_end
+        launched.result = StepResult(launched.outputs, forward_ms=(end - max(launched.forward_start, since)) * 1e3,
+                                     total_ms=(end - max(launched.start, since)) * 1e3)
+        self._last_end = end
 
     def _read_samples(self, launched: LaunchedStep) -> list[list[Sample]]:
         """The step's samples per finishing sequence (waits for the device), into its outputs."""
