@@ -85,20 +85,20 @@ class SampleTable:
     (which holds every token id and float32 logprob exactly), copied to the host in one transfer."""
 
     token_ids: torch.Tensor  # [rows] int64, on the logits' device
-    rows: HostCopy  # [rows, 2 + 2 * max_top_n] float64
+    host: HostCopy  # [rows, 2 + 2 * max_top_n] float64, on its way to the host
     max_top_n: int  # alternatives per row in the table (with a margin for ties)
     top_n: list[int]  # each row's top_n_tokens
 
     def ready(self) -> bool:
         """Is the table on the host (samples would not wait for the device)?"""
-        return self.rows.ready()
+        return self.host.ready()
 
     def wait(self) -> None:
-        self.rows.wait()
+        self.host.wait()
 
     def samples(self) -> list[Sample]:
         """The samples, once the table is on the host (waits for the device)."""
-        table = self.rows.read().tolist()
+        table = self.host.read().tolist()
         if self.max_top_n == 0:  # no alternatives asked for in the whole step (most decode steps)
             return [Sample(token_id=int(row[0]), logprob=row[1], top_tokens=[]) for row in table]
         samples = []
