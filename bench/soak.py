@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ INVALID = [b'{"inputs": ', b'{"inputs": "x", "parameters": {"max_new_tokens": -3
            b'{"inputs": "x", "parameters": {"top_k": 4294967296}}', b'{"prompt": "x", "temperature": 1e999}',
            b'{"inputs": "a\\ud800b"}', b"\xff\xfe"]
 OK_STATUSES = {200, 422, 429}  # 429: the server was full (--max-concurrent-requests), not an error
+REFUSED = range(400, 500)  # what an invalid request should get
 
 
 @dataclass(slots=True)
@@ -51,10 +53,10 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
 
-    def record(self, kind: str, status: int) -> None:
+    def record(self, kind: str, status: int, expected: Container[int] = OK_STATUSES) -> None:
         self.by_kind[kind] += 1
         self.statuses[status] += 1
-        if status not in OK_STATUSES:
+        if status not in expected:
             self.error(f"{kind}: HTTP {status}")
 
     def error(self, what: str) -> None:
@@ -102,12 +104,13 @@ class Client:
                         return lines  # leaving the block closes the connection mid-stream
         return lines
 
-    def stream_failed(self, kind: str, lines: list[str], final: str) -> None:
+    def stream_failed(self, kind: str, lines: list[str], is_end: Callable[[str], bool]) -> None:
         if not lines:
             return
-        if any('"error"' in line for line in lines):
-            self.tally.error(f"{kind}: an error event: {next(line for line in lines if 'error' in line)[:200]}")
-        elif final not in lines[-1]:
+        errors = [line for line in lines if "error" in _event(line)]
+        if errors:
+            self.tally.error(f"{kind}: an error event: {errors[0][:200]}")
+        elif not is_end(lines[-1]):
             self.tally.error(f"{kind}: the stream ended without its end: {lines[-1][:200]}")
 
     async def generate(self) -> None:
@@ -118,7 +121,7 @@ class Client:
     async def generate_stream(self) -> None:
         body = {"inputs": "Count: 1, 2, 3,", "parameters": {"max_new_tokens": self.rng.randint(4, 40), "details": True}}
         self.stream_failed("generate_stream", await self.stream("generate_stream", "/generate_stream", body),
-                           '"generated_text": "')
+                           _tgi_end)
 
     async def completions_n(self) -> None:
         n = self.rng.randint(2, 3)
@@ -132,7 +135,8 @@ class Client:
         body = {"messages": [{"role": "system", "content": SYSTEM},
                              {"role": "user", "content": f"Question {self.rng.randint(1, 50)}?"}],
                 "max_tokens": self.rng.randint(4, 32), "stream": True}
-        self.stream_failed("chat_stream", await self.stream("chat_stream", "/v1/chat/completions", body), "[DONE]")
+        self.stream_failed("chat_stream", await self.stream("chat_stream", "/v1/chat/completions", body),
+                           lambda line: line == "[DONE]")
 
     async def json_schema(self) -> None:
         body = {"messages": [{"role": "user", "content": "Is the sky blue? Answer as JSON."}], "max_tokens": 40,
@@ -171,9 +175,21 @@ class Client:
         path = self.rng.choice(["/generate", "/v1/completions", "/tokenize"])
         response = await self.http.post(path, content=self.rng.choice(INVALID),
                                         headers={"Content-Type": "application/json"})
-        self.tally.record("invalid", response.status_code)
-        if response.status_code < 400:
-            self.tally.error(f"invalid: accepted with {response.status_code}: {response.text[:200]}")
+        self.tally.record("invalid", response.status_code, REFUSED)
+
+
+def _event(line: str) -> dict[str, Any]:
+    """An SSE data line as a JSON object ({} for one that is not: `[DONE]`)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+def _tgi_end(line: str) -> bool:
+    """Is this TGI stream event the last one (the one with the whole generated text)?"""
+    return _event(line).get("generated_text") is not None
 
 
 # ---- the server's side -----------------------------------------------------------------------
