@@ -55,7 +55,6 @@ class SimulatedStep:
     num_seqs: int
     start: float
     done_at: float  # when the simulated device finishes it
-    idle_ms: float  # how long the device had no step before this one
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done_at
@@ -70,7 +69,7 @@ class SimulatedRunner:
     costs: Costs = field(default_factory=Costs)
     seqs: Sequences = field(default_factory=Sequences)
     device_free: float = 0.0  # when the device finishes the work queued so far
-    last_end: float = field(default_factory=time.perf_counter)  # when the last finished step ended
+    last_end: float = 0.0  # when the last finished step ended
 
     def info(self) -> ModelInfo:
         return self.info_
@@ -91,10 +90,9 @@ class SimulatedRunner:
             outputs.append(_output(r.request_id, self.seqs.compute(r.request_id, r.num_compute)))
             outputs += [_output(f.request_id, self.seqs.fork(r.request_id, f.request_id)) for f in r.forks]
         n, c = plan.num_requests, self.costs
-        idle_ms = max(0.0, start - max(self.device_free, self.last_end)) * 1e3  # as ModelRunner's
         _busy(c.launch + c.launch_per_seq * n)
         self.device_free = max(time.perf_counter(), self.device_free) + c.device + c.device_per_seq * n
-        launched = SimulatedStep(outputs, n, start, self.device_free, idle_ms)
+        launched = SimulatedStep(outputs, n, start, self.device_free)
         if wait:
             launched.wait()
         return launched
@@ -105,7 +103,7 @@ class SimulatedRunner:
         end = time.perf_counter()
         ms = (end - max(launched.start, self.last_end)) * 1e3  # as ModelRunner: from the step before's end
         self.last_end = end
-        return StepResult(launched.outputs, forward_ms=ms, total_ms=ms, idle_ms=launched.idle_ms)
+        return StepResult(launched.outputs, forward_ms=ms, total_ms=ms)
 
     def release(self, request_ids: list[int]) -> None:
         self.seqs.release(request_ids)

@@ -191,7 +191,7 @@ class StepResult:
     outputs: list[SeqOutput]
     forward_ms: float
     total_ms: float
-    idle_ms: float = 0.0  # the shard's device idle before this step, since its previous step ended
+    idle_ms: float = 0.0  # the shard's worker idle before this step, since its previous step ended
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,6 +104,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self._parts = PartStore(Path(snapshot_dir) if snapshot_dir else None, info.rank, info.world_size)
         self.step_server: asyncio.AbstractServer | None = None  # the step socket, once served
         self.on_warm: Callable[[], None] | None = None  # after each Warmup (the process's GC freeze)
+        self._idle_since = time.perf_counter()  # when the worker's last step ended
+        self._in_flight = 0  # steps launched and not finished (changed on the worker only)
 
     def close(self) -> None:
         if self.step_server is not None:
@@ -168,11 +171,35 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def _step_on_worker(self, plan: StepPlan, phases: StepPhases | None) -> StepResult:
         loop = asyncio.get_running_loop()
         if not self._launch_ahead:
-            return await loop.run_in_executor(self._worker, self._runner.step, plan, phases)
-        launched = await loop.run_in_executor(self._worker, self._runner.launch, plan, phases)
-        if not launched.ready():
-            await loop.run_in_executor(self._waiter, launched.wait)
-        return await loop.run_in_executor(self._worker, self._runner.finish, launched)
+            result, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._runner.step, plan, phases)
+        else:
+            launched, idle_ms = await loop.run_in_executor(self._worker, self._timed, self._launch, plan, phases)
+            if not launched.ready():
+                await loop.run_in_executor(self._waiter, launched.wait)
+            result, _ = await loop.run_in_executor(self._worker, self._timed, self._finish, launched)
+        result.idle_ms = idle_ms
+        return result
+
+    def _launch(self, plan: StepPlan, phases: StepPhases | None) -> Launched:
+        launched = self._runner.launch(plan, phases)
+        self._in_flight += 1
+        return launched
+
+    def _finish(self, launched: Launched) -> StepResult:
+        try:
+            return self._runner.finish(launched)
+        finally:
+            self._in_flight -= 1
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+        """fn's value (on the worker), and how long the device waited for it (ms): since the worker's
+        last job for a step ended, or nothing while a step launched before is still computing."""
+        idle_s = time.perf_counter() - self._idle_since if not self._in_flight else 0.0
+        try:
+            value = fn(*args)
+        finally:
+            self._idle_since = time.perf_counter()
+        return value, idle_s * 1e3
 
     async def step_frame(self, plan: bytes, metadata: step_channel.Metadata) -> tuple[int, bytes]:
         """A request on the step socket (loom_proto.step_channel): the reply's status and payload."""

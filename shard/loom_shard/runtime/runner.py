@@ -80,7 +80,6 @@ class LaunchedStep:
     start: float
     phases: StepPhases | None
     forward_start: float = 0.0
-    idle_ms: float = 0.0  # how long the device had no step before this one
     outputs: list[SeqOutput] = field(default_factory=list)
     finishing: list[tuple[int, Scheduled]] = field(default_factory=list)  # (output index, sequence) sampled
     table: SampleTable | None = None
@@ -129,7 +128,7 @@ class ModelRunner:
         self.step_graphs: StepGraphs | None = None  # captured with the KV cache (CUDA)
         self.requests: dict[int, RequestState] = {}
         self._unfinished: deque[LaunchedStep] = deque()  # launched, in order, not finished yet
-        self._last_end = time.perf_counter()  # when the last finished step ended
+        self._last_end = 0.0  # when the last finished step ended
 
     @property
     def block_size(self) -> int:
@@ -254,8 +253,6 @@ class ModelRunner:
         `wait`: read the samples back at once (as `step` does). Raises ValueError (touching nothing)
         when the plan is inconsistent."""
         launched = LaunchedStep(time.perf_counter(), phases)
-        if not self._unfinished:  # else the device still computes the step before
-            launched.idle_ms = (launched.start - self._last_end) * 1e3
         kv = self._require_cache()
         PlanCheck(self.requests, kv, self.model.config.vocab_size, self.kv_groups.num_groups).validate(plan)
         self._check_new(plan)
@@ -417,7 +414,7 @@ class ModelRunner:
         # A step launched ahead counts from the end of the one before: no time is counted twice.
         since = self._last_end
         launched.result = StepResult(launched.outputs, forward_ms=(end - max(launched.forward_start, since)) * 1e3,
-                                     total_ms=(end - max(launched.start, since)) * 1e3, idle_ms=launched.idle_ms)
+                                     total_ms=(end - max(launched.start, since)) * 1e3)
         self._last_end = end
 
     def _read_samples(self, launched: LaunchedStep) -> list[list[Sample]]:
