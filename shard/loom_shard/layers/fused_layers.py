@@ -67,9 +67,10 @@ class FusedLayers:
         return self._args
 
     def run(self, x: torch.Tensor, layers: nn.ModuleList, plain_model: bool, kv_cache: torch.Tensor,
-            meta: AttentionMetadata | GroupedMetadata, rope: Rope) -> torch.Tensor | None:
+            meta: AttentionMetadata | GroupedMetadata, rope: Rope, keep: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [num_tokens, hidden] through every layer in one call; None where it cannot run (then
-        the modules do): the C++ rotary tables and the CPU paged kernel's single set of tables."""
+        the modules do): the C++ rotary tables and the CPU paged kernel's single set of tables.
+        keep: the token rows wanted (the last layer's projection and MLP run on those alone)."""
         paged = meta.paged
         if not isinstance(rope, KernelRope) or paged is None or paged.kernel is not paged_attention_cpu:
             return None
@@ -86,7 +87,7 @@ class FusedLayers:
             x, weights, qkv_biases, kv_cache, meta.slot_mapping, rope.positions, rope.cos, rope.sin,
             paged.block_tables, paged.query_starts, paged.num_cached, attn.num_heads, attn.num_kv_heads,
             layers[0].mlp.intermediate_size, layers[0].input_layernorm.eps, lora,
-            batch.token_slot if lora else None, batch.slot_ranks if lora else None)
+            batch.token_slot if lora else None, batch.slot_ranks if lora else None, keep)
 
 
 def _wrapped(layer: DecoderLayer) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:

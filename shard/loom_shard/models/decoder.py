@@ -63,8 +63,9 @@ class DecoderModel(nn.Module):
         return range(0)
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata | GroupedMetadata) -> torch.Tensor:
-        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden] (before the norm).
+                meta: AttentionMetadata | GroupedMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden] (before the norm);
+        with `keep` (int64 token indices), those rows' alone, [len(keep), hidden] in its order.
 
         kv_cache: [num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]; `meta.layer(i)`
         names layer i's slot and metadata (one slot per layer unless KV groups share blocks).
@@ -74,7 +75,7 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)  # rounded as transformers does
         rope = self.rotary.lookup(meta.positions, meta.max_position, x.dtype)
         plain = self.local_rotary is None and self.config.embedding_multiplier is None
-        fused = self.fused_layers.run(x, self.layers, plain, kv_cache, meta, rope)
+        fused = self.fused_layers.run(x, self.layers, plain, kv_cache, meta, rope, keep)
         if fused is not None:
             return fused
         local_rope = rope
@@ -83,7 +84,7 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             slot, layer_meta = meta.layer(index)
             x = layer(x, local_rope if layer.uses_local_rope else rope, kv_cache[slot], layer_meta)
-        return x
+        return x if keep is None else x[keep]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""

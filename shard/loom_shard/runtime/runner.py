@@ -363,10 +363,14 @@ class ModelRunner:
         """The forward, the logits and the sampler's device work; what the step reports besides
         its samples (prompt logprobs, embeddings). Its samples are read back at once with `wait`
         or where the step makes forks or verifies drafts, else in `finish`."""
-        hidden = self._forward(*_input_ids(scheduled), scheduled)
-        embeddings = pool(self.model.norm, hidden, scheduled)
         rows, sample_rows, logprob_rows = logit_rows(scheduled)
-        logits = self.model.compute_logits(_select_rows(hidden, rows))  # rows may be empty
+        if any(s.state.pooling is not Pooling.NONE for s in scheduled):  # pooling reads every row
+            hidden = self._forward(*_input_ids(scheduled), scheduled)
+            embeddings = pool(self.model.norm, hidden, scheduled)
+            hidden = _select_rows(hidden, rows)
+        else:  # only the rows that need logits come out (rows may be empty)
+            hidden, embeddings = self._forward(*_input_ids(scheduled), scheduled, rows), {}
+        logits = self.model.compute_logits(hidden)
         if launched.phases is not None:
             self._mark_sampling(launched.phases)
         logprobs, prompt_tops = prompt_logprobs(logits, scheduled, logprob_rows)
@@ -436,36 +440,38 @@ class ModelRunner:
         phases.sample_start = time.perf_counter()
 
     def _forward(self, input_ids: list[int], pending: list[tuple[int, PendingToken]],
-                 scheduled: list[Scheduled]) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden]: a graph replay where one fits, else eager;
-        with LoRA deltas for the sequences that name an adapter. `pending`: (position, token)
-        of each input still on the device."""
+                 scheduled: list[Scheduled], rows: list[int] | None = None) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden], or of the token `rows` alone: a graph replay
+        where one fits, else eager; with LoRA deltas for the sequences that name an adapter.
+        `pending`: (position, token) of each input still on the device."""
         spans = [s.span for s in scheduled]
         patch = _pending_patch(pending) if pending else None
         if self.lora is None:
-            return self._forward_spans(input_ids, spans, patch)
+            return self._forward_spans(input_ids, spans, patch, rows)
         lora_ids = {s.state.lora_id for s in scheduled if s.state.lora_id is not None}
         slots = self.lora.assign(lora_ids)
         self.lora.batch.prepare([(slots.get(s.state.lora_id), s.num_compute) for s in scheduled],  # type: ignore[arg-type]
                                 self.lora.num_slots, self.device)
         try:
-            return self._forward_spans(input_ids, spans, patch)
+            return self._forward_spans(input_ids, spans, patch, rows)
         finally:
             self.lora.batch.clear()
 
     def _forward_spans(self, input_ids: list[int], spans: list[SeqSpan],
-                       patch: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+                       patch: Callable[[torch.Tensor], None] | None, rows: list[int] | None) -> torch.Tensor:
         lora_active = self.lora is not None and self.lora.batch.active
         graphs = self.step_graphs
         if graphs is not None and not lora_active and graphs.can_run(spans, len(input_ids)):
-            return graphs.run(input_ids, spans, patch)
+            hidden = graphs.run(input_ids, spans, patch)
+            return hidden if rows is None else _select_rows(hidden, rows)
         meta = self._metadata(spans)
         if graphs is not None and meta.max_position > graphs.spec.max_position:
             self.step_graphs = None  # the rotary table grows past what the graphs captured
         ids = to_device(input_ids, self.device)
         if patch is not None:
             patch(ids)
-        return self.model(ids, self._cache(), meta)
+        every_row = rows is None or rows == list(range(len(input_ids)))  # an all-decode step
+        return self.model(ids, self._cache(), meta, None if every_row else to_device(rows, self.device))
 
     def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
         """The step's attention metadata: one per KV group when layers keep their KV in groups,

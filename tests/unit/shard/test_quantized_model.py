@@ -235,15 +235,21 @@ def test_fused_decoder_layers_match_the_modules_bit_for_bit(
     assert meta.paged is not None
     fused_cache = make_cache(model, block_size=16, num_blocks=16, dtype=getattr(torch, dtype)).device_blocks
     fused_cache.normal_(generator=torch.Generator().manual_seed(0))
-    module_cache = fused_cache.clone()
+    module_cache, kept_cache = fused_cache.clone(), fused_cache.clone()
     with torch.no_grad():
         model.fused_layers.enabled = False
         expected = model(ids, module_cache, meta)
         model.fused_layers.enabled = True
         monkeypatch.setattr(DecoderLayer, "forward", lambda *args: pytest.fail("the modules ran"))
         got = model(ids, fused_cache, meta)
+        # The rows a step samples or scores: the last layer's projection and MLP run on them alone.
+        keep = torch.tensor([0, 17, 39, 51, 52, 53])
+        kept = model(ids, kept_cache, meta, keep)
+        none_kept = model(ids, kept_cache.clone(), meta, keep[:0])
     assert torch.equal(got, expected)
     assert torch.equal(fused_cache, module_cache)  # the same K/V written
+    assert torch.equal(kept, expected[keep]) and torch.equal(kept_cache, module_cache)
+    assert none_kept.shape == (0, expected.shape[1])
 
 
 def test_safetensors_models_are_unaffected(tmp_path: Path) -> None:
@@ -327,6 +333,9 @@ def test_fused_decoder_layers_apply_lora_as_the_modules_do(tmp_path: Path, dtype
         model.fused_layers.enabled = True
         monkeypatch.setattr(DecoderLayer, "forward", lambda *args: pytest.fail("the modules ran"))
         got = model(ids, cache.clone(), meta)
+        keep = torch.tensor([3, 39, 45, 52, 53])  # adapter 1's, the base model's, adapter 2's, adapter 1's
+        kept = model(ids, cache.clone(), meta, keep)
     assert torch.equal(got, expected)
+    assert torch.equal(kept, expected[keep])
     changed = (got != base).any(dim=-1)
     assert changed[:40].all() and not changed[40:52].any() and changed[52:].all()  # base tokens untouched

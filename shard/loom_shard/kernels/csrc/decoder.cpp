@@ -141,13 +141,15 @@ void write_kv(const at::Tensor& flat, const at::Tensor& k, const at::Tensor& v, 
 // lora: empty, or per layer the LoRA slots of qkv (A, B_q, B_k, B_v), o (A, B), gate_up (A, B_gate,
 // B_up) and down (A, B), with token_slot each token's adapter slot (-1: the base model) and
 // slot_ranks each slot's adapter's rank.
-// Returns the final hidden states [num_tokens, hidden] (before the final norm), as LlamaModel.forward.
+// Returns the final hidden states [num_tokens, hidden] (before the final norm), as LlamaModel.forward;
+// with keep_rows (token indices), only those rows' [len(keep_rows), hidden], in keep_rows' order.
 at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& qkv_biases,
                           const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& positions,
                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& block_tables,
                           const at::Tensor& query_starts, const at::Tensor& num_cached, int64_t num_heads,
                           int64_t num_kv_heads, int64_t intermediate_size, double eps, at::TensorList lora,
-                          const c10::optional<at::Tensor>& token_slot, const c10::optional<at::Tensor>& slot_ranks) {
+                          const c10::optional<at::Tensor>& token_slot, const c10::optional<at::Tensor>& slot_ranks,
+                          const c10::optional<at::Tensor>& keep_rows) {
   const int64_t num_layers = kv_cache.size(0), head_dim = kv_cache.size(5);
   TORCH_CHECK(kv_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == x.size(0),
@@ -158,7 +160,14 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
   TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == num_layers * kLoraPerLayer && token_slot &&
                                 slot_ranks),
               "decoder_layers: expected ", kLoraPerLayer, " LoRA tensors per layer with the token and slot ranks, or none");
-  const LoraSlots lora_slots{token_slot, slot_ranks};
+  TORCH_CHECK(!keep_rows || (keep_rows->scalar_type() == at::kLong && keep_rows->dim() == 1),
+              "decoder_layers: keep_rows must be int64 token indices");
+  // The last layer's output projection and MLP run on the kept rows alone: their rows' values do
+  // not depend on the other rows (every linear is row-invariant), and the other rows' only use
+  // past this point is the final norm and the LM head, which read the kept rows only.
+  const c10::optional<at::Tensor> kept_slots =
+      keep_rows && token_slot ? c10::optional<at::Tensor>(token_slot->index_select(0, *keep_rows)) : token_slot;
+  const LoraSlots lora_slots{token_slot, slot_ranks}, kept_lora_slots{kept_slots, slot_ranks};
   const int64_t num_tokens = x.size(0), hidden = x.size(1), qk_heads = num_heads + num_kv_heads;
   const int64_t bounds[4] = {0, num_heads * head_dim, qk_heads * head_dim, (qk_heads + num_kv_heads) * head_dim};
   // Each residual add runs with the norm after it (the last layer's add stays alone: the model's
@@ -178,20 +187,26 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
     write_kv(kv_layer.view({2, kv_layer.size(1) * kv_layer.size(2), num_kv_heads, head_dim}), q_k[1], v, slot_mapping);
     at::Tensor attended =
         paged_attention(q_k[0], kv_layer, block_tables, query_starts, num_cached).reshape({num_tokens, -1});
+    const bool last = i + 1 == num_layers;
+    if (last && keep_rows) {
+      attended = attended.index_select(0, *keep_rows);
+      x = x.index_select(0, *keep_rows);
+    }
+    const LoraSlots& slots = last ? kept_lora_slots : lora_slots;
     at::Tensor normed_mlp;
     std::tie(x, normed_mlp) =
-        add_rms_norm(x, with_lora(project(attended, w[7], w[8], hidden), attended, factors(4, 2), lora_slots), w[9], eps);
+        add_rms_norm(x, with_lora(project(attended, w[7], w[8], hidden), attended, factors(4, 2), slots), w[9], eps);
     // Feed-forward (GatedMLP.forward).
     at::Tensor gate_up = with_lora(project(normed_mlp, w[10], w[11], 2 * intermediate_size), normed_mlp, factors(6, 3),
-                                   lora_slots);
+                                   slots);
     const at::Tensor act = loom::silu_mul(gate_up, intermediate_size);
-    const at::Tensor down = with_lora(project(act, w[12], w[13], hidden), act, factors(9, 2), lora_slots);
-    if (i + 1 == num_layers)
+    const at::Tensor down = with_lora(project(act, w[12], w[13], hidden), act, factors(9, 2), slots);
+    if (last)
       x = x + down;
     else
       std::tie(x, normed) = add_rms_norm(x, down, w[kPerLayer], eps);
   }
-  return x;
+  return num_layers == 0 && keep_rows ? x.index_select(0, *keep_rows) : x;
 }
 
 }  // namespace
@@ -199,6 +214,7 @@ at::Tensor decoder_layers(at::Tensor x, at::TensorList weights, const c10::List<
 TORCH_LIBRARY_FRAGMENT(LOOM_OPS, m) {
   m.def("decoder_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_biases, Tensor kv_cache, Tensor slot_mapping, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor block_tables, Tensor query_starts, Tensor num_cached, "
-        "int num_heads, int num_kv_heads, int intermediate_size, float eps, Tensor[] lora, Tensor? token_slot, Tensor? slot_ranks) -> Tensor");
+        "int num_heads, int num_kv_heads, int intermediate_size, float eps, Tensor[] lora, Tensor? token_slot, Tensor? slot_ranks, "
+        "Tensor? keep_rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LOOM_OPS, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
