@@ -470,8 +470,8 @@ class ModelRunner:
         ids = to_device(input_ids, self.device)
         if patch is not None:
             patch(ids)
-        every_row = rows is None or rows == list(range(len(input_ids)))  # an all-decode step
-        return self.model(ids, self._cache(), meta, None if every_row else to_device(rows, self.device))
+        keep = None if rows is None or _every_row(rows, len(input_ids)) else to_device(rows, self.device)
+        return self.model(ids, self._cache(), meta, keep)
 
     def _metadata(self, spans: list[SeqSpan]) -> AttentionMetadata | GroupedMetadata:
         """The step's attention metadata: one per KV group when layers keep their KV in groups,
@@ -601,12 +601,15 @@ def _pending_patch(pending: list[tuple[int, PendingToken]]) -> Callable[[torch.T
     return patch
 
 
+def _every_row(rows: list[int], num_rows: int) -> bool:
+    """rows are all of num_rows rows in order (an all-decode step)."""
+    return len(rows) == num_rows and rows == list(range(num_rows))
+
+
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows]; x itself when rows are all of its rows in order (an all-decode step),
-    which saves a copy of up to [batch, vocab] float32 per use."""
-    if len(rows) == x.shape[0] and rows == list(range(len(rows))):
-        return x
-    return x[to_device(rows, x.device)]
+    """x[rows]; x itself when rows are all of its rows in order, which saves a copy of up to
+    [batch, vocab] float32 per use."""
+    return x if _every_row(rows, x.shape[0]) else x[to_device(rows, x.device)]
 
 
 def _check_block_ids(block_ids: list[int], num_blocks: int) -> None:
